@@ -1,0 +1,57 @@
+"""The whole GPU suite: every test (gpu-marked ones included), then the benchmarks, then
+a short table.
+
+    python -m bench.suite [--out results] [--quick] [--sweep] [--no-flex]
+
+Exit status is non-zero when a test or a benchmark fails."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+
+def run_tests(out_dir: Path) -> tuple[int, str]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = out_dir / "gpu_tests.log"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]
+    with log.open("w") as f:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        f.write(proc.stdout)
+    lines = [ln for ln in proc.stdout.strip().splitlines() if ln.strip()]
+    failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
+    for ln in failed[:20]:
+        print(ln)
+    return proc.returncode, lines[-1] if lines else "(no pytest output)"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="GPU tests, then benchmarks, then a table")
+    ap.add_argument("--out", type=Path, default=Path("results"))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--skip-tests", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench.suite needs an NVIDIA GPU; run `pytest` for the CPU tests")
+        return 2
+    rc, summary = (0, "tests skipped") if args.skip_tests else run_tests(args.out)
+    print(f"tests: {summary}", flush=True)
+
+    from bench import attention
+
+    bench_argv = ["--out", str(args.out)]
+    bench_argv += ["--quick"] * args.quick + ["--sweep"] * args.sweep
+    bench_argv += ["--no-flex"] * args.no_flex
+    brc = attention.main(bench_argv)
+    print(f"\ntests: {summary}")
+    return rc or brc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

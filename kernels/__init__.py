@@ -1,0 +1,19 @@
+"""Triton kernels and their launchers; shipped as `specdraft.kernels`.
+
+This package imports torch and triton only, never the runtime."""
+
+from .kv_store import store_kv
+from .paged_attention import (
+    AttentionLaunchConfig,
+    choose_launch_config,
+    num_sms,
+    paged_attention,
+)
+
+__all__ = [
+    "AttentionLaunchConfig",
+    "choose_launch_config",
+    "num_sms",
+    "paged_attention",
+    "store_kv",
+]

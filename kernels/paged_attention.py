@@ -1,0 +1,527 @@
+"""Paged attention over a ragged batch: decode, short multi-token queries and prefill.
+
+One kernel serves every query shape. Programs tile the batch along three axes:
+
+- axis 0, query tiles: each request's query tokens are cut into tiles of BLOCK_Q tokens,
+  and a tile carries the QPK query heads that share one KV head, so a program's rows
+  are BLOCK_Q tokens x QPK heads (padded up to BLOCK_M). The tile index space has
+  cdiv(num_tokens, BLOCK_Q) + num_reqs entries, an upper bound that depends on the
+  descriptor only; each program finds its request by a binary search over
+  query_start_loc on the device. Programs past the last real request zero the rows of
+  padded tokens.
+- axis 1, KV heads.
+- axis 2, KV splits (flash-decoding). With NUM_SPLITS > 1 every program writes a
+  normalised partial output and its log-sum-exp, and `_combine_splits_kernel` merges
+  them. Split boundaries come from seq_lens on the device; the count is a host constant.
+
+All lengths are read on the device, so one captured CUDA graph is valid for every
+batch whose num_tokens / num_reqs / max_query_len fit the launch it was captured with.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+MAX_NUM_SPLITS = 64
+
+
+@triton.jit
+def _find_request(qsl_ptr, tile, num_reqs, BLOCK_Q: tl.constexpr):
+    """Largest r in [0, num_reqs] whose first tile index qsl[r] // BLOCK_Q + r <= tile.
+
+    r == num_reqs means the tile lies past every request (padded tokens)."""
+    lo: tl.int32 = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first_tile = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        go_right = first_tile <= tile
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    block_table_ptr,
+    num_reqs,
+    num_tokens,
+    scale,
+    softcap,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    QPK: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    req = _find_request(qsl_ptr, tile, num_reqs, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + req)
+    q_block = tile - (q_start // BLOCK_Q + req)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    d_mask = offs_d < HEAD_DIM
+    local_q = offs_m // QPK
+    head = kv_head * QPK + offs_m % QPK
+
+    if req == num_reqs:
+        # Past every request: rows of padded tokens get zeros (invariant 2). With splits
+        # the combine kernel writes them instead.
+        if NUM_SPLITS == 1:
+            tok = q_start + q_block * BLOCK_Q + local_q
+            rows = (local_q < BLOCK_Q) & (tok < num_tokens)
+            o_ptrs = (
+                out_ptr
+                + tok.to(tl.int64)[:, None] * stride_ot
+                + head[:, None] * stride_oh
+                + offs_d[None, :]
+            )
+            zeros = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=out_ptr.dtype.element_ty)
+            tl.store(o_ptrs, zeros, mask=rows[:, None] & d_mask[None, :])
+        return
+
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len
+
+    q_idx = q_block * BLOCK_Q + local_q
+    rows = (local_q < BLOCK_Q) & (q_idx < q_len)
+    tok = (q_start + q_idx).to(tl.int64)
+    q_pos = ctx_len + q_idx
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=rows[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+
+    # Keys this tile can see: causal up to its last query, window from its first.
+    kv_hi = ctx_len + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len)
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(ctx_len + q_block * BLOCK_Q - window + 1, 0)
+    if NUM_SPLITS > 1:
+        tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+        kv_lo = tl.maximum(kv_lo, split * tiles_per_split * BLOCK_N)
+        kv_hi = tl.minimum(kv_hi, (split + 1) * tiles_per_split * BLOCK_N)
+    kv_start = (kv_lo // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
+    qk_scale = scale * 1.4426950408889634
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
+
+    for kv0 in range(kv_start, kv_hi, BLOCK_N):
+        offs_n = kv0 + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < kv_hi
+        # int64: block id * block stride exceeds 2^31 elements on large caches.
+        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        in_blk = offs_n % BLOCK_SIZE
+        k = tl.load(
+            k_head + blk[None, :] * stride_kb + in_blk[None, :] * stride_kt + offs_d[:, None],
+            mask=n_valid[None, :] & d_mask[:, None],
+            other=0.0,
+        )
+        s = tl.dot(q, k, input_precision=DOT_PRECISION)
+        if USE_SOFTCAP:
+            # softcap * tanh(x / softcap), tanh through exp; saturates to +-1, never NaN.
+            x = s * (scale / softcap)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * 1.4426950408889634
+        else:
+            s = s * qk_scale
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        if USE_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_head + blk[:, None] * stride_vb + in_blk[:, None] * stride_vt + offs_d[None, :],
+            mask=n_valid[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    store_mask = rows[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        # Partials: [NUM_SPLITS, num_tokens, NUM_Q_HEADS, HEAD_DIM_P] and
+        # [NUM_SPLITS, num_tokens, NUM_Q_HEADS]; an empty split leaves lse = -inf.
+        row = (split * num_tokens + tok) * NUM_Q_HEADS + head
+        tl.store(
+            part_out_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :],
+            o,
+            mask=rows[:, None] & (offs_d[None, :] < HEAD_DIM_P),
+        )
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(part_lse_ptr + row, lse, mask=rows)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    qsl_ptr,
+    num_reqs,
+    num_tokens,
+    stride_ot,
+    stride_oh,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    d_mask = offs_d < HEAD_DIM
+    o_ptrs = out_ptr + tok * stride_ot + head * stride_oh + offs_d
+    if tok >= tl.load(qsl_ptr + num_reqs):
+        # Padded token: no request owns it, and no partial was written for it.
+        tl.store(o_ptrs, tl.zeros([HEAD_DIM_P], dtype=out_ptr.dtype.element_ty), mask=d_mask)
+        return
+    offs_s = tl.arange(0, NUM_SPLITS)
+    row = (offs_s * num_tokens + tok) * NUM_Q_HEADS + head
+    lse = tl.load(part_lse_ptr + row)
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp2(lse - lse_max)
+    parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :])
+    num = tl.sum(w[:, None] * parts, 0)
+    den = tl.sum(w, 0)
+    den = tl.where(den == 0.0, 1.0, den)
+    tl.store(o_ptrs, (num / den).to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@dataclass(frozen=True)
+class AttentionLaunchConfig:
+    """Host constants of one launch. They depend on the descriptor bounds and the head
+    configuration only, never on the contents of seq_lens or query_start_loc."""
+
+    block_m: int
+    block_q: int
+    block_n: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+
+@cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device`; a small fixed number off the GPU."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _num_sms(index)
+
+
+def choose_launch_config(
+    *,
+    num_tokens: int,
+    num_reqs: int,
+    max_query_len: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_seq_len: int | None = None,
+    num_sms_on_device: int = 132,
+    num_splits: int | None = None,
+) -> AttentionLaunchConfig:
+    """Pick tile sizes and the split count from descriptor-level bounds.
+
+    Every input here is fixed by a batch descriptor (or by the model), which is what
+    makes the launch graph-safe."""
+    qpk = num_q_heads // num_kv_heads
+    max_query_len = max(1, min(max_query_len, num_tokens))
+    rows = max_query_len * qpk
+    cap = 64 if head_dim > 128 else 128
+    block_m = max(16, triton.next_power_of_2(qpk), min(cap, triton.next_power_of_2(rows)))
+    block_q = max(1, block_m // qpk)
+    block_n = 32 if head_dim > 128 and block_m >= 64 else 64
+    num_warps = 8 if block_m >= 64 else 4
+    num_stages = 2 if head_dim > 128 else 3
+
+    if num_splits is None:
+        # Enough programs to fill the SMs about four times over; a split must keep at
+        # least two tiles of keys to pay for its partial write.
+        tiles = min(cdiv(num_tokens, block_q) + num_reqs, num_reqs * cdiv(max_query_len, block_q))
+        work = max(1, tiles * num_kv_heads)
+        target = 4 * num_sms_on_device
+        num_splits = 1
+        if work < target:
+            num_splits = min(MAX_NUM_SPLITS, triton.next_power_of_2(cdiv(target, work)))
+            if max_seq_len is not None:
+                by_len = max(1, max_seq_len // (2 * block_n))
+                num_splits = min(num_splits, 1 << (by_len.bit_length() - 1))
+    return AttentionLaunchConfig(block_m, block_q, block_n, num_splits, num_warps, num_stages)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_tensor(name: str, t, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({names}), got {t.dtype}")
+    if t.numel() > 0 and t.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must be contiguous in its last dimension, got strides {t.stride()}"
+        )
+
+
+def validate_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+    """Check a K/V cache pair; return (block_size, num_kv_heads, head_dim)."""
+    _check_tensor("k_cache", k_cache, 4, _SUPPORTED_DTYPES)
+    _check_tensor("v_cache", v_cache, 4, _SUPPORTED_DTYPES)
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} must match "
+            f"k_cache {tuple(k_cache.shape)} {k_cache.dtype}"
+        )
+    if v_cache.device != k_cache.device:
+        raise ValueError(f"v_cache is on {v_cache.device}, k_cache on {k_cache.device}")
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    if block_size < 1 or block_size > 256 or block_size & (block_size - 1):
+        raise ValueError(f"cache block_size must be a power of two in [1, 256], got {block_size}")
+    if head_dim < 1 or head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    return block_size, num_kv_heads, head_dim
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    num_splits: int | None = None,
+    config: AttentionLaunchConfig | None = None,
+) -> torch.Tensor:
+    """Causal attention of a ragged batch of queries over a paged K/V cache.
+
+    q: [num_tokens, num_q_heads, head_dim]; k_cache, v_cache:
+    [num_blocks, block_size, num_kv_heads, head_dim]; query_start_loc: int32
+    [num_reqs + 1]; seq_lens: int32 [>= num_reqs], each request's context including its
+    query tokens; block_table: int32 [>= num_reqs, max_blocks].
+
+    num_tokens, num_reqs (query_start_loc.numel() - 1), max_query_len and max_seq_len are
+    host-side bounds, the only values that shape the launch: pass a descriptor's bounds
+    and the launch can be captured once and replayed for any lengths within them.
+    Tokens past query_start_loc[num_reqs] are padding and get zero output. Requests with
+    zero query tokens get none. sliding_window W lets a query at position p see keys
+    p - W + 1 .. p; softcap c maps scores s to c * tanh(s / c) before the softmax.
+    """
+    block_size, num_kv_heads, head_dim = validate_kv_cache(k_cache, v_cache)
+    _check_tensor("q", q, 3, _SUPPORTED_DTYPES)
+    num_tokens, num_q_heads, q_head_dim = q.shape
+    if q.dtype != k_cache.dtype:
+        raise TypeError(f"q dtype {q.dtype} must match the cache dtype {k_cache.dtype}")
+    if q_head_dim != head_dim:
+        raise ValueError(f"q head_dim {q_head_dim} must match the cache head_dim {head_dim}")
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}"
+        )
+    _check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,))
+    _check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
+    _check_tensor("block_table", block_table, 2, (torch.int32,))
+    num_reqs = query_start_loc.numel() - 1
+    if num_reqs < 1:
+        raise ValueError(f"query_start_loc needs at least 2 entries, got {query_start_loc.numel()}")
+    if seq_lens.numel() < num_reqs:
+        raise ValueError(f"seq_lens has {seq_lens.numel()} entries, fewer than num_reqs {num_reqs}")
+    if block_table.shape[0] < num_reqs:
+        raise ValueError(
+            f"block_table has {block_table.shape[0]} rows, fewer than num_reqs {num_reqs}"
+        )
+    for name, t in (
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("query_start_loc", query_start_loc),
+        ("seq_lens", seq_lens),
+        ("block_table", block_table),
+    ):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    if not isinstance(scale, (int, float)) or not scale > 0 or not math.isfinite(scale):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive or None, got {softcap!r}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if max_query_len is None:
+        max_query_len = num_tokens
+    if max_query_len < 1:
+        raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
+    if num_splits is not None and (
+        num_splits < 1 or num_splits > MAX_NUM_SPLITS or num_splits & (num_splits - 1)
+    ):
+        raise ValueError(
+            f"num_splits must be a power of two in [1, {MAX_NUM_SPLITS}], got {num_splits}"
+        )
+    if out is None:
+        out = torch.empty_like(q)
+    else:
+        _check_tensor("out", out, 3, _SUPPORTED_DTYPES)
+        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+            raise ValueError(
+                f"out {tuple(out.shape)} {out.dtype} {out.device} must match "
+                f"q {tuple(q.shape)} {q.dtype} {q.device}"
+            )
+    if num_tokens == 0:
+        return out
+
+    cfg = config or choose_launch_config(
+        num_tokens=num_tokens,
+        num_reqs=num_reqs,
+        max_query_len=max_query_len,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_seq_len=max_seq_len,
+        num_sms_on_device=num_sms(q.device),
+        num_splits=num_splits,
+    )
+    qpk = num_q_heads // num_kv_heads
+    head_dim_p = triton.next_power_of_2(head_dim)
+    if cfg.num_splits > 1:
+        part_out = torch.empty(
+            (cfg.num_splits, num_tokens, num_q_heads, head_dim_p),
+            dtype=torch.float32,
+            device=q.device,
+        )
+        part_lse = torch.empty(
+            (cfg.num_splits, num_tokens, num_q_heads), dtype=torch.float32, device=q.device
+        )
+    else:
+        part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
+    grid = (cdiv(num_tokens, cfg.block_q) + num_reqs, num_kv_heads, cfg.num_splits)
+    _paged_attention_kernel[grid](
+        out,
+        part_out,
+        part_lse,
+        q,
+        k_cache,
+        v_cache,
+        query_start_loc,
+        seq_lens,
+        block_table,
+        num_reqs,
+        num_tokens,
+        float(scale),
+        float(softcap or 0.0),
+        int(sliding_window or 0),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_table.stride(0),
+        QPK=qpk,
+        NUM_Q_HEADS=num_q_heads,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P=head_dim_p,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=cfg.block_m,
+        BLOCK_Q=cfg.block_q,
+        BLOCK_N=cfg.block_n,
+        NUM_SPLITS=cfg.num_splits,
+        USE_SOFTCAP=softcap is not None,
+        USE_WINDOW=sliding_window is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if cfg.num_splits > 1:
+        _combine_splits_kernel[(num_tokens, num_q_heads)](
+            out,
+            part_out,
+            part_lse,
+            query_start_loc,
+            num_reqs,
+            num_tokens,
+            out.stride(0),
+            out.stride(1),
+            NUM_Q_HEADS=num_q_heads,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_P=head_dim_p,
+            NUM_SPLITS=cfg.num_splits,
+            num_warps=1 if head_dim_p <= 128 else 2,
+        )
+    return out

@@ -1,0 +1,452 @@
+"""Paged attention against the float64 reference.
+
+CPU runs use the Triton interpreter on small shapes in fp32 / fp16; tests marked gpu run
+bf16, large shapes, a cache over 2^31 elements and CUDA-graph replay."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specdraft.kernels import paged_attention
+from specdraft.kernels.paged_attention import choose_launch_config
+from tests.batch import PagedBatch, make_paged_batch
+from tests.reference import paged_attention_ref
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def run_and_check(
+    b: PagedBatch,
+    dtype: torch.dtype,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    num_splits: int | None = None,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Run the kernel on a NaN-poisoned output and compare every element with the
+    reference: real rows within tolerance, padded rows exactly zero."""
+    head_dim = b.q.shape[-1]
+    scale = head_dim**-0.5
+    out = torch.full_like(b.q, float("nan"))
+    paged_attention(
+        b.q,
+        b.k_cache,
+        b.v_cache,
+        b.query_start_loc,
+        b.seq_lens,
+        b.block_table,
+        scale,
+        out=out,
+        max_query_len=max_query_len or b.max_query_len,
+        max_seq_len=b.max_seq_len,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        num_splits=num_splits,
+    )
+    ref = paged_attention_ref(
+        b.q,
+        b.k_cache,
+        b.v_cache,
+        b.query_start_loc,
+        b.seq_lens,
+        b.block_table,
+        scale,
+        sliding_window=sliding_window,
+        softcap=softcap,
+    )
+    assert not torch.isnan(out).any(), "an output element was not written"
+    real = b.num_real_tokens
+    assert torch.equal(out[real:], torch.zeros_like(out[real:])), "padded rows must be zero"
+    err = (out[:real].double() - ref[:real]).norm() / ref[:real].norm().clamp_min(1e-12)
+    assert err < TOL[dtype], f"relative error {err:.3e} over {TOL[dtype]:.1e}"
+    return out
+
+
+def random_lens(n: int, q_choices: list[int], ctx_max: int, rng: random.Random):
+    return [rng.choice(q_choices) for _ in range(n)], [rng.randint(0, ctx_max) for _ in range(n)]
+
+
+CPU_DTYPES = [torch.float32, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize(
+    "kind, q_choices",
+    [("decode", [1]), ("multi_token", [2, 4, 5, 9]), ("mixed", [1, 1, 3, 6, 23])],
+)
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)], ids=["gqa1", "gqa4", "gqa8"])
+def test_batch_kinds(device, dtype, kind, q_choices, heads):
+    rng = random.Random(hash((kind, heads, str(dtype))) & 0xFFFF)
+    for _ in range(2):  # fresh inputs per check
+        q_lens, ctx = random_lens(rng.randint(1, 6), q_choices, 75, rng)
+        b = make_paged_batch(
+            q_lens,
+            ctx,
+            num_q_heads=heads[0],
+            num_kv_heads=heads[1],
+            head_dim=64,
+            dtype=dtype,
+            device=device,
+        )
+        run_and_check(b, dtype)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+def test_head_dims_and_block_sizes(device, head_dim, block_size):
+    rng = random.Random(head_dim * 1000 + block_size)
+    q_lens, ctx = random_lens(3, [1, 2, 7], 130, rng)
+    b = make_paged_batch(
+        q_lens,
+        ctx,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=torch.float32,
+        device=device,
+    )
+    run_and_check(b, torch.float32)
+
+
+def test_long_prefill_with_decodes(device):
+    # One prefill of 70 tokens (spanning several query tiles and KV tiles) in a batch
+    # with decodes and a short query; context lengths are not block multiples.
+    b = make_paged_batch(
+        [1, 70, 1, 5],
+        [33, 0, 101, 20],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=torch.float16,
+        device=device,
+    )
+    run_and_check(b, torch.float16)
+
+
+@pytest.mark.parametrize("num_splits", [2, 8, 32])
+@pytest.mark.parametrize("q_choices", [[1], [1, 4, 8]], ids=["decode", "mixed"])
+def test_split_kv(device, num_splits, q_choices):
+    # 32 splits over short contexts leave most splits empty; they must contribute
+    # nothing and produce no NaN.
+    rng = random.Random(num_splits * 7 + len(q_choices))
+    q_lens, ctx = random_lens(4, q_choices, 300, rng)
+    q_lens[0], ctx[0] = 1, 0  # a request whose only key is its own token
+    b = make_paged_batch(
+        q_lens,
+        ctx,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=torch.float16,
+        device=device,
+        pad_reqs=2,
+        pad_tokens=3,
+    )
+    run_and_check(b, torch.float16, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_padded_requests_and_tokens(device, num_splits):
+    b = make_paged_batch(
+        [1, 3, 1],
+        [17, 40, 64],
+        num_q_heads=4,
+        num_kv_heads=1,
+        head_dim=64,
+        dtype=torch.float32,
+        device=device,
+        pad_reqs=3,
+        pad_tokens=5,
+    )
+    run_and_check(b, torch.float32, num_splits=num_splits, max_query_len=4)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("window", [1, 16, 37])
+def test_sliding_window(device, window, num_splits):
+    b = make_paged_batch(
+        [1, 6, 1, 19],
+        [90, 50, 3, 30],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=torch.float32,
+        device=device,
+    )
+    run_and_check(b, torch.float32, sliding_window=window, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_softcap(device, num_splits):
+    b = make_paged_batch(
+        [1, 5, 2],
+        [60, 31, 0],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=torch.float32,
+        device=device,
+    )
+    b.q.mul_(4.0)  # large scores, so the cap changes the result
+    out = run_and_check(b, torch.float32, softcap=5.0, num_splits=num_splits)
+    plain = paged_attention_ref(
+        b.q, b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens, b.block_table, 64**-0.5
+    )
+    assert (out.double() - plain).abs().max() > 1e-2, "softcap had no effect: test is blind"
+
+
+def test_fp32_on_strided_cache_view(device):
+    # One [2, num_blocks, ...] allocation viewed as K and V, as a runtime may allocate it.
+    b = make_paged_batch(
+        [2, 1],
+        [20, 45],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=torch.float32,
+        device=device,
+    )
+    kv = torch.stack([b.k_cache, b.v_cache])
+    b.k_cache, b.v_cache = kv[0], kv[1]
+    run_and_check(b, torch.float32)
+
+
+# ---- launch configuration is a function of descriptor bounds only ------------------
+
+
+def test_launch_config_depends_only_on_bounds():
+    kw = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, num_sms_on_device=132)
+    decode = choose_launch_config(num_tokens=64, num_reqs=64, max_query_len=1, **kw)
+    assert decode.block_m == 16 and decode.block_q == 4
+    verify = choose_launch_config(num_tokens=256, num_reqs=64, max_query_len=4, **kw)
+    assert verify.block_m == 16 and verify.block_q == 4
+    small = choose_launch_config(num_tokens=1, num_reqs=1, max_query_len=1, **kw)
+    assert small.num_splits == 64
+    prefill = choose_launch_config(num_tokens=8192, num_reqs=1, max_query_len=8192, **kw)
+    assert prefill.block_m == 128 and prefill.num_splits == 1
+    capped = choose_launch_config(num_tokens=1, num_reqs=1, max_query_len=1, max_seq_len=512, **kw)
+    assert capped.num_splits == 4
+
+
+# ---- bad input: clear errors, nothing launched --------------------------------------
+
+
+def _good(device):
+    return make_paged_batch(
+        [1, 2],
+        [5, 9],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=torch.float32,
+        device=device,
+    )
+
+
+def _call(b, **over):
+    args = dict(
+        q=b.q,
+        k_cache=b.k_cache,
+        v_cache=b.v_cache,
+        query_start_loc=b.query_start_loc,
+        seq_lens=b.seq_lens,
+        block_table=b.block_table,
+        scale=0.125,
+    )
+    kwargs = {k: over.pop(k) for k in list(over) if k not in args}
+    args.update(over)
+    return paged_attention(*args.values(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "change, exc, words",
+    [
+        (lambda b: {"q": b.q.half()}, TypeError, "q dtype"),
+        (lambda b: {"q": b.q[:, :3]}, ValueError, "multiple of num_kv_heads"),
+        (lambda b: {"q": b.q[..., :32]}, ValueError, "head_dim"),
+        (lambda b: {"q": b.q[0]}, ValueError, "q must have 3 dimensions"),
+        (lambda b: {"query_start_loc": b.query_start_loc.long()}, TypeError, "query_start_loc"),
+        (lambda b: {"seq_lens": b.seq_lens[:1]}, ValueError, "seq_lens"),
+        (lambda b: {"block_table": b.block_table[:1]}, ValueError, "block_table"),
+        (lambda b: {"block_table": b.block_table.t()}, ValueError, "block_table"),
+        (lambda b: {"v_cache": b.v_cache[:, :, :1]}, ValueError, "v_cache"),
+        (
+            lambda b: {"k_cache": b.k_cache[:, :12], "v_cache": b.v_cache[:, :12]},
+            ValueError,
+            "block_size",
+        ),
+        (lambda b: {"scale": -1.0}, ValueError, "scale"),
+        (lambda b: {"softcap": 0.0}, ValueError, "softcap"),
+        (lambda b: {"sliding_window": 0}, ValueError, "sliding_window"),
+        (lambda b: {"num_splits": 3}, ValueError, "num_splits"),
+        (lambda b: {"max_query_len": 0}, ValueError, "max_query_len"),
+        (lambda b: {"out": torch.empty(5, 4, 64)}, ValueError, "out"),
+        (lambda b: {"q": "not a tensor"}, TypeError, "q must be a torch.Tensor"),
+    ],
+)
+def test_bad_input_raises_and_writes_nothing(device, change, exc, words):
+    b = _good(device)
+    out = torch.full_like(b.q, 7.0)
+    over = change(b)
+    over.setdefault("out", out)
+    with pytest.raises(exc, match=words):
+        _call(b, **over)
+    assert torch.equal(out, torch.full_like(b.q, 7.0))
+
+
+# ---- GPU: bf16, large shapes, > 2^31-element cache, CUDA-graph replay --------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(32, 8), (32, 32), (64, 8)], ids=["gqa4", "gqa1", "gqa8"])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_gpu_bf16_mixed(heads, head_dim):
+    rng = random.Random(heads[0] + heads[1] + head_dim)
+    for q_choices, ctx_max in (([1], 5000), ([1, 4, 8], 3000), ([1, 1, 7, 300], 2000)):
+        q_lens, ctx = random_lens(rng.randint(3, 24), q_choices, ctx_max, rng)
+        b = make_paged_batch(
+            q_lens,
+            ctx,
+            num_q_heads=heads[0],
+            num_kv_heads=heads[1],
+            head_dim=head_dim,
+            dtype=torch.bfloat16,
+            device="cuda",
+            pad_reqs=2,
+            pad_tokens=7,
+        )
+        run_and_check(b, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 16])
+def test_gpu_window_softcap_bf16(num_splits):
+    b = make_paged_batch(
+        [1, 4, 1, 900],
+        [4000, 1000, 10, 100],
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype=torch.bfloat16,
+        device="cuda",
+        pad_reqs=1,
+        pad_tokens=2,
+    )
+    run_and_check(b, torch.bfloat16, sliding_window=1000, softcap=30.0, num_splits=num_splits)
+
+
+@pytest.mark.gpu
+def test_gpu_long_prefill_bf16():
+    b = make_paged_batch(
+        [2048, 1, 3],
+        [0, 8000, 500],
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    run_and_check(b, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_cache_over_2_31_elements():
+    # 16 * 8 * 128 elements per block: block ids from 2^17 up put addresses past 2^31.
+    block_size, hkv, d = 16, 8, 128
+    first = (1 << 31) // (block_size * hkv * d)
+    num_blocks = first + 600
+    k_cache = torch.empty(num_blocks, block_size, hkv, d, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.empty_like(k_cache)
+    assert k_cache.numel() > 2**31
+    b = make_paged_batch(
+        [1, 5, 1],
+        [3000, 2000, 4000],
+        num_q_heads=32,
+        num_kv_heads=hkv,
+        head_dim=d,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    # Move every request's blocks (and their contents) above block `first`.
+    used = b.k_cache.shape[0]
+    k_cache[first : first + used] = b.k_cache
+    v_cache[first : first + used] = b.v_cache
+    b.k_cache, b.v_cache = k_cache, v_cache
+    b.block_table = b.block_table + first
+    for num_splits in (1, 8):
+        run_and_check(b, torch.bfloat16, num_splits=num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 8])
+def test_gpu_graph_replay_with_new_lengths(num_splits):
+    """Capture once with one set of lengths; replay with others that fit the bounds."""
+    max_tokens, max_reqs, max_q, hq, hkv, d, bs = 96, 16, 8, 32, 8, 128, 16
+    max_blocks, num_blocks = 256, 4096
+    dev = "cuda"
+    k_cache = torch.randn(num_blocks, bs, hkv, d, device=dev, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    q_buf = torch.empty(max_tokens, hq, d, device=dev, dtype=torch.bfloat16)
+    out_buf = torch.empty_like(q_buf)
+    qsl_buf = torch.zeros(max_reqs + 1, dtype=torch.int32, device=dev)
+    seq_buf = torch.zeros(max_reqs, dtype=torch.int32, device=dev)
+    bt_buf = torch.zeros(max_reqs, max_blocks, dtype=torch.int32, device=dev)
+    rng = random.Random(num_splits)
+
+    def fill(num_reqs: int) -> PagedBatch:
+        q_lens = [rng.randint(1, max_q) for _ in range(num_reqs)]
+        ctx = [rng.randint(0, 3000) for _ in range(num_reqs)]
+        total = sum(q_lens)
+        qsl = [0]
+        for n in q_lens:
+            qsl.append(qsl[-1] + n)
+        qsl += [total] * (max_reqs - num_reqs)
+        seq = [c + q for c, q in zip(ctx, q_lens)] + [0] * (max_reqs - num_reqs)
+        perm = torch.randperm(num_blocks, device=dev).to(torch.int32)
+        bt_buf.copy_(perm[: max_reqs * max_blocks].view(max_reqs, max_blocks))
+        qsl_buf.copy_(torch.tensor(qsl, dtype=torch.int32))
+        seq_buf.copy_(torch.tensor(seq, dtype=torch.int32))
+        q_buf.normal_()
+        out_buf.fill_(float("nan"))
+        return PagedBatch(
+            q_buf, k_cache, v_cache, qsl_buf, seq_buf, bt_buf, total, max(q_lens), max(seq)
+        )
+
+    def step():
+        paged_attention(
+            q_buf,
+            k_cache,
+            v_cache,
+            qsl_buf,
+            seq_buf,
+            bt_buf,
+            d**-0.5,
+            out=out_buf,
+            max_query_len=max_q,
+            num_splits=num_splits,
+        )
+
+    fill(max_reqs)
+    step()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for num_reqs in (1, 3, 16, 7, 12):
+        b = fill(num_reqs)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = paged_attention_ref(
+            b.q, k_cache, v_cache, qsl_buf, seq_buf, bt_buf, d**-0.5, dtype=torch.float32
+        )
+        out = out_buf
+        assert not torch.isnan(out).any()
+        real = b.num_real_tokens
+        assert torch.equal(out[real:], torch.zeros_like(out[real:]))
+        err = (out[:real].float() - ref[:real]).norm() / ref[:real].norm()
+        assert err < TOL[torch.bfloat16], f"num_reqs={num_reqs}: relative error {err:.3e}"
