@@ -11,7 +11,11 @@ import pytest
 import torch
 
 from specdraft.kernels import paged_attention
-from specdraft.kernels.paged_attention import choose_launch_config
+from specdraft.kernels.paged_attention import (
+    _COUNTERS,
+    AttentionLaunchConfig,
+    choose_launch_config,
+)
 from tests.batch import PagedBatch, make_paged_batch
 from tests.reference import paged_attention_ref
 
@@ -26,6 +30,7 @@ def run_and_check(
     softcap: float | None = None,
     num_splits: int | None = None,
     max_query_len: int | None = None,
+    config: AttentionLaunchConfig | None = None,
 ) -> torch.Tensor:
     """Run the kernel on a NaN-poisoned output and compare every element with the
     reference: real rows within tolerance, padded rows exactly zero."""
@@ -46,6 +51,7 @@ def run_and_check(
         sliding_window=sliding_window,
         softcap=softcap,
         num_splits=num_splits,
+        config=config,
     )
     ref = paged_attention_ref(
         b.q,
@@ -148,6 +154,52 @@ def test_split_kv(device, num_splits, q_choices):
         pad_tokens=3,
     )
     run_and_check(b, torch.float16, num_splits=num_splits)
+
+
+def test_split_counters_reset_between_launches(device):
+    # The last split of each tile merges and zeroes its counter; a second and third launch
+    # (as in graph replays) must merge again, at the right moment.
+    for _ in range(3):
+        q_lens = [1, 3, 1, 2]
+        b = make_paged_batch(
+            q_lens,
+            [100, 7, 0, 64],
+            num_q_heads=4,
+            num_kv_heads=2,
+            head_dim=64,
+            dtype=torch.float32,
+            device=device,
+            pad_reqs=1,
+            pad_tokens=2,
+        )
+        run_and_check(b, torch.float32, num_splits=8)
+        assert all(int(c.count_nonzero()) == 0 for c in _COUNTERS.values())
+
+
+@pytest.mark.parametrize("heads_first", [False, True])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_explicit_launch_configs(device, heads_first, num_splits):
+    b = make_paged_batch(
+        [1, 6, 1],
+        [40, 20, 90],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=torch.float16,
+        device=device,
+        pad_reqs=1,
+        pad_tokens=1,
+    )
+    cfg = AttentionLaunchConfig(
+        block_m=32,
+        block_q=8,
+        block_n=32,
+        num_splits=num_splits,
+        num_warps=4,
+        num_stages=2,
+        heads_first=heads_first,
+    )
+    run_and_check(b, torch.float16, config=cfg)
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
