@@ -217,7 +217,7 @@ def sweep(shapes: list[Shape]) -> list[dict]:
             head_dim=HEAD_DIM,
             num_sms_on_device=num_sms(torch.device("cuda")),
         )
-        variants = [base, replace(base, heads_first=True)]
+        variants = [base]
         for f in (0.5, 2):
             ns = int(base.num_splits * f)
             if 1 <= ns <= 64:

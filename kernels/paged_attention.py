@@ -11,11 +11,8 @@ One kernel serves every query shape. Programs tile the batch along three axes:
   padded tokens.
 - axis 1, KV heads.
 - axis 2, KV splits (flash-decoding). With NUM_SPLITS > 1 every program writes a
-  normalised partial output and its log-sum-exp, then bumps a per-(tile, head) counter;
-  the program that finishes last merges the partials and resets the counter to zero, so
-  the whole attention is one launch and the counters are ready for the next launch or
-  graph replay. Split boundaries come from seq_lens on the device; the count is a host
-  constant.
+  normalised partial output and its log-sum-exp, and `_combine_splits_kernel` merges
+  them. Split boundaries come from seq_lens on the device; the count is a host constant.
 
 All lengths are read on the device, so one captured CUDA graph is valid for every
 batch whose num_tokens / num_reqs / max_query_len fit the launch it was captured with.
@@ -58,7 +55,6 @@ def _paged_attention_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    counters_ptr,
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -83,7 +79,6 @@ def _paged_attention_kernel(
     stride_bt,
     QPK: tl.constexpr,
     NUM_Q_HEADS: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -91,19 +86,12 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    HEADS_FIRST: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    if HEADS_FIRST:
-        # The KV heads of one request run side by side and read the same cache blocks
-        # at about the same time.
-        kv_head = tl.program_id(0)
-        tile = tl.program_id(1)
-    else:
-        tile = tl.program_id(0)
-        kv_head = tl.program_id(1)
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     req = _find_request(qsl_ptr, tile, num_reqs, BLOCK_Q)
@@ -117,8 +105,9 @@ def _paged_attention_kernel(
     head = kv_head * QPK + offs_m % QPK
 
     if req == num_reqs:
-        # Past every request: rows of padded tokens get zeros (invariant 2).
-        if split == 0:
+        # Past every request: rows of padded tokens get zeros (invariant 2). With splits
+        # the combine kernel writes them instead.
+        if NUM_SPLITS == 1:
             tok = q_start + q_block * BLOCK_Q + local_q
             rows = (local_q < BLOCK_Q) & (tok < num_tokens)
             o_ptrs = (
@@ -204,78 +193,58 @@ def _paged_attention_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
-    o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    store_mask = rows[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=rows[:, None] & d_mask[None, :])
+        o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
         # Partials: [NUM_SPLITS, num_tokens, NUM_Q_HEADS, HEAD_DIM_P] and
         # [NUM_SPLITS, num_tokens, NUM_Q_HEADS]; an empty split leaves lse = -inf.
         row = (split * num_tokens + tok) * NUM_Q_HEADS + head
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :], o, mask=rows[:, None])
+        tl.store(
+            part_out_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :],
+            o,
+            mask=rows[:, None] & (offs_d[None, :] < HEAD_DIM_P),
+        )
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(part_lse_ptr + row, lse, mask=rows)
-        # Every thread's partial stores are issued before the release; the last split
-        # to arrive acquires them all.
-        tl.debug_barrier()
-        counter = counters_ptr + tile * NUM_KV_HEADS + kv_head
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-        if arrived == NUM_SPLITS - 1:
-            _merge_splits(
-                o_ptrs,
-                part_out_ptr,
-                part_lse_ptr,
-                tok,
-                head,
-                rows,
-                d_mask,
-                num_tokens,
-                NUM_Q_HEADS,
-                BLOCK_M,
-                HEAD_DIM_P,
-                NUM_SPLITS,
-            )
-            tl.store(counter, 0)
 
 
 @triton.jit
-def _merge_splits(
-    o_ptrs,
+def _combine_splits_kernel(
+    out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    tok,
-    head,
-    rows,
-    d_mask,
+    qsl_ptr,
+    num_reqs,
     num_tokens,
+    stride_ot,
+    stride_oh,
     NUM_Q_HEADS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
 ):
-    """Weight each split's normalised output by exp2(lse - max lse) and renormalise."""
-    offs_s = tl.arange(0, NUM_SPLITS)
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_DIM_P)
-    rows_2d = (offs_s[:, None] * num_tokens + tok[None, :]) * NUM_Q_HEADS + head[None, :]
-    lse_all = tl.load(
-        part_lse_ptr + rows_2d, mask=rows[None, :], other=float("-inf"), cache_modifier=".cg"
-    )
-    lse_max = tl.max(lse_all, 0)
+    d_mask = offs_d < HEAD_DIM
+    o_ptrs = out_ptr + tok * stride_ot + head * stride_oh + offs_d
+    if tok >= tl.load(qsl_ptr + num_reqs):
+        # Padded token: no request owns it, and no partial was written for it.
+        tl.store(o_ptrs, tl.zeros([HEAD_DIM_P], dtype=out_ptr.dtype.element_ty), mask=d_mask)
+        return
+    offs_s = tl.arange(0, NUM_SPLITS)
+    row = (offs_s * num_tokens + tok) * NUM_Q_HEADS + head
+    lse = tl.load(part_lse_ptr + row)
+    lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    den = tl.sum(tl.exp2(lse_all - lse_max[None, :]), 0)
+    w = tl.exp2(lse - lse_max)
+    parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :])
+    num = tl.sum(w[:, None] * parts, 0)
+    den = tl.sum(w, 0)
     den = tl.where(den == 0.0, 1.0, den)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        row = (s * num_tokens + tok) * NUM_Q_HEADS + head
-        lse_s = tl.load(part_lse_ptr + row, mask=rows, other=float("-inf"), cache_modifier=".cg")
-        o_s = tl.load(
-            part_out_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :],
-            mask=rows[:, None],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        acc += tl.exp2(lse_s - lse_max)[:, None] * o_s
-    out = acc / den[:, None]
-    tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=rows[:, None] & d_mask[None, :])
+    tl.store(o_ptrs, (num / den).to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @dataclass(frozen=True)
@@ -289,7 +258,6 @@ class AttentionLaunchConfig:
     num_splits: int
     num_warps: int
     num_stages: int
-    heads_first: bool = False
 
 
 @cache
@@ -316,6 +284,7 @@ def choose_launch_config(
     max_seq_len: int | None = None,
     num_sms_on_device: int = 132,
     num_splits: int | None = None,
+    element_size: int = 2,
 ) -> AttentionLaunchConfig:
     """Pick tile sizes and the split count from descriptor-level bounds.
 
@@ -327,15 +296,22 @@ def choose_launch_config(
     cap = 64 if head_dim > 128 else 128
     block_m = max(16, triton.next_power_of_2(qpk), min(cap, triton.next_power_of_2(rows)))
     block_q = max(1, block_m // qpk)
-    block_n = 32 if head_dim > 128 and block_m >= 64 else 64
+    if head_dim > 128:
+        block_n = 32 if block_m >= 64 else 64
+    else:
+        # Multi-token tiles (block_m >= 32) amortise their longer softmax over wider key
+        # tiles: verification with 8 tokens 380 -> 294 us, prefill 1195 -> 1083 us (H200).
+        block_n = 128 if block_m >= 32 else 64
     num_warps = 8 if block_m >= 64 else 4
-    num_stages = 2 if head_dim > 128 else 3
+    num_stages = 2 if head_dim > 128 or block_m >= 64 else 3
+    if element_size > 2:
+        # fp32 tiles take twice the shared memory per stage.
+        block_n, num_stages = max(16, block_n // 2), 2
 
     if num_splits is None:
         # Split the keys until there are about four programs per SM (measured on the
-        # H200: 8 splits at batch 8 and 64 at batch 1 with 8 KV heads, none at batch 64,
-        # bench/NOTES.md). A split keeps at least two key tiles when the length bound is
-        # known.
+        # H200 with 8 KV heads: 64 splits at batch 1, 8 at batch 8, none at batch 64;
+        # bench/NOTES.md). With a known length bound a split keeps at least two key tiles.
         tiles = min(cdiv(num_tokens, block_q) + num_reqs, num_reqs * cdiv(max_query_len, block_q))
         work = max(1, tiles * num_kv_heads)
         num_splits = _floor_pow2(max(1, 4 * num_sms_on_device // work))
@@ -343,8 +319,8 @@ def choose_launch_config(
             num_splits = min(num_splits, _floor_pow2(max(1, max_seq_len // (2 * block_n))))
         num_splits = min(num_splits, MAX_NUM_SPLITS)
     if num_splits > 1:
-        # Short per-program loops: a shallower pipeline leaves room for more programs
-        # per SM (b=1, ctx 32768: 42 us with 2 stages against 54 us with 3).
+        # Short per-program loops: a shallower pipeline leaves room for more programs per
+        # SM (batch 1, context 32768: 42 us with 2 stages against 54 us with 3).
         num_stages = 2
     return AttentionLaunchConfig(block_m, block_q, block_n, num_splits, num_warps, num_stages)
 
@@ -355,29 +331,6 @@ def cdiv(a: int, b: int) -> int:
 
 def _floor_pow2(n: int) -> int:
     return 1 << (n.bit_length() - 1)
-
-
-# Split counters live for the whole process: a captured graph keeps using the buffer it
-# was captured with, and every launch leaves its counters at zero.
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []
-
-
-def _split_counters(device: torch.device, needed: int) -> torch.Tensor:
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < needed:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"paged_attention needs {needed} split counters on {device} and none are "
-                "allocated yet; run the launch once eagerly (a warm-up) before capturing it"
-            )
-        if buf is not None:
-            _RETIRED.append(buf)  # graphs captured earlier may still point at it
-        buf = torch.zeros(
-            max(4096, triton.next_power_of_2(needed)), dtype=torch.int32, device=device
-        )
-        _COUNTERS[device] = buf
-    return buf
 
 
 def _check_tensor(name: str, t, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
@@ -514,10 +467,10 @@ def paged_attention(
         max_seq_len=max_seq_len,
         num_sms_on_device=num_sms(q.device),
         num_splits=num_splits,
+        element_size=q.element_size(),
     )
     qpk = num_q_heads // num_kv_heads
     head_dim_p = triton.next_power_of_2(head_dim)
-    num_tiles = cdiv(num_tokens, cfg.block_q) + num_reqs
     if cfg.num_splits > 1:
         part_out = torch.empty(
             (cfg.num_splits, num_tokens, num_q_heads, head_dim_p),
@@ -527,23 +480,13 @@ def paged_attention(
         part_lse = torch.empty(
             (cfg.num_splits, num_tokens, num_q_heads), dtype=torch.float32, device=q.device
         )
-        dev = (
-            q.device
-            if q.device.type != "cuda" or q.device.index is not None
-            else torch.device("cuda", torch.cuda.current_device())
-        )
-        counters = _split_counters(dev, num_tiles * num_kv_heads)
     else:
-        part_out = part_lse = counters = out  # unused by the kernel when NUM_SPLITS == 1
-    if cfg.heads_first:
-        grid = (num_kv_heads, num_tiles, cfg.num_splits)
-    else:
-        grid = (num_tiles, num_kv_heads, cfg.num_splits)
+        part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
+    grid = (cdiv(num_tokens, cfg.block_q) + num_reqs, num_kv_heads, cfg.num_splits)
     _paged_attention_kernel[grid](
         out,
         part_out,
         part_lse,
-        counters,
         q,
         k_cache,
         v_cache,
@@ -568,7 +511,6 @@ def paged_attention(
         block_table.stride(0),
         QPK=qpk,
         NUM_Q_HEADS=num_q_heads,
-        NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size,
@@ -576,11 +518,26 @@ def paged_attention(
         BLOCK_Q=cfg.block_q,
         BLOCK_N=cfg.block_n,
         NUM_SPLITS=cfg.num_splits,
-        HEADS_FIRST=cfg.heads_first,
         USE_SOFTCAP=softcap is not None,
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    if cfg.num_splits > 1:
+        _combine_splits_kernel[(num_tokens, num_q_heads)](
+            out,
+            part_out,
+            part_lse,
+            query_start_loc,
+            num_reqs,
+            num_tokens,
+            out.stride(0),
+            out.stride(1),
+            NUM_Q_HEADS=num_q_heads,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_P=head_dim_p,
+            NUM_SPLITS=cfg.num_splits,
+            num_warps=1 if head_dim_p <= 128 else 2,
+        )
     return out
