@@ -480,3 +480,22 @@ def test_gpu_graph_replay_with_new_lengths(num_splits):
         assert torch.equal(out[real:], torch.zeros_like(out[real:]))
         err = (out[:real].float() - ref[:real]).norm() / ref[:real].norm()
         assert err < TOL[torch.bfloat16], f"num_reqs={num_reqs}: relative error {err:.3e}"
+
+
+def test_many_requests_binary_search_path(device):
+    # Past 1023 requests the kernel finds each tile's request by binary search instead of
+    # one vector load; padded requests and tokens ride along.
+    rng = random.Random(5)
+    q_lens, ctx = random_lens(1030, [1, 1, 2], 20, rng)
+    b = make_paged_batch(
+        q_lens,
+        ctx,
+        num_q_heads=1,
+        num_kv_heads=1,
+        head_dim=16,
+        dtype=torch.float32,
+        device=device,
+        pad_reqs=3,
+        pad_tokens=2,
+    )
+    run_and_check(b, torch.float32)
