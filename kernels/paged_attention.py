@@ -35,17 +35,10 @@ MAX_NUM_SPLITS = 64
 
 
 @triton.jit
-def _find_request(qsl_ptr, tile, num_reqs, BLOCK_Q: tl.constexpr, REQS_P: tl.constexpr):
+def _find_request(qsl_ptr, tile, num_reqs, BLOCK_Q: tl.constexpr):
     """Largest r in [0, num_reqs] whose first tile index qsl[r] // BLOCK_Q + r <= tile.
 
-    r == num_reqs means the tile lies past every request (padded tokens). Up to
-    1023 requests, one vector load of query_start_loc and a count replace the
-    chain of dependent loads of a binary search, which short programs feel."""
-    if REQS_P <= 1024:
-        offs = tl.arange(0, REQS_P)
-        starts = tl.load(qsl_ptr + offs, mask=offs <= num_reqs, other=0)
-        hits = (offs <= num_reqs) & (starts // BLOCK_Q + offs <= tile)
-        return tl.sum(hits.to(tl.int32), 0) - 1
+    r == num_reqs means the tile lies past every request (padded tokens)."""
     lo: tl.int32 = 0
     hi = num_reqs
     while lo < hi:
@@ -89,7 +82,6 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    REQS_P: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -102,7 +94,7 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    req = _find_request(qsl_ptr, tile, num_reqs, BLOCK_Q, REQS_P)
+    req = _find_request(qsl_ptr, tile, num_reqs, BLOCK_Q)
     q_start = tl.load(qsl_ptr + req)
     q_block = tile - (q_start // BLOCK_Q + req)
 
@@ -523,7 +515,6 @@ def paged_attention(
         HEAD_DIM=head_dim,
         HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size,
-        REQS_P=triton.next_power_of_2(num_reqs + 1),
         BLOCK_M=cfg.block_m,
         BLOCK_Q=cfg.block_q,
         BLOCK_N=cfg.block_n,

@@ -483,8 +483,7 @@ def test_gpu_graph_replay_with_new_lengths(num_splits):
 
 
 def test_many_requests_binary_search_path(device):
-    # Past 1023 requests the kernel finds each tile's request by binary search instead of
-    # one vector load; padded requests and tokens ride along.
+    # A deep binary search for each tile's request; padded requests and tokens ride along.
     rng = random.Random(5)
     q_lens, ctx = random_lens(1030, [1, 1, 2], 20, rng)
     b = make_paged_batch(
