@@ -9,10 +9,12 @@ from .paged_attention import (
     num_sms,
     paged_attention,
 )
+from .slot_mapping import compute_slot_mapping
 
 __all__ = [
     "AttentionLaunchConfig",
     "choose_launch_config",
+    "compute_slot_mapping",
     "num_sms",
     "paged_attention",
     "store_kv",

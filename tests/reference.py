@@ -74,3 +74,28 @@ def store_kv_ref(
         if 0 <= slot < num_slots:
             k_cache[slot // block_size, slot % block_size] = k[t]
             v_cache[slot // block_size, slot % block_size] = v[t]
+
+
+def slot_mapping_ref(
+    positions: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    num_tokens: int,
+) -> torch.Tensor:
+    """int64 [num_tokens] reference of kernels.compute_slot_mapping: -1 for padded tokens,
+    negative positions, block indices past the table's width and negative block ids."""
+    out = [-1] * num_tokens
+    pos = positions[:num_tokens].tolist()
+    qsl = query_start_loc.tolist()
+    table = block_table.tolist()
+    max_blocks = block_table.shape[1]
+    for r in range(len(qsl) - 1):
+        for t in range(max(qsl[r], 0), min(qsl[r + 1], num_tokens)):
+            p = pos[t]
+            if p < 0 or p // block_size >= max_blocks:
+                continue
+            block = table[r][p // block_size]
+            if block >= 0:
+                out[t] = block * block_size + p % block_size
+    return torch.tensor(out, dtype=torch.int64, device=positions.device)

@@ -1,0 +1,239 @@
+"""Attention metadata: views into the persistent buffers plus the host scalars a batch
+descriptor fixes, filled from a real batch or with dummy contents for graph capture."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specdraft.kernels import compute_slot_mapping
+
+from .batch import ScheduledBatch
+from .block_table import BlockTables
+from .config import LimitsConfig
+from .input_buffers import HostStaging, InputBuffers
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """What every attention layer of one step reads. Tensors are views of persistent
+    buffers; num_tokens / num_reqs / max_query_len / max_seq_len are the launch bounds
+    (a descriptor's sizes when padded), num_real_* the batch's own counts."""
+
+    num_tokens: int
+    num_reqs: int
+    max_query_len: int
+    max_seq_len: int
+    num_real_tokens: int
+    num_real_reqs: int
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_reqs]
+    block_table: torch.Tensor  # int32 [num_reqs, max_blocks_per_req]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    positions: torch.Tensor  # int64 [num_tokens]
+    input_ids: torch.Tensor  # int64 [num_tokens]
+    last_token_idx: torch.Tensor  # int64 [num_reqs]
+
+
+class MetadataBuilder:
+    """Fills InputBuffers and the step block table for one step, and returns the
+    metadata. Host work is vectorised numpy plus one staging copy; nothing waits for
+    the GPU."""
+
+    def __init__(
+        self,
+        limits: LimitsConfig,
+        buffers: InputBuffers,
+        block_tables: BlockTables,
+    ):
+        self.limits = limits
+        self.buffers = buffers
+        self.block_tables = block_tables
+        self.block_size = block_tables.block_size
+
+    # ---- real batches -------------------------------------------------------------
+
+    def build(
+        self,
+        batch: ScheduledBatch,
+        *,
+        num_reqs_padded: int | None = None,
+        num_tokens_padded: int | None = None,
+        max_query_len: int | None = None,
+    ) -> AttentionMetadata:
+        """Metadata for `batch`, padded to (num_reqs_padded, num_tokens_padded): requests
+        past the batch get query length 0 and seq_len 0 (query_start_loc repeats the
+        token count), tokens past it get slot -1. Raises ValueError before writing
+        anything when the batch breaks a limit."""
+        counts = np.asarray(batch.num_new_tokens, dtype=np.int64)
+        starts = np.asarray(batch.start_positions, dtype=np.int64)
+        tokens = np.asarray(batch.token_ids, dtype=np.int64)
+        r, t = self._validate(batch, counts, starts, tokens)
+        rp = r if num_reqs_padded is None else num_reqs_padded
+        tp = t if num_tokens_padded is None else num_tokens_padded
+        mq = int(counts.max()) if max_query_len is None else max_query_len
+        self._check_padding(r, t, rp, tp, int(counts.max()), mq)
+        rows = self._rows_with_capacity(batch.req_ids, starts + counts)
+
+        s = self.buffers.stage()
+        qsl = s.query_start_loc
+        qsl[0] = 0
+        np.cumsum(counts, out=qsl[1 : r + 1])
+        qsl[r + 1 : rp + 1] = t
+        s.seq_lens[:r] = starts + counts
+        s.seq_lens[r:rp] = 0
+        s.input_ids[:t] = tokens
+        s.input_ids[t:tp] = 0
+        # position of token j of request i: starts[i] + j
+        s.positions[:t] = np.repeat(starts - qsl[:r], counts) + np.arange(t)
+        s.positions[t:tp] = 0
+        s.last_token_idx[:r] = qsl[1 : r + 1] - 1
+        s.last_token_idx[r:rp] = 0
+        s.row_slots[:r] = rows
+        s.row_slots[r:rp] = self.block_tables.null_row
+        self._upload(s, rp, tp)
+        return self._metadata(rp, tp, mq, t, r)
+
+    def _validate(self, batch, counts, starts, tokens) -> tuple[int, int]:
+        lim = self.limits
+        r = len(batch.req_ids)
+        if r < 1:
+            raise ValueError("batch has no requests")
+        if r > lim.max_num_reqs:
+            raise ValueError(f"batch has {r} requests, over max_num_reqs {lim.max_num_reqs}")
+        if counts.shape != (r,) or starts.shape != (r,):
+            raise ValueError(
+                f"num_new_tokens {counts.shape} and start_positions {starts.shape} must have "
+                f"one entry per request ({r})"
+            )
+        if (counts < 1).any():
+            i = int(np.argmax(counts < 1))
+            raise ValueError(
+                f"num_new_tokens[{i}] = {counts[i]} for request {batch.req_ids[i]!r}: must be >= 1"
+            )
+        if (starts < 0).any():
+            i = int(np.argmax(starts < 0))
+            raise ValueError(f"start_positions[{i}] = {starts[i]} must be >= 0")
+        ends = starts + counts
+        if (ends > lim.max_model_len).any():
+            i = int(np.argmax(ends > lim.max_model_len))
+            raise ValueError(
+                f"request {batch.req_ids[i]!r} reaches length {ends[i]}, over max_model_len "
+                f"{lim.max_model_len}"
+            )
+        t = int(counts.sum())
+        if t > lim.max_num_tokens:
+            raise ValueError(f"batch has {t} tokens, over max_num_tokens {lim.max_num_tokens}")
+        if tokens.shape != (t,):
+            raise ValueError(f"token_ids has shape {tokens.shape}, expected ({t},)")
+        if len(set(batch.req_ids)) != r:
+            seen: set = set()
+            dup = next(x for x in batch.req_ids if x in seen or seen.add(x))
+            raise ValueError(f"request id {dup!r} appears twice in the batch")
+        return r, t
+
+    def _check_padding(self, r: int, t: int, rp: int, tp: int, real_mq: int, mq: int) -> None:
+        lim = self.limits
+        if not r <= rp <= lim.max_num_reqs:
+            raise ValueError(
+                f"num_reqs_padded {rp} must be in [{r}, max_num_reqs {lim.max_num_reqs}]"
+            )
+        if not t <= tp <= lim.max_num_tokens:
+            raise ValueError(
+                f"num_tokens_padded {tp} must be in [{t}, max_num_tokens {lim.max_num_tokens}]"
+            )
+        if mq < real_mq:
+            raise ValueError(f"max_query_len {mq} is below the batch's longest query {real_mq}")
+
+    def _rows_with_capacity(self, req_ids, ends: np.ndarray) -> np.ndarray:
+        """Block-table row of every request, checking its blocks cover its length."""
+        bt = self.block_tables
+        rows = np.empty(len(req_ids), dtype=np.int64)
+        caps = np.empty(len(req_ids), dtype=np.int64)
+        for i, req_id in enumerate(req_ids):
+            if req_id not in bt:
+                raise ValueError(f"unknown request id {req_id!r}: add it to the block tables")
+            rows[i] = bt.row_of(req_id)
+            caps[i] = bt.num_blocks_of(req_id)
+        short = caps * self.block_size < ends
+        if short.any():
+            i = int(np.argmax(short))
+            raise ValueError(
+                f"request {req_ids[i]!r} reaches length {ends[i]} but its {caps[i]} blocks hold "
+                f"{caps[i] * self.block_size} tokens: grow it first"
+            )
+        return rows
+
+    # ---- capture --------------------------------------------------------------------
+
+    def prepare_inputs_to_capture(
+        self, num_reqs: int, num_tokens: int, max_query_len: int
+    ) -> AttentionMetadata:
+        """Valid dummy contents for a descriptor, in the same persistent buffers: tokens
+        spread across requests (at most max_query_len each; any rest is padding), seq_len
+        equal to the query length, null-block tables, every slot -1 (nothing written to
+        the cache)."""
+        lim = self.limits
+        if not 1 <= num_reqs <= lim.max_num_reqs:
+            raise ValueError(f"num_reqs {num_reqs} must be in [1, {lim.max_num_reqs}]")
+        if not num_reqs <= num_tokens <= lim.max_num_tokens:
+            raise ValueError(
+                f"num_tokens {num_tokens} must be in [num_reqs {num_reqs}, "
+                f"max_num_tokens {lim.max_num_tokens}]"
+            )
+        if max_query_len < 1:
+            raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
+        base, rest = divmod(num_tokens, num_reqs)
+        counts = np.full(num_reqs, base, dtype=np.int64)
+        counts[:rest] += 1
+        np.minimum(counts, max_query_len, out=counts)
+        t = int(counts.sum())
+        s = self.buffers.stage()
+        qsl = s.query_start_loc
+        qsl[0] = 0
+        np.cumsum(counts, out=qsl[1 : num_reqs + 1])
+        s.seq_lens[:num_reqs] = counts
+        s.input_ids[:num_tokens] = np.arange(num_tokens) % 7 + 1
+        s.positions[:t] = np.arange(t) - np.repeat(qsl[:num_reqs], counts)
+        s.positions[t:num_tokens] = 0
+        s.last_token_idx[:num_reqs] = np.maximum(qsl[1 : num_reqs + 1] - 1, 0)
+        s.row_slots[:num_reqs] = self.block_tables.null_row
+        self._upload(s, num_reqs, num_tokens)
+        self.buffers.slot_mapping[:num_tokens].fill_(-1)
+        return self._metadata(num_reqs, num_tokens, max_query_len, t, num_reqs)
+
+    # ---- shared ---------------------------------------------------------------------
+
+    def _upload(self, s: HostStaging, rp: int, tp: int) -> None:
+        b, bt = self.buffers, self.block_tables
+        b.upload(s)
+        bt.commit()
+        bt.gather(b.row_slots[:rp])
+        compute_slot_mapping(
+            b.positions,
+            b.query_start_loc[: rp + 1],
+            bt.table,
+            self.block_size,
+            b.slot_mapping,
+            tp,
+        )
+
+    def _metadata(self, rp: int, tp: int, mq: int, t: int, r: int) -> AttentionMetadata:
+        b = self.buffers
+        return AttentionMetadata(
+            num_tokens=tp,
+            num_reqs=rp,
+            max_query_len=mq,
+            max_seq_len=self.limits.max_model_len,
+            num_real_tokens=t,
+            num_real_reqs=r,
+            query_start_loc=b.query_start_loc[: rp + 1],
+            seq_lens=b.seq_lens[:rp],
+            block_table=self.block_tables.table[:rp],
+            slot_mapping=b.slot_mapping[:tp],
+            positions=b.positions[:tp],
+            input_ids=b.input_ids[:tp],
+            last_token_idx=b.last_token_idx[:rp],
+        )
