@@ -149,14 +149,7 @@ class MetadataBuilder:
 
     def _rows_with_capacity(self, req_ids, ends: np.ndarray) -> np.ndarray:
         """Block-table row of every request, checking its blocks cover its length."""
-        bt = self.block_tables
-        rows = np.empty(len(req_ids), dtype=np.int64)
-        caps = np.empty(len(req_ids), dtype=np.int64)
-        for i, req_id in enumerate(req_ids):
-            if req_id not in bt:
-                raise ValueError(f"unknown request id {req_id!r}: add it to the block tables")
-            rows[i] = bt.row_of(req_id)
-            caps[i] = bt.num_blocks_of(req_id)
+        rows, caps = self.block_tables.rows_of(req_ids)
         short = caps * self.block_size < ends
         if short.any():
             i = int(np.argmax(short))

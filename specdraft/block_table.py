@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import operator
 from collections import deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -122,6 +122,9 @@ class BlockTables:
         self.device = self.rows.device
         self._host = np.zeros(shape, dtype=np.int32)
         self._reqs: dict[Hashable, tuple[int, list[int]]] = {}
+        # Flat mirrors for per-step lookups of a whole batch without a Python loop.
+        self._slot_of: dict[Hashable, int] = {}
+        self._blocks_in_row = np.zeros(max_num_reqs + 1, dtype=np.int64)
         self._free_rows: deque[int] = deque(range(max_num_reqs))
         self._pending: dict[int, int] = {}  # flat index into rows -> value; last write wins
 
@@ -164,6 +167,18 @@ class BlockTables:
     def row_of(self, req_id: Hashable) -> int:
         return self._lookup(req_id)[0]
 
+    def rows_of(self, req_ids: Sequence[Hashable]) -> tuple[np.ndarray, np.ndarray]:
+        """Row slots and block counts of a batch of requests, as int64 arrays; a
+        ValueError names the first unknown id. One C-level pass over the ids."""
+        try:
+            rows = np.fromiter(
+                map(self._slot_of.__getitem__, req_ids), dtype=np.int64, count=len(req_ids)
+            )
+        except KeyError:
+            unknown = next(r for r in req_ids if r not in self._slot_of)
+            raise ValueError(f"unknown req_id {unknown!r} ({len(self)} requests held)") from None
+        return rows, self._blocks_in_row[rows]
+
     # ---- changes ---------------------------------------------------------------------
 
     def add_request(self, req_id: Hashable, num_tokens: int) -> int:
@@ -181,6 +196,8 @@ class BlockTables:
         blocks = self.allocator.allocate(need)  # raises before anything has changed
         slot = self._free_rows.popleft()
         self._reqs[req_id] = (slot, blocks)
+        self._slot_of[req_id] = slot
+        self._blocks_in_row[slot] = len(blocks)
         self._write(slot, 0, blocks)
         return slot
 
@@ -197,6 +214,7 @@ class BlockTables:
         new = self.allocator.allocate(need)
         self._write(slot, len(blocks), new)
         blocks.extend(new)
+        self._blocks_in_row[slot] = len(blocks)
         return True
 
     def remove_request(self, req_id: Hashable) -> None:
@@ -205,6 +223,8 @@ class BlockTables:
         slot, blocks = self._lookup(req_id)
         self.allocator.free(blocks)
         del self._reqs[req_id]
+        del self._slot_of[req_id]
+        self._blocks_in_row[slot] = 0
         self._write(slot, 0, [0] * len(blocks))  # entries past len(blocks) are already 0
         self._free_rows.append(slot)
 

@@ -292,7 +292,7 @@ def _same(a, b):
 @pytest.mark.parametrize(
     "mutate, words",
     [
-        (lambda reqs, bt: reqs.append(("new", [1], 0)), "unknown request id"),
+        (lambda reqs, bt: reqs.append(("new", [1], 0)), "unknown req_id"),
         (lambda reqs, bt: reqs.append(reqs[0]), "appears twice"),
         (lambda reqs, bt: reqs.__setitem__(0, (reqs[0][0], [], 3)), "must be >= 1"),
         (lambda reqs, bt: reqs.__setitem__(0, (reqs[0][0], [1], -2)), "must be >= 0"),
