@@ -1,5 +1,5 @@
-"""The whole GPU suite: every test (gpu-marked ones included), then the benchmarks, then
-a short table.
+"""The whole GPU suite: every test (gpu-marked ones included), then the benchmarks (host
+preparation under pytest-benchmark, attention), then a short table.
 
     python -m bench.suite [--out results] [--quick] [--sweep] [--no-flex]
 
@@ -29,6 +29,28 @@ def run_tests(out_dir: Path) -> tuple[int, str]:
     return proc.returncode, lines[-1] if lines else "(no pytest output)"
 
 
+def run_host_prep(out_dir: Path) -> tuple[int, str]:
+    """bench/test_host_prep.py under pytest-benchmark; returns its summary line."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-s",
+        "-p",
+        "no:cacheprovider",
+        "bench/test_host_prep.py",
+        "--benchmark-only",
+        f"--benchmark-json={out_dir / 'host_prep.json'}",
+    ]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    (out_dir / "host_prep.log").write_text(proc.stdout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("host prep")]
+    if proc.returncode or not lines:
+        print(proc.stdout[-3000:])
+    return proc.returncode, lines[-1] if lines else "host prep: no result"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description="GPU tests, then benchmarks, then a table")
     ap.add_argument("--out", type=Path, default=Path("results"))
@@ -43,14 +65,17 @@ def main() -> int:
     rc, summary = (0, "tests skipped") if args.skip_tests else run_tests(args.out)
     print(f"tests: {summary}", flush=True)
 
+    hrc, host_line = run_host_prep(args.out)
+    print(host_line, flush=True)
+
     from bench import attention
 
     bench_argv = ["--out", str(args.out)]
     bench_argv += ["--quick"] * args.quick + ["--sweep"] * args.sweep
     bench_argv += ["--no-flex"] * args.no_flex
     brc = attention.main(bench_argv)
-    print(f"\ntests: {summary}")
-    return rc or brc
+    print(f"\n{host_line}\ntests: {summary}")
+    return rc or hrc or brc
 
 
 if __name__ == "__main__":
