@@ -1,0 +1,317 @@
+"""CUDA-graph capture and replay keyed by batch descriptors.
+
+One graph per BatchExecutionDescriptor. `capture` walks the descriptors largest first;
+for each it asks the caller's factory for a fresh closure twice, once for an eager
+warm-up and once for the capture, so that the buffers each pass runs on were prepared
+for exactly that descriptor (DESIGN.md, "The capture rule"). `dispatch` maps a real batch
+to the smallest captured descriptor that fits it; `replay` runs that graph.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class CUDAGraphMode(enum.Enum):
+    NONE = 0  # eager
+    FULL = 1  # the whole step in one graph
+
+
+@dataclass(frozen=True, order=True)
+class BatchExecutionDescriptor:
+    """The key of one captured graph. num_reqs None means requests are not padded to a
+    fixed count; uniform_token_count is the tokens per request when all requests carry
+    the same count (1 for decode, K + 1 for a draft prefill or verification), None for
+    mixed batches; max_query_len bounds any request's query length."""
+
+    num_tokens: int
+    num_reqs: int | None
+    uniform_token_count: int | None
+    max_query_len: int
+    cg_mode: CUDAGraphMode = CUDAGraphMode.FULL
+
+    def fits(
+        self, num_reqs: int, num_tokens: int, uniform_token_count: int | None, max_query_len: int
+    ) -> bool:
+        if num_tokens > self.num_tokens or max_query_len > self.max_query_len:
+            return False
+        if self.num_reqs is not None and num_reqs > self.num_reqs:
+            return False
+        if self.uniform_token_count is not None:
+            return uniform_token_count == self.uniform_token_count
+        return True
+
+
+def default_capture_sizes(max_num_tokens: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 256, then every 16 up to 512, capped at the limit."""
+    sizes = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, 513, 16))
+    return [s for s in sizes if s <= max_num_tokens]
+
+
+_SHARED_POOL: Any = None
+
+
+def shared_graph_pool() -> Any:
+    """One memory pool for every manager's graphs (DESIGN invariant 4)."""
+    global _SHARED_POOL
+    if _SHARED_POOL is None:
+        _SHARED_POOL = torch.cuda.graph_pool_handle()
+    return _SHARED_POOL
+
+
+class CudaGraphBackend:
+    """The CUDA calls the manager makes, behind one seam so that CPU tests can stand in
+    for them."""
+
+    def pool(self) -> Any:
+        return shared_graph_pool()
+
+    def capture(self, fn: Callable[[], Any], pool: Any) -> tuple[Any, Any]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = fn()
+        return graph, outputs
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def free_memory(self) -> int | None:
+        return torch.cuda.mem_get_info()[0]
+
+
+ForwardFn = Callable[[CUDAGraphMode], Any]
+ForwardFactory = Callable[[BatchExecutionDescriptor, bool], ForwardFn]
+
+
+class CudaGraphManager:
+    """Owns the descriptor set, captures one graph per descriptor and dispatches real
+    batches to them. Outputs of a replay are whatever the captured callable returned:
+    views of persistent buffers, valid until the next step."""
+
+    def __init__(
+        self,
+        *,
+        max_num_reqs: int,
+        max_num_tokens: int,
+        cg_mode: CUDAGraphMode = CUDAGraphMode.FULL,
+        capture_sizes: Sequence[int] | None = None,
+        uniform_token_counts: Iterable[int] = (1,),
+        mixed: bool = True,
+        dp_size: int = 1,
+        backend: CudaGraphBackend | None = None,
+    ):
+        if max_num_reqs < 1 or max_num_tokens < max_num_reqs:
+            raise ValueError(
+                f"need 1 <= max_num_reqs ({max_num_reqs}) <= max_num_tokens ({max_num_tokens})"
+            )
+        if dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+        self.max_num_reqs, self.max_num_tokens = max_num_reqs, max_num_tokens
+        self.cg_mode, self.dp_size = cg_mode, dp_size
+        self.backend = backend or CudaGraphBackend()
+        sizes = default_capture_sizes(max_num_tokens) if capture_sizes is None else capture_sizes
+        self.descriptors = self._build_descriptors(sizes, uniform_token_counts, mixed)
+        self._graphs: dict[BatchExecutionDescriptor, Any] = {}
+        self._outputs: dict[BatchExecutionDescriptor, Any] = {}
+        self._pool: Any = None
+        self._fallback_logged = False
+
+    # ---- descriptors ------------------------------------------------------------------
+
+    def _build_descriptors(
+        self, sizes: Iterable[int], uniform_counts: Iterable[int], mixed: bool
+    ) -> list[BatchExecutionDescriptor]:
+        if self.cg_mode is CUDAGraphMode.NONE:
+            return []
+        out = set()
+        sizes = sorted({s for s in sizes if 1 <= s <= self.max_num_tokens})
+        for u in sorted(set(uniform_counts)):
+            if u < 1:
+                raise ValueError(f"uniform token counts must be >= 1, got {u}")
+            for s in sizes:
+                if s % u == 0 and s // u <= self.max_num_reqs:
+                    out.add(BatchExecutionDescriptor(s, s // u, u, u, self.cg_mode))
+        if mixed:
+            for s in sizes:
+                out.add(
+                    BatchExecutionDescriptor(s, min(s, self.max_num_reqs), None, s, self.cg_mode)
+                )
+        # largest first: later, smaller graphs reuse the pool memory of larger ones
+        return sorted(
+            out,
+            key=lambda d: (
+                -d.num_tokens,
+                d.uniform_token_count is None,
+                d.uniform_token_count or 0,
+            ),
+        )
+
+    def num_tokens_across_dp(self, desc: BatchExecutionDescriptor) -> torch.Tensor | None:
+        """The descriptor's num_tokens for every data-parallel rank (CPU int32), or None
+        when dp_size is 1. The collective that agrees on it comes with data parallelism."""
+        if self.dp_size == 1:
+            return None
+        return torch.full((self.dp_size,), desc.num_tokens, dtype=torch.int32)
+
+    # ---- capture ----------------------------------------------------------------------
+
+    def capture(
+        self,
+        create_forward_fn: ForwardFactory,
+        progress_bar_desc: str = "Capturing CUDA graphs",
+        descriptors: Sequence[BatchExecutionDescriptor] | None = None,
+    ) -> None:
+        """Warm up and capture every descriptor (or the given ones), largest first. The
+        factory is called twice per descriptor: for the warm-up (run eagerly) and for the
+        capture, each time preparing that descriptor's inputs afresh."""
+        todo = self.descriptors if descriptors is None else list(descriptors)
+        if self._pool is None and todo:
+            self._pool = self.backend.pool()
+        free_before = self.backend.free_memory()
+        start = time.perf_counter()
+        for desc in _progress(todo, progress_bar_desc):
+            warm = create_forward_fn(desc, True)
+            warm(CUDAGraphMode.NONE)
+            run = create_forward_fn(desc, False)
+            graph, outputs = self.backend.capture(
+                lambda run=run, mode=desc.cg_mode: run(mode), self._pool
+            )
+            self._graphs[desc] = graph
+            self._outputs[desc] = outputs
+        self.backend.synchronize()
+        free_after = self.backend.free_memory()
+        if todo:
+            elapsed = time.perf_counter() - start
+            logger.info(
+                "captured %d graphs in %.2f s (%.3f s each); free memory %s -> %s",
+                len(todo),
+                elapsed,
+                elapsed / len(todo),
+                _gib(free_before),
+                _gib(free_after),
+            )
+        self.capture_seconds = time.perf_counter() - start
+        self.pool_bytes = (
+            free_before - free_after if free_before is not None and free_after is not None else None
+        )
+
+    @property
+    def captured(self) -> list[BatchExecutionDescriptor]:
+        return list(self._graphs)
+
+    # ---- dispatch and replay ----------------------------------------------------------
+
+    def dispatch(
+        self,
+        num_reqs: int,
+        num_tokens: int,
+        *,
+        uniform_token_count: int | None = None,
+        max_query_len: int | None = None,
+    ) -> BatchExecutionDescriptor | None:
+        """The smallest captured descriptor that fits the batch, or None (run eagerly).
+        Uniform descriptors win ties: their tighter max_query_len gives smaller tiles."""
+        if not 1 <= num_reqs <= self.max_num_reqs:
+            raise ValueError(f"num_reqs {num_reqs} must be in [1, {self.max_num_reqs}]")
+        if not num_reqs <= num_tokens <= self.max_num_tokens:
+            raise ValueError(
+                f"num_tokens {num_tokens} must be in [num_reqs {num_reqs}, max_num_tokens "
+                f"{self.max_num_tokens}]"
+            )
+        if uniform_token_count is not None and uniform_token_count * num_reqs != num_tokens:
+            raise ValueError(
+                f"uniform_token_count {uniform_token_count} x num_reqs {num_reqs} != "
+                f"num_tokens {num_tokens}"
+            )
+        mq = max_query_len or uniform_token_count or num_tokens - num_reqs + 1
+        best = None
+        for d in self._graphs:
+            if d.fits(num_reqs, num_tokens, uniform_token_count, mq) and (
+                best is None or _rank(d) < _rank(best)
+            ):
+                best = d
+        if best is None and not self._fallback_logged:
+            self._fallback_logged = True
+            logger.warning(
+                "no captured graph fits %d requests / %d tokens (largest captured: %s); "
+                "running eagerly (logged once)",
+                num_reqs,
+                num_tokens,
+                max((d.num_tokens for d in self._graphs), default=None),
+            )
+        return best
+
+    def replay(self, desc: BatchExecutionDescriptor) -> Any:
+        """Replay the graph of `desc`; returns the outputs its capture returned."""
+        graph = self._graphs.get(desc)
+        if graph is None:
+            raise RuntimeError(f"no graph captured for {desc}; call capture() first")
+        self.backend.replay(graph)
+        return self._outputs[desc]
+
+    def teardown(self) -> None:
+        """Drop every graph and this manager's hold on the pool."""
+        self.backend.synchronize()
+        self._graphs.clear()
+        self._outputs.clear()
+        self._pool = None
+
+
+def _rank(d: BatchExecutionDescriptor) -> tuple:
+    return (d.num_tokens, d.uniform_token_count is None, d.num_reqs or 0)
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def _progress(items: list, desc: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress bars are a convenience, not a requirement
+        return items
+    return tqdm(items, desc=desc, disable=not items or not logger.isEnabledFor(logging.INFO))
+
+
+class SpeculatorCudaGraphManager(CudaGraphManager):
+    """Capture manager for the draft prefill and draft decode steps.
+
+    For every warm-up and every capture pass of a descriptor it writes fresh dummy
+    inputs, attention metadata and slot mappings for exactly that descriptor through
+    `metadata_builder.prepare_inputs_to_capture` (which fills the input buffers and the
+    step block table), then hands them to
+    `forward_fn(num_reqs, num_tokens, attn_metadata, slot_mappings, num_tokens_across_dp,
+    cg_mode)`. The metadata builder stands for the seed's input buffers, block tables,
+    attention groups and KV-cache config together."""
+
+    def capture(  # type: ignore[override]
+        self,
+        forward_fn: Callable[..., Any],
+        metadata_builder: Any,
+        progress_bar_desc: str = "Capturing draft graphs",
+        descriptors: Sequence[BatchExecutionDescriptor] | None = None,
+    ) -> None:
+        def create_forward_fn(desc: BatchExecutionDescriptor, warmup: bool) -> ForwardFn:
+            num_reqs = desc.num_reqs or min(desc.num_tokens, self.max_num_reqs)
+            max_query_len = desc.max_query_len or desc.uniform_token_count or desc.num_tokens
+            meta = metadata_builder.prepare_inputs_to_capture(
+                num_reqs, desc.num_tokens, max_query_len
+            )
+            dp = self.num_tokens_across_dp(desc)
+            return lambda cg_mode: forward_fn(
+                num_reqs, desc.num_tokens, meta, meta.slot_mapping, dp, cg_mode
+            )
+
+        super().capture(create_forward_fn, progress_bar_desc, descriptors)
