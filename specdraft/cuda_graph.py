@@ -224,7 +224,9 @@ class CudaGraphManager:
         """The smallest captured descriptor that fits the batch, or None (run eagerly).
         Uniform descriptors win ties: their tighter max_query_len gives smaller tiles."""
         if not 1 <= num_reqs <= self.max_num_reqs:
-            raise ValueError(f"num_reqs {num_reqs} must be in [1, {self.max_num_reqs}]")
+            raise ValueError(
+                f"num_reqs {num_reqs} must be in [1, max_num_reqs {self.max_num_reqs}]"
+            )
         if not num_reqs <= num_tokens <= self.max_num_tokens:
             raise ValueError(
                 f"num_tokens {num_tokens} must be in [num_reqs {num_reqs}, max_num_tokens "
