@@ -1,5 +1,6 @@
 """The whole GPU suite: every test (gpu-marked ones included), then the benchmarks (host
-preparation under pytest-benchmark, attention), then a short table.
+preparation under pytest-benchmark, graph capture and replay, attention), then short
+tables.
 
     python -m bench.suite [--out results] [--quick] [--sweep] [--no-flex]
 
@@ -68,14 +69,21 @@ def main() -> int:
     hrc, host_line = run_host_prep(args.out)
     print(host_line, flush=True)
 
+    from bench import capture
+
+    crc = capture.main(["--out", str(args.out)])
+
     from bench import attention
 
     bench_argv = ["--out", str(args.out)]
     bench_argv += ["--quick"] * args.quick + ["--sweep"] * args.sweep
     bench_argv += ["--no-flex"] * args.no_flex
     brc = attention.main(bench_argv)
+    capture_md = args.out / "capture.md"
+    if capture_md.exists():
+        print("\n" + capture_md.read_text().strip())
     print(f"\n{host_line}\ntests: {summary}")
-    return rc or hrc or brc
+    return rc or hrc or crc or brc
 
 
 if __name__ == "__main__":
