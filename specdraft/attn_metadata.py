@@ -14,6 +14,7 @@ from .batch import ScheduledBatch
 from .block_table import BlockTables
 from .config import LimitsConfig
 from .input_buffers import HostStaging, InputBuffers
+from .kv_cache import KVCache
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,18 @@ class MetadataBuilder:
         limits: LimitsConfig,
         buffers: InputBuffers,
         block_tables: BlockTables,
+        kv_cache: KVCache | None = None,
     ):
+        if kv_cache is not None and block_tables.allocator.num_blocks > kv_cache.num_blocks:
+            raise ValueError(
+                f"block tables hand out block ids up to {block_tables.allocator.num_blocks - 1}"
+                f" but the KV cache has {kv_cache.num_blocks} blocks"
+            )
+        if kv_cache is not None and kv_cache.block_size != block_tables.block_size:
+            raise ValueError(
+                f"block tables use block_size {block_tables.block_size}, the KV cache "
+                f"{kv_cache.block_size}"
+            )
         self.limits = limits
         self.buffers = buffers
         self.block_tables = block_tables

@@ -337,3 +337,17 @@ def test_too_many_requests_and_bad_padding(device):
     with pytest.raises(ValueError, match="num_tokens"):
         builder.prepare_inputs_to_capture(2, 1, 1)
     assert _same(before, _snapshot(buffers, bt))
+
+
+def test_block_tables_must_fit_the_cache(device):
+    limits = LimitsConfig(4, 16, 64)
+    model = ModelConfig(1, 2, 2, 16, 32, 10, dtype=torch.float32)
+    cache = KVCache(model, CacheConfig(16, num_blocks=8), device)
+    buffers = InputBuffers(limits, device)
+    too_many = BlockTables(4, 4, 16, 9, device)  # would hand out block id 8
+    with pytest.raises(ValueError, match="KV cache has 8 blocks"):
+        MetadataBuilder(limits, buffers, too_many, kv_cache=cache)
+    other_size = BlockTables(4, 2, 32, 8, device)
+    with pytest.raises(ValueError, match="block_size"):
+        MetadataBuilder(limits, buffers, other_size, kv_cache=cache)
+    MetadataBuilder(limits, buffers, BlockTables(4, 4, 16, 8, device), kv_cache=cache)
