@@ -1,0 +1,145 @@
+"""Fused element-wise kernels (RMSNorm + residual, SiLU-and-multiply, rotary) against
+PyTorch references, the rotary tables against transformers, and launcher errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft.kernels import apply_rotary, rms_norm, silu_and_mul
+from specdraft.layers import cos_sin_table, rope_inv_freq
+from specdraft.models.config import DecoderConfig, RopeConfig, UnsupportedModelError
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def ref_rms(x, w, eps):
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * y.to(x.dtype)  # transformers' LlamaRMSNorm rounding
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows, hidden", [(1, 6), (7, 42), (5, 123)])
+def test_rms_norm(device, dtype, rows, hidden):
+    x = torch.randn(rows, hidden, device=device).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, device=device)).to(dtype)
+    y = rms_norm(x, w, 1e-5, out=torch.full_like(x, float("nan")))
+    torch.testing.assert_close(y, ref_rms(x, w, 1e-5), atol=TOL[dtype], rtol=TOL[dtype])
+
+    res = torch.randn(rows, hidden, device=device).to(dtype)
+    res0, x0 = res.clone(), x.clone()
+    y, r = rms_norm(x, w, 1e-6, residual=res)
+    s = (x0.float() + res0.float()).to(dtype)
+    assert r is res and torch.equal(res, s), "the residual sum is written in place"
+    torch.testing.assert_close(y, ref_rms(s, w, 1e-6), atol=TOL[dtype], rtol=TOL[dtype])
+
+    # a separate residual_out leaves the input residual untouched; out may alias x
+    res = res0.clone()
+    r_out = torch.full_like(x, float("nan"))
+    y, r = rms_norm(x0.clone(), w, 1e-6, residual=res, residual_out=r_out)
+    assert torch.equal(res, res0) and torch.equal(r_out, s)
+    xi = x0.clone()
+    rms_norm(xi, w, 1e-5, out=xi)
+    torch.testing.assert_close(xi, ref_rms(x0, w, 1e-5), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows, n", [(1, 5), (6, 42), (3, 2500)])
+def test_silu_and_mul(device, dtype, rows, n):
+    x = (3 * torch.randn(rows, 2 * n, device=device)).to(dtype)
+    x[0, 0] = -200.0  # exp overflow must not produce NaN
+    out = silu_and_mul(x, out=torch.full((rows, n), float("nan"), device=device, dtype=dtype))
+    ref = torch.nn.functional.silu(x[:, :n].float()).to(dtype) * x[:, n:]
+    torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def ref_rotary(x, pos, table):
+    half = table.shape[1] // 2
+    cos, sin = table[pos, :half][:, None], table[pos, half:][:, None]
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hq, hkv, d", [(4, 2, 16), (6, 1, 24), (3, 3, 8)])
+def test_rotary_on_fused_qkv_views(device, dtype, hq, hkv, d):
+    n, max_pos = 9, 40
+    table = cos_sin_table(d, RopeConfig(theta=100.0), max_pos, device)
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, device=device).to(dtype)
+    q = qkv[:, : hq * d].view(n, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d)
+    v_before = qkv[:, (hq + hkv) * d :].clone()
+    pos = torch.randint(0, max_pos, (n + 3,), device=device)
+    pos[2] = 1000  # clamped to the last row
+    ref_q = ref_rotary(q, pos[:n].clamp(max=max_pos - 1), table)
+    ref_k = ref_rotary(k, pos[:n].clamp(max=max_pos - 1), table)
+    apply_rotary(q, k, pos, table)
+    torch.testing.assert_close(q, ref_q, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(k, ref_k, atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(qkv[:, (hq + hkv) * d :], v_before), "v is not touched"
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {"rope_type": "linear", "factor": 4.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ],
+)
+def test_rope_frequencies_match_transformers(scaling):
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    hf_cfg = dict(
+        hidden_size=128, num_attention_heads=4, head_dim=32, rope_theta=5000.0, rope_scaling=scaling
+    )
+    ours = RopeConfig.from_hf(hf_cfg)
+    hf = LlamaRotaryEmbedding(config=transformers.LlamaConfig(**hf_cfg))
+    torch.testing.assert_close(rope_inv_freq(32, ours), hf.inv_freq.float(), rtol=1e-6, atol=0)
+    # and the same spelling through to_hf / transformers 5.x rope_parameters
+    assert RopeConfig.from_hf(ours.to_hf()) == ours
+    params = {"rope_theta": 5000.0, **(scaling or {"rope_type": "default"})}
+    assert RopeConfig.from_hf({"rope_parameters": params}) == ours
+
+
+def test_rope_config_errors():
+    with pytest.raises(UnsupportedModelError, match="'yarn' is not supported.*llama3"):
+        RopeConfig.from_hf({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        DecoderConfig(100, 30, 64, 1, 2, 2, head_dim=15)
+
+
+def test_launcher_errors(device):
+    x = torch.randn(4, 8, device=device)
+    w = torch.ones(8, device=device)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, torch.ones(7, device=device), 1e-5)
+    with pytest.raises(ValueError, match="eps"):
+        rms_norm(x, w, 0.0)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm(x, w, 1e-5, residual=torch.randn(3, 8, device=device))
+    with pytest.raises(TypeError, match="x must have dtype"):
+        rms_norm(x.long(), w, 1e-5)
+    with pytest.raises(ValueError, match="even last dimension"):
+        silu_and_mul(torch.randn(2, 5, device=device))
+    with pytest.raises(ValueError, match="out"):
+        silu_and_mul(x, out=torch.empty(4, 8, device=device))
+    q, k = torch.randn(3, 2, 8, device=device), torch.randn(3, 1, 8, device=device)
+    table = torch.randn(10, 8, device=device)
+    pos = torch.zeros(3, dtype=torch.int64, device=device)
+    with pytest.raises(TypeError, match="positions"):
+        apply_rotary(q, k, pos.int(), table)
+    with pytest.raises(ValueError, match="positions has 2 entries"):
+        apply_rotary(q, k, pos[:2], table)
+    with pytest.raises(ValueError, match="cos_sin_cache has 10 columns"):
+        apply_rotary(q, k, pos, torch.randn(10, 10, device=device))
+    with pytest.raises(ValueError, match="k has shape"):
+        apply_rotary(q, torch.randn(2, 1, 8, device=device), pos, table)
