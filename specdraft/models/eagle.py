@@ -1,0 +1,262 @@
+"""EAGLE-1 and EAGLE-3 draft heads over the paged KV cache.
+
+EAGLE-1 (SafeAILab/EAGLE, cnets.py; vLLM llama_eagle.py): x = fc([embed(token); h])
+with fc 2h -> h, then the decoder layer(s) (layer 0 without its input RMSNorm), no
+final norm; logits come from the target's lm_head and the token embedding is the
+target's. The output hidden state feeds the next draft step as h.
+
+EAGLE-3 (SafeAILab/EAGLE eagle3; vLLM llama_eagle3.py, SGLang llama_eagle3.py): the
+target's auxiliary hidden states (three layers, 3 x target_hidden) go through fc to h
+once; one decoder layer whose attention reads [input_norm(embed(token));
+hidden_norm(h)] (2h wide); a final norm and its own lm_head over a reduced draft
+vocabulary; d2t maps a draft token id d to the target id d + d2t[d]. The pre-norm
+output (the residual stream) feeds the next draft step as h.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdraft.attn_metadata import AttentionMetadata
+from specdraft.layers import (
+    DecoderLayer,
+    Embedding,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    layer_caches,
+    select_logits,
+)
+
+from .config import DecoderConfig
+from .llama import WeightSources, decoder_layer_sources
+
+
+def _check_hidden(hidden: torch.Tensor, num_tokens: int, width: int, what: str) -> None:
+    if hidden.dim() != 2 or hidden.shape[0] != num_tokens or hidden.shape[1] != width:
+        raise ValueError(
+            f"hidden_states has shape {tuple(hidden.shape)}, expected [{num_tokens}, {width}] "
+            f"({what})"
+        )
+
+
+def _check_ids(input_ids: torch.Tensor, meta: AttentionMetadata) -> None:
+    if input_ids.dim() != 1 or input_ids.shape[0] != meta.num_tokens:
+        raise ValueError(
+            f"input_ids has shape {tuple(input_ids.shape)}, expected [{meta.num_tokens}]"
+        )
+
+
+def _shared_or_new(module, make, what: str, shape: tuple[int, int]):
+    if module is None:
+        return make(), True
+    if tuple(module.weight.shape) != shape:
+        raise ValueError(
+            f"shared {what} has shape {tuple(module.weight.shape)}, the head's config needs {shape}"
+        )
+    return module, False
+
+
+class EagleHead(nn.Module):
+    """EAGLE-1 head. embed_tokens / lm_head: the target's modules to share (the usual
+    case); None makes the head own them (then the checkpoint must hold them).
+    fc_bias: the public EAGLE-1 checkpoints have one. first_input_norm: keep layer 0's
+    input RMSNorm (EAGLE-1 drops it; some conversions carry one)."""
+
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        *,
+        embed_tokens: Embedding | None = None,
+        lm_head: Linear | None = None,
+        fc_bias: bool = True,
+        first_input_norm: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+        max_positions: int | None = None,
+    ):
+        super().__init__()
+        dtype = dtype or cfg.dtype
+        self.cfg, self.dtype = cfg, dtype
+        self.fc_bias, self.first_input_norm = fc_bias, first_input_norm
+        h, kw = cfg.hidden_size, dict(dtype=dtype, device=device)
+        self.embed_tokens, self.owns_embed = _shared_or_new(
+            embed_tokens,
+            lambda: Embedding(cfg.vocab_size, h, **kw),
+            "embed_tokens",
+            (cfg.vocab_size, h),
+        )
+        self.lm_head, self.owns_lm_head = _shared_or_new(
+            lm_head,
+            lambda: Linear(h, cfg.vocab_size, bias=False, **kw),
+            "lm_head",
+            (cfg.vocab_size, h),
+        )
+        self.fc = Linear(2 * h, h, bias=fc_bias, **kw)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.rope, max_positions or cfg.max_position_embeddings, device=device
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, self.rotary, input_norm=i > 0 or first_input_norm, **kw)
+            for i in range(cfg.num_layers)
+        )
+
+    def weight_sources(self) -> WeightSources:
+        """Our names -> EAGLE-1 checkpoint names: fc.weight [h, 2h] (+ fc.bias),
+        layers.N.* in the HF decoder-layer names (layer 0 without input_layernorm),
+        embed_tokens.weight / lm_head.weight only when not shared."""
+        src: WeightSources = {"fc.weight": ["fc.weight"]}
+        if self.fc_bias:
+            src["fc.bias"] = ["fc.bias"]
+        for i in range(self.cfg.num_layers):
+            norm = i > 0 or self.first_input_norm
+            name = f"layers.{i}"
+            src.update(decoder_layer_sources(self.cfg, name, name, input_norm=norm))
+        if self.owns_embed:
+            src["embed_tokens.weight"] = ["embed_tokens.weight"]
+        if self.owns_lm_head:
+            src["lm_head.weight"] = ["lm_head.weight"]
+        return src
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden_states: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches,
+        *,
+        logits_indices: torch.Tensor | None = None,
+        all_logits: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [num_tokens]; hidden_states [num_tokens, h]: the target's final
+        hidden states on the first draft step, the head's own output after. Rows of
+        padded tokens must be finite. Returns (hidden [num_tokens, h], logits over the
+        target vocabulary for the chosen rows, see LlamaForCausalLM.forward)."""
+        _check_ids(input_ids, meta)
+        _check_hidden(hidden_states, meta.num_tokens, self.cfg.hidden_size, "hidden_size")
+        caches = layer_caches(kv_caches, self.cfg.num_layers)
+        embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)
+        x = self.fc(torch.cat([embeds, hidden_states], dim=-1))
+        residual = None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, meta, caches[i])
+        hidden = x + residual
+        return hidden, select_logits(hidden, self.lm_head, meta, logits_indices, all_logits)
+
+
+class Eagle3DecoderLayer(DecoderLayer):
+    """The EAGLE-3 "midlayer": attention over [input_norm(embeds); hidden_norm(h)]."""
+
+    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding, *, dtype, device):
+        super().__init__(
+            cfg, rotary, dtype=dtype, device=device, attn_input_size=2 * cfg.hidden_size
+        )
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.norm_before_residual = cfg.norm_before_residual
+
+    def forward(self, embeds, hidden, meta, kv_cache):  # type: ignore[override]
+        e = self.input_layernorm(embeds)
+        h = self.hidden_norm(hidden)
+        residual = h if self.norm_before_residual else hidden
+        x = self.self_attn(torch.cat([e, h], dim=-1), meta, kv_cache)
+        # A fresh residual_out: `hidden` belongs to the caller and is never written.
+        x, residual = self.post_attention_layernorm(x, residual, residual_out=torch.empty_like(x))
+        return self.mlp(x), residual
+
+
+class Eagle3Head(nn.Module):
+    """EAGLE-3 head. embed_tokens: the target's embedding to share, or None to own one
+    (then the checkpoint must hold embed_tokens.weight). d2t [draft_vocab] int64."""
+
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        *,
+        embed_tokens: Embedding | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+        max_positions: int | None = None,
+    ):
+        super().__init__()
+        if cfg.num_layers != 1:
+            raise ValueError(f"EAGLE-3 heads have one decoder layer, config has {cfg.num_layers}")
+        dtype = dtype or cfg.dtype
+        self.cfg, self.dtype = cfg, dtype
+        h, kw = cfg.hidden_size, dict(dtype=dtype, device=device)
+        self.draft_vocab_size = cfg.draft_vocab_size or cfg.vocab_size
+        self.embed_tokens, self.owns_embed = _shared_or_new(
+            embed_tokens,
+            lambda: Embedding(cfg.vocab_size, h, **kw),
+            "embed_tokens",
+            (cfg.vocab_size, h),
+        )
+        self.fc = Linear(cfg.fc_input_size, h, bias=False, **kw)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.rope, max_positions or cfg.max_position_embeddings, device=device
+        )
+        self.layers = nn.ModuleList([Eagle3DecoderLayer(cfg, self.rotary, **kw)])
+        self.norm = RMSNorm(h, cfg.rms_norm_eps, **kw)
+        self.lm_head = Linear(h, self.draft_vocab_size, bias=False, **kw)
+        d2t = torch.zeros(self.draft_vocab_size, dtype=torch.int64, device=device)
+        self.register_buffer("d2t", d2t)
+
+    def weight_sources(self) -> WeightSources:
+        """Our names -> EAGLE-3 checkpoint names: fc.weight [h, 3 h_target],
+        midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight,
+        midlayer.self_attn.{q,k,v,o}_proj.weight (q/k/v [*, 2h]), midlayer.mlp.*,
+        norm.weight, lm_head.weight [draft_vocab, h], d2t [draft_vocab];
+        embed_tokens.weight only when not shared."""
+        src: WeightSources = {
+            "fc.weight": ["fc.weight"],
+            "norm.weight": ["norm.weight"],
+            "lm_head.weight": ["lm_head.weight"],
+            "d2t": ["d2t"],
+            "layers.0.hidden_norm.weight": ["midlayer.hidden_norm.weight"],
+        }
+        src.update(decoder_layer_sources(self.cfg, "layers.0", "midlayer"))
+        if self.owns_embed:
+            src["embed_tokens.weight"] = ["embed_tokens.weight"]
+        return src
+
+    def combine_hidden_states(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """fc over the target's concatenated auxiliary hidden states: [T, 3 h_t] -> [T, h]."""
+        return self.fc(aux_hidden)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden_states: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches,
+        *,
+        logits_indices: torch.Tensor | None = None,
+        all_logits: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden_states: [num_tokens, 3 h_t] target auxiliary states (fc is applied) or
+        [num_tokens, h] (the head's own output from the previous step). Returns
+        (pre-norm hidden [num_tokens, h], logits [n, draft_vocab] over the draft
+        vocabulary); map ids with draft_to_target or logits with logits_to_target."""
+        _check_ids(input_ids, meta)
+        h = self.cfg.hidden_size
+        if hidden_states.dim() == 2 and hidden_states.shape[-1] == self.fc.in_features != h:
+            hidden_states = self.combine_hidden_states(hidden_states)
+        _check_hidden(
+            hidden_states, meta.num_tokens, h, f"hidden_size, or {self.fc.in_features} for fc"
+        )
+        (cache,) = layer_caches(kv_caches, 1)
+        embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)
+        x, residual = self.layers[0](embeds, hidden_states, meta, cache)
+        normed, prenorm = self.norm(x, residual)
+        return prenorm, select_logits(normed, self.lm_head, meta, logits_indices, all_logits)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids of draft token ids (any shape, int64), on the device."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def logits_to_target(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [n, draft_vocab] scattered into the target vocabulary
+        [n, vocab]; tokens outside the draft vocabulary get -inf."""
+        full = logits.new_full((logits.shape[0], self.cfg.vocab_size), float("-inf"))
+        ids = torch.arange(self.draft_vocab_size, device=logits.device)
+        return full.index_copy_(1, self.draft_to_target(ids), logits)

@@ -1,0 +1,136 @@
+"""A Llama-family causal LM (Llama 2/3, Qwen2) over the paged KV cache, usable as a
+draft model and, later, as a target (it can also return the auxiliary hidden states an
+EAGLE-3 head reads)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from specdraft.attn_metadata import AttentionMetadata
+from specdraft.layers import (
+    DecoderLayer,
+    Embedding,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    layer_caches,
+    select_logits,
+)
+
+from .config import DecoderConfig
+
+# our parameter name -> checkpoint tensor names, concatenated along dim 0 (fused GEMMs)
+WeightSources = dict[str, list[str]]
+
+
+def decoder_layer_sources(
+    cfg: DecoderConfig, ours: str, theirs: str, *, input_norm: bool = True
+) -> WeightSources:
+    """Sources of one DecoderLayer's parameters named `ours`.* from HF-style names
+    `theirs`.* (self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj, the two norms)."""
+    a, m = f"{theirs}.self_attn", f"{theirs}.mlp"
+    src: WeightSources = {
+        f"{ours}.self_attn.qkv_proj.weight": [f"{a}.{p}_proj.weight" for p in "qkv"],
+        f"{ours}.self_attn.o_proj.weight": [f"{a}.o_proj.weight"],
+        f"{ours}.mlp.gate_up_proj.weight": [f"{m}.gate_proj.weight", f"{m}.up_proj.weight"],
+        f"{ours}.mlp.down_proj.weight": [f"{m}.down_proj.weight"],
+        f"{ours}.post_attention_layernorm.weight": [f"{theirs}.post_attention_layernorm.weight"],
+    }
+    if input_norm:
+        src[f"{ours}.input_layernorm.weight"] = [f"{theirs}.input_layernorm.weight"]
+    if cfg.qkv_bias:
+        src[f"{ours}.self_attn.qkv_proj.bias"] = [f"{a}.{p}_proj.bias" for p in "qkv"]
+    if cfg.o_bias:
+        src[f"{ours}.self_attn.o_proj.bias"] = [f"{a}.o_proj.bias"]
+    return src
+
+
+class LlamaForCausalLM(nn.Module):
+    """Embedding, decoder layers, final RMSNorm, lm_head (tied to the embedding when the
+    config says so). Build it empty and fill it with `specdraft.loader.load_causal_lm`
+    or `specdraft.models.tiny.random_causal_lm`.
+
+    max_positions: rows of the rotary table (default max_position_embeddings)."""
+
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+        max_positions: int | None = None,
+    ):
+        super().__init__()
+        dtype = dtype or cfg.dtype
+        self.cfg, self.dtype = cfg, dtype
+        kw = dict(dtype=dtype, device=device)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.rope, max_positions or cfg.max_position_embeddings, device=device
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, self.rotary, **kw) for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **kw)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def weight_sources(self) -> WeightSources:
+        """Our parameter names -> tensor names in a Hugging Face Llama / Qwen2 checkpoint."""
+        src: WeightSources = {
+            "embed_tokens.weight": ["model.embed_tokens.weight"],
+            "norm.weight": ["model.norm.weight"],
+        }
+        for i in range(self.cfg.num_layers):
+            src.update(decoder_layer_sources(self.cfg, f"layers.{i}", f"model.layers.{i}"))
+        if not self.cfg.tie_word_embeddings:
+            src["lm_head.weight"] = ["lm_head.weight"]
+        return src
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches,
+        *,
+        logits_indices: torch.Tensor | None = None,
+        all_logits: bool = False,
+        aux_layers: Sequence[int] | None = None,
+    ):
+        """input_ids int64 [num_tokens] (usually meta.input_ids); positions come from
+        meta.positions; kv_caches: a KVCache or one (k_cache, v_cache) pair per layer.
+
+        Returns (hidden [num_tokens, hidden_size] after the final norm, logits) where
+        logits are for each request's last token [num_reqs, vocab], or for
+        `logits_indices`, or for every token with all_logits=True. With aux_layers,
+        returns a third tensor [num_tokens, len(aux_layers) * hidden_size]: the
+        residual stream entering each of those layers (what an EAGLE-3 head reads; vLLM
+        uses layers (2, L // 2, L - 3))."""
+        if input_ids.dim() != 1 or input_ids.shape[0] != meta.num_tokens:
+            raise ValueError(
+                f"input_ids has shape {tuple(input_ids.shape)}, expected [{meta.num_tokens}]"
+            )
+        caches = layer_caches(kv_caches, self.cfg.num_layers)
+        aux_at = list(aux_layers or ())
+        for i in aux_at:
+            if not 0 <= i < self.cfg.num_layers:
+                raise ValueError(f"aux layer {i} out of range [0, {self.cfg.num_layers})")
+        aux: list[torch.Tensor | None] = [None] * len(aux_at)
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            for j, at in enumerate(aux_at):
+                if at == i:
+                    # clone at layer 0: the embedding output becomes its residual and is
+                    # updated in place
+                    aux[j] = hidden.clone() if residual is None else hidden + residual
+            hidden, residual = layer(hidden, residual, meta, caches[i])
+        hidden, _ = self.norm(hidden, residual)
+        logits = select_logits(hidden, self.lm_head, meta, logits_indices, all_logits)
+        if aux_layers is None:
+            return hidden, logits
+        return hidden, logits, torch.cat(aux, dim=-1)

@@ -1,0 +1,150 @@
+"""EAGLE-1 and EAGLE-3 heads against a float64 PyTorch reference of the same math, run
+through the paged cache (a padded prefill, then steps that feed back the head's own
+hidden state), loaded from checkpoint directories written in their layouts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from specdraft.loader import load_eagle3_head, load_eagle_head
+from specdraft.models.tiny import (
+    eagle_config,
+    random_causal_lm,
+    random_eagle3_weights,
+    random_eagle_weights,
+    tiny_config,
+    write_checkpoint,
+)
+from tests.model_helpers import PagedRunner, RefEagle, rel_err
+
+TOL = 1e-4
+
+
+def run_head_steps(head, ref, cfg, first_width: int, *, steps: int = 3, to_target=None):
+    """A padded prefill of two requests with random input hidden states of width
+    first_width, then `steps` one-token steps feeding back each request's last output
+    hidden state and greedy token. Every output row is checked against `ref`."""
+    g = torch.Generator().manual_seed(7)
+    runner = PagedRunner(cfg, "cpu", max_num_reqs=4, max_num_tokens=32, max_model_len=64)
+    prompts = {"a": [3, 17, 5, 250, 9, 1], "b": [42, 7, 100]}
+    feats = {r: torch.randn(len(p), first_width, generator=g) for r, p in prompts.items()}
+    reqs, width, pad_tokens = list(prompts.items()), first_width, 2
+    for step in range(steps + 1):
+        meta = runner.step(reqs, pad_reqs=1, pad_tokens=pad_tokens)
+        hidden_in = torch.zeros(meta.num_tokens, width)
+        hidden_in[: meta.num_real_tokens] = torch.cat([feats[r] for r, _ in reqs])
+        out, logits = head(meta.input_ids, hidden_in, meta, runner.cache)
+        assert out.shape == (meta.num_tokens, cfg.hidden_size)
+        assert torch.isfinite(out).all() and torch.isfinite(logits).all(), "padding is finite"
+        start, nxt = 0, []
+        for i, (rid, toks) in enumerate(reqs):
+            n = len(toks)
+            pos = torch.arange(runner.lens[rid] - n, runner.lens[rid])
+            ref_out, ref_logits = ref(rid, torch.tensor(toks), feats[rid], pos)
+            assert rel_err(out[start : start + n], ref_out) < TOL, f"step {step} {rid} hidden"
+            assert rel_err(logits[i], ref_logits) < TOL, f"step {step} {rid} logits"
+            tok = logits[i].argmax()
+            nxt.append((rid, [int(tok if to_target is None else to_target(tok))]))
+            feats[rid] = out[start + n - 1 : start + n]
+            start += n
+        reqs, width, pad_tokens = nxt, cfg.hidden_size, 1
+
+
+@pytest.mark.parametrize("fc_bias", [True, False])
+def test_eagle1_head_matches_reference(tmp_path, fc_bias):
+    tcfg = tiny_config()
+    target = random_causal_lm(tcfg, seed=1)
+    hcfg = eagle_config(tcfg)
+    w = random_eagle_weights(hcfg, seed=2, fc_bias=fc_bias)
+    head = load_eagle_head(write_checkpoint(tmp_path, hcfg, w), target=target)
+    assert head.embed_tokens is target.embed_tokens and head.lm_head is target.lm_head
+    assert head.layers[0].input_layernorm is None and (head.fc.bias is not None) == fc_bias
+    ref = RefEagle(w, hcfg, target.embed_tokens.weight, target.lm_head.weight, eagle3=False)
+    run_head_steps(head, ref, hcfg, hcfg.hidden_size)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(),
+        dict(norm_before_residual=True),
+        dict(target_hidden_size=48, model_type="qwen2", qkv_bias=True),
+    ],
+    ids=["default", "norm-before-residual", "narrow-target-qwen2"],
+)
+def test_eagle3_head_matches_reference(tmp_path, variant):
+    hcfg = eagle_config(tiny_config(), draft_vocab_size=100, **variant)
+    w = random_eagle3_weights(hcfg, seed=3)
+    path = write_checkpoint(tmp_path, hcfg, w, architectures=["LlamaForCausalLMEagle3"])
+    head = load_eagle3_head(path)
+    assert head.fc.in_features == hcfg.fc_input_size and head.lm_head.out_features == 100
+    assert torch.equal(head.d2t, w["d2t"])
+    ref = RefEagle(w, hcfg, w["embed_tokens.weight"], w["lm_head.weight"], eagle3=True)
+    run_head_steps(head, ref, hcfg, hcfg.fc_input_size, to_target=head.draft_to_target)
+
+
+def test_eagle3_d2t_mapping():
+    hcfg = eagle_config(tiny_config(), draft_vocab_size=60)
+    w = random_eagle3_weights(hcfg, seed=4)
+    from specdraft.loader import Checkpoint
+
+    head = load_eagle3_head(Checkpoint.from_tensors(hcfg.to_hf(), w))
+    draft = torch.arange(60)
+    target_ids = head.draft_to_target(draft)
+    assert torch.equal(target_ids, w["t2d"].nonzero().flatten()), "draft ids map onto t2d"
+    assert torch.equal(head.draft_to_target(draft.view(6, 10)), target_ids.view(6, 10))
+    logits = torch.randn(5, 60)
+    full = head.logits_to_target(logits)
+    assert full.shape == (5, hcfg.vocab_size)
+    assert torch.equal(full[:, target_ids], logits)
+    assert torch.isneginf(full[:, ~w["t2d"]]).all()
+    assert torch.equal(full.argmax(-1), head.draft_to_target(logits.argmax(-1)))
+
+
+def test_head_checkpoint_layout_variants(tmp_path):
+    """EAGLE-1 with "model."-prefixed names in shards and its own embedding and lm_head;
+    EAGLE-3 spelled with layers.0 instead of midlayer and no embedding (the target's)."""
+    tcfg = tiny_config()
+    target = random_causal_lm(tcfg, seed=1)
+    hcfg = eagle_config(tcfg)
+    w = random_eagle_weights(hcfg, seed=5, with_embed=True)
+    w["lm_head.weight"] = torch.randn(tcfg.vocab_size, tcfg.hidden_size)
+    prefixed = {"model." + k if k != "lm_head.weight" else k: v for k, v in w.items()}
+    head = load_eagle_head(write_checkpoint(tmp_path / "e1", hcfg, prefixed, num_shards=3))
+    assert head.owns_embed and head.owns_lm_head
+    assert torch.equal(head.embed_tokens.weight, w["embed_tokens.weight"])
+    assert torch.equal(
+        head.layers[0].self_attn.o_proj.weight, w["layers.0.self_attn.o_proj.weight"]
+    )
+    q, k, v = (w[f"layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+    assert torch.equal(head.layers[0].self_attn.qkv_proj.weight, torch.cat([q, k, v]))
+
+    h3 = eagle_config(tcfg, draft_vocab_size=64)
+    w3 = random_eagle3_weights(h3, seed=6, with_embed=False)
+    renamed = {k.replace("midlayer.", "layers.0."): v for k, v in w3.items()}
+    path = write_checkpoint(tmp_path / "e3", h3, renamed, dtype=torch.float16)
+    head3 = load_eagle3_head(path, target=target)
+    assert head3.embed_tokens is target.embed_tokens and head3.dtype == torch.float32
+    gate, up = w3["midlayer.mlp.gate_proj.weight"], w3["midlayer.mlp.up_proj.weight"]
+    expect = torch.cat([gate, up]).half().float()
+    assert torch.equal(head3.layers[0].mlp.gate_up_proj.weight, expect)
+    assert torch.equal(
+        head3.layers[0].hidden_norm.weight, w3["midlayer.hidden_norm.weight"].half().float()
+    )
+    half = load_eagle3_head(path, target=target, dtype="float16")
+    assert half.fc.weight.dtype == torch.float16 and half.d2t.dtype == torch.int64
+
+
+def test_head_config_mismatch_with_target(tmp_path):
+    target = random_causal_lm(tiny_config(), seed=1)
+    hcfg = eagle_config(tiny_config(vocab_size=300))
+    path = write_checkpoint(tmp_path, hcfg, random_eagle_weights(hcfg, seed=2))
+    with pytest.raises(ValueError, match="vocab_size 300 differs from the target's 256"):
+        load_eagle_head(path, target=target)
+    small = dataclasses.replace(hcfg, vocab_size=256, hidden_size=32, intermediate_size=40)
+    path = write_checkpoint(tmp_path / "s", small, random_eagle_weights(small, seed=2))
+    with pytest.raises(ValueError, match="hidden_size 32 differs"):
+        load_eagle_head(path, target=target)
