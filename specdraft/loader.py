@@ -189,7 +189,7 @@ def load_weights(
         logger.warning("%d checkpoint tensors unused, e.g. %s", len(unused), unused[:5])
 
 
-def _dtype(ckpt: Checkpoint, dtype, cfg: DecoderConfig) -> torch.dtype:
+def _dtype(dtype, cfg: DecoderConfig) -> torch.dtype:
     if dtype in (None, "auto"):
         return cfg.dtype
     return parse_dtype(dtype)
@@ -207,7 +207,7 @@ def load_causal_lm(
     ckpt = path if isinstance(path, Checkpoint) else Checkpoint.open(path)
     cfg = DecoderConfig.from_hf(ckpt.config, source=f"{ckpt.where}/config.json")
     model = LlamaForCausalLM(
-        cfg, dtype=_dtype(ckpt, dtype, cfg), device=device, max_positions=max_positions
+        cfg, dtype=_dtype(dtype, cfg), device=device, max_positions=max_positions
     )
     load_weights(model, model.weight_sources(), ckpt)
     return model.eval()
@@ -244,6 +244,11 @@ def load_eagle_head(
     ckpt = path if isinstance(path, Checkpoint) else Checkpoint.open(path)
     if ckpt.resolve("fc.weight") is None:
         raise CheckpointError(f"{ckpt.where} has no fc.weight: not an EAGLE-1 checkpoint")
+    if _is_eagle3(ckpt):
+        raise CheckpointError(
+            f"{ckpt.where} holds an EAGLE-3 head (midlayer.hidden_norm.weight): use "
+            f"load_eagle3_head"
+        )
     cfg = _head_config(ckpt, "layers.0.self_attn")
     _check_target(target, cfg, "EAGLE-1 head")
     if target is not None and target.cfg.hidden_size != cfg.hidden_size:
@@ -261,7 +266,7 @@ def load_eagle_head(
         lm_head=target.lm_head if target is not None else None,
         fc_bias=ckpt.resolve("fc.bias") is not None,
         first_input_norm=ckpt.resolve("layers.0.input_layernorm.weight") is not None,
-        dtype=target.dtype if target is not None and dtype is None else _dtype(ckpt, dtype, cfg),
+        dtype=target.dtype if target is not None and dtype is None else _dtype(dtype, cfg),
         device=_device(target, device),
         max_positions=max_positions,
     )
@@ -280,9 +285,9 @@ def load_eagle3_head(
     """An EAGLE-3 head. The checkpoint's embed_tokens.weight is used when present;
     otherwise the target's embedding is shared (then `target` is required)."""
     ckpt = path if isinstance(path, Checkpoint) else Checkpoint.open(path)
-    if ckpt.resolve("midlayer.self_attn.q_proj.weight") is None:
+    if not _is_eagle3(ckpt):
         raise CheckpointError(
-            f"{ckpt.where} has no midlayer.self_attn.q_proj.weight: not an EAGLE-3 checkpoint"
+            f"{ckpt.where} has no midlayer.hidden_norm.weight: not an EAGLE-3 checkpoint"
         )
     cfg = _head_config(ckpt, "midlayer.self_attn")
     _check_target(target, cfg, "EAGLE-3 head")
@@ -299,7 +304,7 @@ def load_eagle3_head(
     head = Eagle3Head(
         cfg,
         embed_tokens=None if own_embed else target.embed_tokens,
-        dtype=target.dtype if target is not None and dtype is None else _dtype(ckpt, dtype, cfg),
+        dtype=target.dtype if target is not None and dtype is None else _dtype(dtype, cfg),
         device=_device(target, device),
         max_positions=max_positions,
     )
@@ -307,7 +312,30 @@ def load_eagle3_head(
     return head.eval()
 
 
+def _is_eagle3(ckpt: Checkpoint) -> bool:
+    return ckpt.resolve("midlayer.hidden_norm.weight") is not None
+
+
 def _device(target, device) -> torch.device | str:
     if device is not None:
         return device
     return target.embed_tokens.weight.device if target is not None else "cpu"
+
+
+def load_draft(
+    path: str | Path,
+    *,
+    target: LlamaForCausalLM | None = None,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+    max_positions: int | None = None,
+) -> LlamaForCausalLM | EagleHead | Eagle3Head:
+    """Any draft this runtime builds, by what the checkpoint holds: an EAGLE-3 head
+    (midlayer.hidden_norm.weight), an EAGLE-1 head (fc.weight) or a causal LM."""
+    ckpt = Checkpoint.open(path)
+    kw = dict(dtype=dtype, max_positions=max_positions)
+    if _is_eagle3(ckpt):
+        return load_eagle3_head(ckpt, target=target, device=device, **kw)
+    if ckpt.resolve("fc.weight") is not None:
+        return load_eagle_head(ckpt, target=target, device=device, **kw)
+    return load_causal_lm(ckpt, device=device or "cpu", **kw)

@@ -42,7 +42,8 @@ class PagedRunner:
         self.cache.data.normal_()  # poison: nothing may read K/V it did not write
         self.cache.data[:, :, 0].zero_()
         self.tables = BlockTables(max_num_reqs, blocks_per_req, block_size, num_blocks, device)
-        self.builder = MetadataBuilder(self.limits, InputBuffers(self.limits, device), self.tables)
+        buffers = InputBuffers(self.limits, device)
+        self.builder = MetadataBuilder(self.limits, buffers, self.tables, self.cache)
         self.lens: dict = {}
 
     def step(self, reqs, *, pad_reqs: int = 0, pad_tokens: int = 0) -> AttentionMetadata:
