@@ -33,7 +33,11 @@ from .config import DecoderConfig
 from .llama import WeightSources, decoder_layer_sources
 
 
-def _check_hidden(hidden: torch.Tensor, num_tokens: int, width: int, what: str) -> None:
+def _check_hidden(
+    hidden: torch.Tensor, num_tokens: int, width: int, what: str, dtype: torch.dtype
+) -> None:
+    if hidden.dtype != dtype:
+        raise TypeError(f"hidden_states has dtype {hidden.dtype}, the head {dtype}")
     if hidden.dim() != 2 or hidden.shape[0] != num_tokens or hidden.shape[1] != width:
         raise ValueError(
             f"hidden_states has shape {tuple(hidden.shape)}, expected [{num_tokens}, {width}] "
@@ -134,9 +138,10 @@ class EagleHead(nn.Module):
         padded tokens must be finite. Returns (hidden [num_tokens, h], logits over the
         target vocabulary for the chosen rows, see LlamaForCausalLM.forward)."""
         _check_ids(input_ids, meta)
-        _check_hidden(hidden_states, meta.num_tokens, self.cfg.hidden_size, "hidden_size")
+        h = self.cfg.hidden_size
+        _check_hidden(hidden_states, meta.num_tokens, h, "hidden_size", self.dtype)
         caches = layer_caches(kv_caches, self.cfg.num_layers)
-        embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)
+        embeds = self.embed_tokens(input_ids)
         x = self.fc(torch.cat([embeds, hidden_states], dim=-1))
         residual = None
         for i, layer in enumerate(self.layers):
@@ -242,10 +247,14 @@ class Eagle3Head(nn.Module):
         if hidden_states.dim() == 2 and hidden_states.shape[-1] == self.fc.in_features != h:
             hidden_states = self.combine_hidden_states(hidden_states)
         _check_hidden(
-            hidden_states, meta.num_tokens, h, f"hidden_size, or {self.fc.in_features} for fc"
+            hidden_states,
+            meta.num_tokens,
+            h,
+            f"hidden_size, or {self.fc.in_features} for fc",
+            self.dtype,
         )
         (cache,) = layer_caches(kv_caches, 1)
-        embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)
+        embeds = self.embed_tokens(input_ids)
         x, residual = self.layers[0](embeds, hidden_states, meta, cache)
         normed, prenorm = self.norm(x, residual)
         return prenorm, select_logits(normed, self.lm_head, meta, logits_indices, all_logits)
