@@ -122,6 +122,18 @@ def test_unused_tensors_are_reported(tmp_path, caplog):
     assert "2 checkpoint tensors unused" in caplog.text and "model.extra.weight" in caplog.text
 
 
+def test_vllm_nested_eagle_config(tmp_path):
+    """vLLM's EAGLE-1 conversions: {"model_type": "eagle", "model": {llama config}} and
+    tensors under "model."."""
+    cfg = eagle_config(tiny_config())
+    w = {"model." + k: v for k, v in random_eagle_weights(cfg, with_embed=True).items()}
+    w["lm_head.weight"] = torch.randn(cfg.vocab_size, cfg.hidden_size)
+    nested = {"model_type": "eagle", "architectures": ["EAGLEModel"], "model": cfg.to_hf()}
+    head = load_eagle_head(write_checkpoint(tmp_path, nested, w))
+    assert head.cfg == cfg
+    assert torch.equal(head.fc.weight, w["model.fc.weight"])
+
+
 def test_load_draft_picks_the_kind(tmp_path):
     from specdraft.loader import load_draft
     from specdraft.models import Eagle3Head, EagleHead, LlamaForCausalLM

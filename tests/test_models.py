@@ -184,7 +184,7 @@ def test_gpu_hf_parity_bf16(tmp_path, case):
 def test_gpu_decode_step_under_cuda_graph():
     cfg = mid_config(**GPU_CASES["llama3"])
     model = random_causal_lm(cfg, seed=4, device="cuda")
-    runner = PagedRunner(cfg, "cuda", max_num_reqs=8, max_num_tokens=64, max_model_len=256)
+    runner = PagedRunner(cfg, "cuda", max_num_reqs=8, max_num_tokens=256, max_model_len=256)
     prompts = {i: torch.randint(0, cfg.vocab_size, (20 + 7 * i,)).tolist() for i in range(5)}
     meta = runner.step(list(prompts.items()))
     model(meta.input_ids, meta, runner.cache)

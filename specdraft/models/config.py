@@ -183,7 +183,10 @@ class DecoderConfig:
     def from_hf(cls, d: dict, *, head: bool = False, source: str = "config.json") -> DecoderConfig:
         """From a config.json dict. head=False checks "architectures" against
         SUPPORTED_ARCHITECTURES; EAGLE heads name their own classes there, so for them
-        only model_type is checked."""
+        only model_type is checked. vLLM's EAGLE-1 conversions nest the decoder config
+        under "model" with model_type "eagle"; that inner config is read."""
+        if head and d.get("model_type") == "eagle" and isinstance(d.get("model"), dict):
+            d = d["model"]
         archs = d.get("architectures") or []
         model_type = d.get("model_type")
         if not head:
