@@ -103,7 +103,9 @@ class RefLayer:
     """One decoder layer's attention and MLP over contiguous per-request K/V history."""
 
     def __init__(self, w: dict, prefix: str, cfg: DecoderConfig):
-        self.w = {k[len(prefix) + 1 :]: v.double() for k, v in w.items() if k.startswith(prefix)}
+        self.w = {
+            k[len(prefix) + 1 :]: v.double().cpu() for k, v in w.items() if k.startswith(prefix)
+        }
         self.cfg = cfg
         self.k: dict = {}
         self.v: dict = {}
@@ -144,15 +146,15 @@ class RefEagle:
     embed / lm_head: the (shared or own) weights; returns (hidden, last-token logits)."""
 
     def __init__(self, w: dict, cfg: DecoderConfig, embed, lm_head, *, eagle3: bool):
-        self.w = {k: v.double() for k, v in w.items() if v.is_floating_point()}
+        self.w = {k: v.double().cpu() for k, v in w.items() if v.is_floating_point()}
         self.cfg, self.eagle3 = cfg, eagle3
         self.embed, self.lm_head = embed.double().cpu(), lm_head.double().cpu()
         self.layer = RefLayer(w, "midlayer" if eagle3 else "layers.0", cfg)
 
     def __call__(self, rid, ids, hidden, pos):
         c, L = self.cfg, self.layer
-        e = self.embed[ids]
-        hidden = hidden.double()
+        e = self.embed[ids.cpu()]
+        hidden = hidden.double().cpu()
         if not self.eagle3:
             x = torch.cat([e, hidden], -1) @ self.w["fc.weight"].T
             if "fc.bias" in self.w:

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from specdraft.loader import load_eagle3_head, load_eagle_head
+from specdraft.loader import Checkpoint, load_eagle3_head, load_eagle_head
 from specdraft.models.tiny import (
     eagle_config,
     random_causal_lm,
@@ -23,18 +23,23 @@ from tests.model_helpers import PagedRunner, RefEagle, rel_err
 TOL = 1e-4
 
 
-def run_head_steps(head, ref, cfg, first_width: int, *, steps: int = 3, to_target=None):
+def run_head_steps(
+    head, ref, cfg, first_width: int, *, steps=3, to_target=None, device="cpu", tol=TOL
+):
     """A padded prefill of two requests with random input hidden states of width
     first_width, then `steps` one-token steps feeding back each request's last output
     hidden state and greedy token. Every output row is checked against `ref`."""
     g = torch.Generator().manual_seed(7)
-    runner = PagedRunner(cfg, "cpu", max_num_reqs=4, max_num_tokens=32, max_model_len=64)
+    runner = PagedRunner(cfg, device, max_num_reqs=4, max_num_tokens=32, max_model_len=64)
     prompts = {"a": [3, 17, 5, 250, 9, 1], "b": [42, 7, 100]}
-    feats = {r: torch.randn(len(p), first_width, generator=g) for r, p in prompts.items()}
+    feats = {
+        r: torch.randn(len(p), first_width, generator=g).to(device, head.dtype)
+        for r, p in prompts.items()
+    }
     reqs, width, pad_tokens = list(prompts.items()), first_width, 2
     for step in range(steps + 1):
         meta = runner.step(reqs, pad_reqs=1, pad_tokens=pad_tokens)
-        hidden_in = torch.zeros(meta.num_tokens, width)
+        hidden_in = torch.zeros(meta.num_tokens, width, device=device, dtype=head.dtype)
         hidden_in[: meta.num_real_tokens] = torch.cat([feats[r] for r, _ in reqs])
         out, logits = head(meta.input_ids, hidden_in, meta, runner.cache)
         assert out.shape == (meta.num_tokens, cfg.hidden_size)
@@ -44,8 +49,8 @@ def run_head_steps(head, ref, cfg, first_width: int, *, steps: int = 3, to_targe
             n = len(toks)
             pos = torch.arange(runner.lens[rid] - n, runner.lens[rid])
             ref_out, ref_logits = ref(rid, torch.tensor(toks), feats[rid], pos)
-            assert rel_err(out[start : start + n], ref_out) < TOL, f"step {step} {rid} hidden"
-            assert rel_err(logits[i], ref_logits) < TOL, f"step {step} {rid} logits"
+            assert rel_err(out[start : start + n], ref_out) < tol, f"step {step} {rid} hidden"
+            assert rel_err(logits[i], ref_logits) < tol, f"step {step} {rid} logits"
             tok = logits[i].argmax()
             nxt.append((rid, [int(tok if to_target is None else to_target(tok))]))
             feats[rid] = out[start + n - 1 : start + n]
@@ -89,8 +94,6 @@ def test_eagle3_head_matches_reference(tmp_path, variant):
 def test_eagle3_d2t_mapping():
     hcfg = eagle_config(tiny_config(), draft_vocab_size=60)
     w = random_eagle3_weights(hcfg, seed=4)
-    from specdraft.loader import Checkpoint
-
     head = load_eagle3_head(Checkpoint.from_tensors(hcfg.to_hf(), w))
     draft = torch.arange(60)
     target_ids = head.draft_to_target(draft)
@@ -148,3 +151,35 @@ def test_head_config_mismatch_with_target(tmp_path):
     path = write_checkpoint(tmp_path / "s", small, random_eagle_weights(small, seed=2))
     with pytest.raises(ValueError, match="hidden_size 32 differs"):
         load_eagle_head(path, target=target)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eagle3", [False, True], ids=["eagle1", "eagle3"])
+def test_gpu_heads_bf16(eagle3):
+    """Both heads in bf16 at a mid-size shape against the float64 reference (over the
+    bf16-rounded weights and inputs): the CUDA kernels at 2h-wide attention inputs."""
+    tcfg = tiny_config(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_heads=16,
+        num_kv_heads=4,
+        head_dim=64,
+        dtype=torch.bfloat16,
+    )
+    hcfg = eagle_config(tcfg, draft_vocab_size=8000 if eagle3 else None)
+    if eagle3:
+        w = random_eagle3_weights(hcfg, seed=3)
+        head = load_eagle3_head(Checkpoint.from_tensors(hcfg.to_hf(), w), device="cuda")
+        embed, lm_head, first = w["embed_tokens.weight"], w["lm_head.weight"], hcfg.fc_input_size
+    else:
+        target = random_causal_lm(tcfg, seed=1, device="cuda")
+        w = random_eagle_weights(hcfg, seed=2)
+        head = load_eagle_head(Checkpoint.from_tensors(hcfg.to_hf(), w), target=target)
+        embed, lm_head = target.embed_tokens.weight, target.lm_head.weight
+        first = hcfg.hidden_size
+    assert head.dtype == torch.bfloat16
+    rounded = {k: v.bfloat16() if v.is_floating_point() else v for k, v in w.items()}
+    ref = RefEagle(rounded, hcfg, embed.bfloat16(), lm_head.bfloat16(), eagle3=eagle3)
+    to_target = head.draft_to_target if eagle3 else None
+    run_head_steps(head, ref, hcfg, first, to_target=to_target, device="cuda", tol=2e-2)

@@ -143,3 +143,27 @@ def test_launcher_errors(device):
         apply_rotary(q, k, pos, torch.randn(10, 10, device=device))
     with pytest.raises(ValueError, match="k has shape"):
         apply_rotary(q, torch.randn(2, 1, 8, device=device), pos, table)
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_bf16_at_model_sizes():
+    tol = dict(atol=2e-2, rtol=2e-2)
+    for rows, hidden in [(64, 4096), (3, 8192), (1, 768)]:
+        x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+        res = torch.randn_like(x)
+        w = (1 + 0.1 * torch.randn(hidden, device="cuda")).bfloat16()
+        s = (x.float() + res.float()).bfloat16()
+        y, r = rms_norm(x, w, 1e-5, residual=res)
+        assert torch.equal(r, s)
+        torch.testing.assert_close(y, ref_rms(s, w, 1e-5), **tol)
+    x = 3 * torch.randn(64, 2 * 14336, device="cuda", dtype=torch.bfloat16)
+    ref = torch.nn.functional.silu(x[:, :14336].float()).bfloat16() * x[:, 14336:]
+    torch.testing.assert_close(silu_and_mul(x), ref, **tol)
+    table = cos_sin_table(128, RopeConfig(theta=500000.0), 8192, "cuda")
+    qkv = torch.randn(64, 48 * 128, device="cuda", dtype=torch.bfloat16)
+    q, k = qkv[:, : 32 * 128].view(64, 32, 128), qkv[:, 32 * 128 : 40 * 128].view(64, 8, 128)
+    pos = torch.randint(0, 8192, (64,), device="cuda")
+    ref_q, ref_k = ref_rotary(q, pos, table), ref_rotary(k, pos, table)
+    apply_rotary(q, k, pos, table)
+    torch.testing.assert_close(q, ref_q, **tol)
+    torch.testing.assert_close(k, ref_k, **tol)
