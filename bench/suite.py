@@ -1,6 +1,6 @@
 """The whole GPU suite: every test (gpu-marked ones included), then the benchmarks (host
-preparation under pytest-benchmark, graph capture and replay, attention), then short
-tables.
+preparation under pytest-benchmark, graph capture and replay, draft models, attention), then
+short tables.
 
     python -m bench.suite [--out results] [--quick] [--sweep] [--no-flex]
 
@@ -73,17 +73,22 @@ def main() -> int:
 
     crc = capture.main(["--out", str(args.out)])
 
+    from bench import models
+
+    mrc = models.main(["--out", str(args.out)])
+
     from bench import attention
 
     bench_argv = ["--out", str(args.out)]
     bench_argv += ["--quick"] * args.quick + ["--sweep"] * args.sweep
     bench_argv += ["--no-flex"] * args.no_flex
     brc = attention.main(bench_argv)
-    capture_md = args.out / "capture.md"
-    if capture_md.exists():
-        print("\n" + capture_md.read_text().strip())
+    for name in ("models", "capture"):
+        md = args.out / f"{name}.md"
+        if md.exists():
+            print("\n" + md.read_text().strip())
     print(f"\n{host_line}\ntests: {summary}")
-    return rc or hrc or crc or brc
+    return rc or hrc or crc or mrc or brc
 
 
 if __name__ == "__main__":
