@@ -19,23 +19,8 @@ import torch
 BAR_CAPTURE_S, BAR_DISPATCH_US = 0.2, 20.0
 
 
-def _event_median_us(fn, iters: int = 100) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
-    return statistics.median(times)
-
-
 def run(out_dir: Path) -> int:
-    from bench.common import environment, markdown_table, save_results
+    from bench.common import eager_us, environment, markdown_table, save_results
     from specdraft.attn_metadata import MetadataBuilder
     from specdraft.batch import ScheduledBatch
     from specdraft.block_table import BlockTables
@@ -85,8 +70,8 @@ def run(out_dir: Path) -> int:
         meta = builder.build(
             batch, num_reqs_padded=desc.num_reqs, num_tokens_padded=desc.num_tokens, max_query_len=1
         )
-        eager_us = _event_median_us(lambda meta=meta: model(meta, cache))
-        replay_us = _event_median_us(lambda desc=desc: manager.replay(desc))
+        step_us = eager_us(lambda meta=meta: model(meta, cache), iters=100, warmup=10)
+        replay_us = eager_us(lambda desc=desc: manager.replay(desc), iters=100, warmup=10)
         host = []
         for _ in range(200):
             t0 = time.perf_counter()
@@ -97,9 +82,9 @@ def run(out_dir: Path) -> int:
         rows.append(
             {
                 "batch": batch_size,
-                "eager_us": eager_us,
+                "eager_us": step_us,
                 "replay_us": replay_us,
-                "speedup": eager_us / replay_us,
+                "speedup": step_us / replay_us,
                 "dispatch_host_us": statistics.median(host),
             }
         )

@@ -46,6 +46,27 @@ def time_graph_us(
     return statistics.median(times)
 
 
+def eager_us(fn, *, iters: int, warmup: int = 5, after=None) -> float:
+    """Median device time of fn() between two events, one call at a time (the host
+    waits for each, so launch overhead counts as it does in an eager draft loop)."""
+    for _ in range(warmup):
+        fn()
+        if after:
+            after()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        if after:
+            after()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
 def copy_bandwidth_tbps(nbytes: int = 4 << 30) -> dict[str, float]:
     """Device-to-device copy rates, bytes read plus bytes written, in TB/s: a memcpy
     captured in a graph, the same memcpy issued eagerly, and an SM copy kernel (an

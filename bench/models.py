@@ -19,13 +19,13 @@ RMSNorms over the batch's rows, negligible here).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from bench.common import eager_us
 from specdraft.loader import Checkpoint, load_eagle_head
 from specdraft.models.tiny import (
     eagle_config,
@@ -39,27 +39,6 @@ from tests.model_helpers import PagedRunner, hf_forward
 
 CASES = ("llama-68m", "eagle-llama3-8b")
 DEVICE = "cuda"
-
-
-def eager_us(fn, *, iters: int, warmup: int = 5, after=None) -> float:
-    """Median device time of fn() between two events, one call at a time (the host
-    waits for each, so launch overhead counts as it does in an eager draft loop)."""
-    for _ in range(warmup):
-        fn()
-        if after:
-            after()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        if after:
-            after()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def weight_bytes(model: nn.Module, batch: int) -> int:
