@@ -12,7 +12,7 @@ from .paged_attention import (
 )
 from .rmsnorm import rms_norm
 from .rotary import apply_rotary
-from .slot_mapping import compute_slot_mapping
+from .slot_mapping import compute_slot_mapping, prepare_slot_mapping
 
 __all__ = [
     "AttentionLaunchConfig",
@@ -21,6 +21,7 @@ __all__ = [
     "compute_slot_mapping",
     "num_sms",
     "paged_attention",
+    "prepare_slot_mapping",
     "rms_norm",
     "silu_and_mul",
     "store_kv",

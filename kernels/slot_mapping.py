@@ -7,6 +7,8 @@ captured for a descriptor's (num_reqs, num_tokens) is valid for any lengths with
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -19,15 +21,20 @@ MAX_BLOCK_SIZE = 256
 @triton.jit
 def _slot_mapping_kernel(
     out_ptr,
+    table_ptr,
+    rows_ptr,
+    row_slots_ptr,
     positions_ptr,
     qsl_ptr,
-    block_table_ptr,
     num_reqs,
     num_tokens,
     max_blocks,
-    stride_bt,
+    stride_table,
+    stride_rows,
     BLOCK_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
+    GATHER: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
 ):
     req = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -39,10 +46,22 @@ def _slot_mapping_kernel(
             tl.store(out_ptr + tok, tl.full([BLOCK], -1, tl.int64), mask=tok < num_tokens)
         return
 
+    table_row = table_ptr + req.to(tl.int64) * stride_table
+    if GATHER:
+        # The step table's row `req` is a copy of the request's persistent row; the
+        # slots below read the source row, so they do not wait on the copy.
+        src_row = rows_ptr + tl.load(row_slots_ptr + req).to(tl.int64) * stride_rows
+        cols = tl.arange(0, ROW_BLOCK)
+        for c0 in range(0, max_blocks, ROW_BLOCK):
+            m = c0 + cols < max_blocks
+            tl.store(table_row + c0 + cols, tl.load(src_row + c0 + cols, mask=m), mask=m)
+        bt_row = src_row
+    else:
+        bt_row = table_row
+
     # Clamped to [0, num_tokens): inconsistent lengths never write outside out[:num_tokens].
     start = tl.maximum(tl.load(qsl_ptr + req), 0)
     end = tl.minimum(tl.load(qsl_ptr + req + 1), num_tokens)
-    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     for t0 in range(start, end, BLOCK):
         tok = (t0 + offs).to(tl.int64)
         mask = tok < end
@@ -70,6 +89,9 @@ def compute_slot_mapping(
     block_size: int,
     out: torch.Tensor,
     num_tokens: int,
+    *,
+    rows: torch.Tensor | None = None,
+    row_slots: torch.Tensor | None = None,
 ) -> None:
     """out[t] = block_table[r, positions[t] // block_size] * block_size
     + positions[t] % block_size for each token t of request r, in int64.
@@ -78,12 +100,36 @@ def compute_slot_mapping(
     non-decreasing, entries past the real requests repeating the real token count;
     block_table: int32 [>= num_reqs, max_blocks]; out: int64 [>= num_tokens].
 
+    With `rows` (int32 [n, max_blocks]) and `row_slots` (int64 [>= num_reqs], values in
+    [0, n)), the same launch first gathers the step's table: block_table[r] =
+    rows[row_slots[r]] for r < num_reqs, and the slots come from those rows.
+
     Tokens in [query_start_loc[num_reqs], num_tokens) are padding and get -1, as do
     tokens with a negative position, a block index >= max_blocks or a negative block id.
     out[num_tokens:] is not touched. The launch (num_reqs + 1 programs, its constexprs)
     depends on num_reqs, num_tokens and block_table's shape only, so it can be captured
     once per descriptor and replayed with new contents in the same buffers.
     """
+    num_reqs = query_start_loc.numel() - 1 if isinstance(query_start_loc, torch.Tensor) else 0
+    launch = prepare_slot_mapping(
+        positions, query_start_loc, block_table, block_size, out, rows=rows, row_slots=row_slots
+    )
+    launch(num_reqs, num_tokens)
+
+
+def prepare_slot_mapping(
+    positions: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    out: torch.Tensor,
+    *,
+    rows: torch.Tensor | None = None,
+    row_slots: torch.Tensor | None = None,
+) -> Callable[[int, int], None]:
+    """Check persistent buffers once and return `launch(num_reqs, num_tokens)`, which
+    runs compute_slot_mapping over their first num_reqs requests and num_tokens tokens
+    with only those two integers checked: the per-step path of the metadata builder."""
     _check_tensor("positions", positions, 1, (torch.int64,))
     _check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,))
     _check_tensor("block_table", block_table, 2, (torch.int32,))
@@ -94,41 +140,68 @@ def compute_slot_mapping(
         raise ValueError(
             f"block_size must be a power of two in [1, {MAX_BLOCK_SIZE}], got {block_size}"
         )
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
-        raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
-    if num_tokens < 0 or num_tokens > positions.numel():
-        raise ValueError(
-            f"num_tokens must be in [0, positions.numel() = {positions.numel()}], got {num_tokens}"
-        )
-    if out.numel() < num_tokens:
-        raise ValueError(f"out has {out.numel()} entries, fewer than num_tokens {num_tokens}")
-    num_reqs = query_start_loc.numel() - 1
-    if num_reqs < 0:
+    if query_start_loc.numel() < 1:
         raise ValueError("query_start_loc needs at least 1 entry, got 0")
-    if block_table.shape[0] < num_reqs:
-        raise ValueError(
-            f"block_table has {block_table.shape[0]} rows, fewer than num_reqs {num_reqs}"
-        )
-    for name, t in (
-        ("positions", positions),
-        ("query_start_loc", query_start_loc),
-        ("block_table", block_table),
-    ):
+    gather = rows is not None or row_slots is not None
+    tensors = [("positions", positions), ("query_start_loc", query_start_loc)]
+    tensors.append(("block_table", block_table))
+    if gather:
+        if rows is None or row_slots is None:
+            raise ValueError("rows and row_slots go together: pass both or neither")
+        _check_tensor("rows", rows, 2, (torch.int32,))
+        _check_tensor("row_slots", row_slots, 1, (torch.int64,))
+        if rows.shape[1] != block_table.shape[1]:
+            raise ValueError(
+                f"rows has {rows.shape[1]} columns, block_table {block_table.shape[1]}"
+            )
+        tensors += [("rows", rows), ("row_slots", row_slots)]
+    for name, t in tensors:
         if t.device != out.device:
             raise ValueError(f"{name} is on {t.device}, out on {out.device}")
-    if num_tokens == 0:
-        return
-    block = _choose_block(num_tokens, num_reqs)
-    _slot_mapping_kernel[(num_reqs + 1,)](
-        out,
-        positions,
-        query_start_loc,
-        block_table,
-        num_reqs,
-        num_tokens,
-        block_table.shape[1],
-        block_table.stride(0),
-        BLOCK_SIZE=block_size,
-        BLOCK=block,
-        num_warps=max(1, block // 256),
-    )
+    width = block_table.shape[1]
+    row_block = min(1024, triton.next_power_of_2(max(width, 1)))
+    src, src_slots = (rows, row_slots) if gather else (block_table, query_start_loc)
+    # (argument, most it may be for these buffers, which buffer sets that bound)
+    qsl_n = query_start_loc.numel()
+    limits = [
+        ("num_reqs", qsl_n - 1, f"query_start_loc has {qsl_n} entries"),
+        ("num_reqs", block_table.shape[0], f"block_table has {block_table.shape[0]} rows"),
+        ("num_tokens", positions.numel(), f"positions.numel() = {positions.numel()}"),
+        ("num_tokens", out.numel(), f"out has {out.numel()} entries"),
+    ]
+    if gather:
+        limits.append(("num_reqs", row_slots.numel(), f"row_slots has {row_slots.numel()} entries"))
+
+    def launch(num_reqs: int, num_tokens: int) -> None:
+        given = {"num_reqs": num_reqs, "num_tokens": num_tokens}
+        for name, v in given.items():
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+            if v < 0:
+                raise ValueError(f"{name} must be >= 0, got {v}")
+        for name, most, why in limits:
+            if given[name] > most:
+                raise ValueError(f"{name} = {given[name]} is over {most}: {why}")
+        if num_tokens == 0 and not gather:
+            return
+        block = _choose_block(num_tokens, num_reqs)
+        _slot_mapping_kernel[(num_reqs + 1,)](
+            out,
+            block_table,
+            src,
+            src_slots,
+            positions,
+            query_start_loc,
+            num_reqs,
+            num_tokens,
+            width,
+            block_table.stride(0),
+            src.stride(0),
+            BLOCK_SIZE=block_size,
+            BLOCK=block,
+            GATHER=gather,
+            ROW_BLOCK=row_block,
+            num_warps=max(1, block // 256),
+        )
+
+    return launch

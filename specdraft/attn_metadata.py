@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdraft.kernels import compute_slot_mapping
+from specdraft.kernels import prepare_slot_mapping
 
 from .batch import ScheduledBatch
 from .block_table import BlockTables
@@ -64,6 +64,19 @@ class MetadataBuilder:
         self.buffers = buffers
         self.block_tables = block_tables
         self.block_size = block_tables.block_size
+        self._arange = np.arange(max(limits.max_num_tokens, limits.max_num_reqs))
+        self._row_mark = np.zeros(block_tables.max_num_reqs + 1, dtype=np.int64)
+        # The step table's gather and the slot mapping: one launch, buffers checked once.
+        self._slot_mapping = prepare_slot_mapping(
+            buffers.positions,
+            buffers.query_start_loc,
+            block_tables.table,
+            self.block_size,
+            buffers.slot_mapping,
+            rows=block_tables.rows,
+            row_slots=buffers.row_slots,
+        )
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
     # ---- real batches -------------------------------------------------------------
 
@@ -88,6 +101,7 @@ class MetadataBuilder:
         mq = int(counts.max()) if max_query_len is None else max_query_len
         self._check_padding(r, t, rp, tp, int(counts.max()), mq)
         rows = self._rows_with_capacity(batch.req_ids, starts + counts)
+        self._check_unique(batch.req_ids, rows)
 
         s = self.buffers.stage()
         qsl = s.query_start_loc
@@ -99,7 +113,7 @@ class MetadataBuilder:
         s.input_ids[:t] = tokens
         s.input_ids[t:tp] = 0
         # position of token j of request i: starts[i] + j
-        s.positions[:t] = np.repeat(starts - qsl[:r], counts) + np.arange(t)
+        s.positions[:t] = np.repeat(starts - qsl[:r], counts) + self._arange[:t]
         s.positions[t:tp] = 0
         s.last_token_idx[:r] = qsl[1 : r + 1] - 1
         s.last_token_idx[r:rp] = 0
@@ -140,10 +154,6 @@ class MetadataBuilder:
             raise ValueError(f"batch has {t} tokens, over max_num_tokens {lim.max_num_tokens}")
         if tokens.shape != (t,):
             raise ValueError(f"token_ids has shape {tokens.shape}, expected ({t},)")
-        if len(set(batch.req_ids)) != r:
-            seen: set = set()
-            dup = next(x for x in batch.req_ids if x in seen or seen.add(x))
-            raise ValueError(f"request id {dup!r} appears twice in the batch")
         return r, t
 
     def _check_padding(self, r: int, t: int, rp: int, tp: int, real_mq: int, mq: int) -> None:
@@ -158,6 +168,16 @@ class MetadataBuilder:
             )
         if mq < real_mq:
             raise ValueError(f"max_query_len {mq} is below the batch's longest query {real_mq}")
+
+    def _check_unique(self, req_ids, rows: np.ndarray) -> None:
+        """Distinct requests hold distinct row slots, so a repeated row is a repeated id."""
+        mark, idx = self._row_mark, self._arange[: len(rows)]
+        mark[rows] = idx  # the last index wins where a row repeats
+        repeated = mark[rows] != idx
+        if repeated.any():
+            raise ValueError(
+                f"request id {req_ids[int(np.argmax(repeated))]!r} appears twice in the batch"
+            )
 
     def _rows_with_capacity(self, req_ids, ends: np.ndarray) -> np.ndarray:
         """Block-table row of every request, checking its blocks cover its length."""
@@ -212,33 +232,23 @@ class MetadataBuilder:
     # ---- shared ---------------------------------------------------------------------
 
     def _upload(self, s: HostStaging, rp: int, tp: int) -> None:
-        b, bt = self.buffers, self.block_tables
-        b.upload(s)
-        bt.commit()
-        bt.gather(b.row_slots[:rp])
-        compute_slot_mapping(
-            b.positions,
-            b.query_start_loc[: rp + 1],
-            bt.table,
-            self.block_size,
-            b.slot_mapping,
-            tp,
-        )
+        self.buffers.upload(s)
+        self.block_tables.commit()
+        self._slot_mapping(rp, tp)
 
     def _metadata(self, rp: int, tp: int, mq: int, t: int, r: int) -> AttentionMetadata:
-        b = self.buffers
-        return AttentionMetadata(
-            num_tokens=tp,
-            num_reqs=rp,
-            max_query_len=mq,
-            max_seq_len=self.limits.max_model_len,
-            num_real_tokens=t,
-            num_real_reqs=r,
-            query_start_loc=b.query_start_loc[: rp + 1],
-            seq_lens=b.seq_lens[:rp],
-            block_table=self.block_tables.table[:rp],
-            slot_mapping=b.slot_mapping[:tp],
-            positions=b.positions[:tp],
-            input_ids=b.input_ids[:tp],
-            last_token_idx=b.last_token_idx[:rp],
-        )
+        views = self._views.get((rp, tp))
+        if views is None:
+            if len(self._views) >= 4096:  # eager runs of ever-new sizes: keep it bounded
+                self._views.clear()
+            b = self.buffers
+            views = self._views[(rp, tp)] = (
+                b.query_start_loc[: rp + 1],
+                b.seq_lens[:rp],
+                self.block_tables.table[:rp],
+                b.slot_mapping[:tp],
+                b.positions[:tp],
+                b.input_ids[:tp],
+                b.last_token_idx[:rp],
+            )
+        return AttentionMetadata(tp, rp, mq, self.limits.max_model_len, t, r, *views)

@@ -9,9 +9,11 @@ to the smallest captured descriptor that fits it; `replay` runs that graph.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,12 +60,16 @@ def default_capture_sizes(max_num_tokens: int) -> list[int]:
 
 
 _SHARED_POOL: Any = None
+# Managers whose graphs hold the shared pool. A pool whose graphs have all been freed
+# cannot take new captures (the caching allocator asserts on it), so the handle is
+# replaced once no live manager holds graphs.
+_POOL_HOLDERS: weakref.WeakSet = weakref.WeakSet()
 
 
 def shared_graph_pool() -> Any:
     """One memory pool for every manager's graphs (DESIGN invariant 4)."""
     global _SHARED_POOL
-    if _SHARED_POOL is None:
+    if _SHARED_POOL is None or not any(m._graphs for m in _POOL_HOLDERS):
         _SHARED_POOL = torch.cuda.graph_pool_handle()
     return _SHARED_POOL
 
@@ -125,6 +131,9 @@ class CudaGraphManager:
         self.descriptors = self._build_descriptors(sizes, uniform_token_counts, mixed)
         self._graphs: dict[BatchExecutionDescriptor, Any] = {}
         self._outputs: dict[BatchExecutionDescriptor, Any] = {}
+        # captured descriptors in dispatch preference order, and their num_tokens
+        self._ranked: list[BatchExecutionDescriptor] = []
+        self._ranked_tokens: list[int] = []
         self._pool: Any = None
         self._fallback_logged = False
 
@@ -179,6 +188,7 @@ class CudaGraphManager:
         todo = self.descriptors if descriptors is None else list(descriptors)
         if self._pool is None and todo:
             self._pool = self.backend.pool()
+            _POOL_HOLDERS.add(self)
         free_before = self.backend.free_memory()
         start = time.perf_counter()
         for desc in _progress(todo, progress_bar_desc):
@@ -190,6 +200,8 @@ class CudaGraphManager:
             )
             self._graphs[desc] = graph
             self._outputs[desc] = outputs
+        self._ranked = sorted(self._graphs, key=_rank)
+        self._ranked_tokens = [d.num_tokens for d in self._ranked]
         self.backend.synchronize()
         free_after = self.backend.free_memory()
         if todo:
@@ -238,12 +250,14 @@ class CudaGraphManager:
                 f"num_tokens {num_tokens}"
             )
         mq = max_query_len or uniform_token_count or num_tokens - num_reqs + 1
+        # Ranked by num_tokens first: start at the first graph with enough tokens; the
+        # first one that fits is the best (usually within a few).
         best = None
-        for d in self._graphs:
-            if d.fits(num_reqs, num_tokens, uniform_token_count, mq) and (
-                best is None or _rank(d) < _rank(best)
-            ):
+        for i in range(bisect.bisect_left(self._ranked_tokens, num_tokens), len(self._ranked)):
+            d = self._ranked[i]
+            if d.fits(num_reqs, num_tokens, uniform_token_count, mq):
                 best = d
+                break
         if best is None and not self._fallback_logged:
             self._fallback_logged = True
             logger.warning(
@@ -268,7 +282,9 @@ class CudaGraphManager:
         self.backend.synchronize()
         self._graphs.clear()
         self._outputs.clear()
+        self._ranked, self._ranked_tokens = [], []
         self._pool = None
+        _POOL_HOLDERS.discard(self)
 
 
 def _rank(d: BatchExecutionDescriptor) -> tuple:

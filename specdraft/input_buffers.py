@@ -60,10 +60,15 @@ class InputBuffers:
         self.slot_mapping = torch.full((t,), -1, dtype=torch.int64, device=self.device)
         self._ring = PinnedRing(total, torch.int64, self.device)
         self.max_num_tokens, self.max_num_reqs = t, r
+        # numpy views of each staging buffer, made once (they cost more than the writes)
+        self._staging = [self._host_views(i, b) for i, b in enumerate(self._ring.buffers)]
 
     def stage(self) -> HostStaging:
         """A staging buffer free for writing, as numpy views in the device layout."""
-        slot, host = self._ring.acquire()
+        slot, _ = self._ring.acquire()
+        return self._staging[slot]
+
+    def _host_views(self, slot: int, host: torch.Tensor) -> HostStaging:
         arr = host.numpy()
         i32 = host[self._i32_start :].view(torch.int32).numpy()
         r = self.max_num_reqs

@@ -53,7 +53,7 @@ class SimpleDraftModel(torch.nn.Module):
             )
             x = x + a.reshape(n, hq * d) @ self.o[i]
         last = x[meta.last_token_idx]
-        logits = last.float() @ self.lm_head.float().t()
+        logits = last @ self.lm_head.t()
         r = meta.num_reqs
         self.out_tokens[:r].copy_(logits.argmax(-1))
         self.out_hidden[:r].copy_(last)

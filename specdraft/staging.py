@@ -18,26 +18,39 @@ class PinnedRing:
         self.device = torch.device(device)
         pin = self.device.type == "cuda"
         self._bufs = [torch.empty(numel, dtype=dtype, pin_memory=pin) for _ in range(depth)]
-        self._events: list[torch.cuda.Event | None] = [None] * depth
+        # One reusable event per buffer, recorded after each of its copies.
+        self._events = [torch.cuda.Event() if pin else None for _ in range(depth)]
+        self._pending = [False] * depth  # an event recorded and not yet seen complete
         self._next = 0
         self.waits = 0  # times the host had to wait for a copy: expected to stay 0
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        return list(self._bufs)
 
     def acquire(self) -> tuple[int, torch.Tensor]:
         """A buffer free for writing, and its slot for `copy_to`."""
         slot = self._next
         self._next = (slot + 1) % len(self._bufs)
-        ev = self._events[slot]
-        if ev is not None and not ev.query():
-            self.waits += 1
-            ev.synchronize()
+        if self._pending[slot]:
+            ev = self._events[slot]
+            if not ev.query():
+                self.waits += 1
+                ev.synchronize()
+            self._pending[slot] = False
         return slot, self._bufs[slot]
 
     def copy_to(self, slot: int, dst: torch.Tensor, n: int) -> None:
         """Copy the first n elements of buffer `slot` into dst[:n], asynchronously."""
         if n == 0:
             return
-        dst[:n].copy_(self._bufs[slot][:n], non_blocking=True)
-        if self.device.type == "cuda":
-            ev = torch.cuda.Event()
+        src = self._bufs[slot]
+        if n != src.numel():
+            src = src[:n]
+        if n != dst.numel():
+            dst = dst[:n]
+        dst.copy_(src, non_blocking=True)
+        ev = self._events[slot]
+        if ev is not None:
             ev.record()
-            self._events[slot] = ev
+            self._pending[slot] = True

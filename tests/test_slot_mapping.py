@@ -156,6 +156,69 @@ def test_empty_rows_padding_only_and_zero_tokens(device):
     assert (args["out"] == POISON).all()
 
 
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+@pytest.mark.parametrize("width", [5, 40])
+def test_gather_rows_then_map(device, kind, width):
+    """With rows / row_slots the launch copies each request's persistent row into the
+    step table (padded requests get the null row) and maps slots from it; table rows
+    past num_reqs stay as they were."""
+    rng = random.Random(f"gather-{kind}-{width}")
+    num_reqs, pad_reqs, bs = 9, 3, 16
+    q_lens = q_lens_for(kind, num_reqs, rng)
+    q_lens = [min(q, width * bs // 2) for q in q_lens]
+    args = make_case(q_lens, bs, pad_reqs=pad_reqs, pad_tokens=7, device=device, rng=rng)
+    n_rows = 20  # persistent rows; the last one is the null row
+    rows = torch.randint(1, 5000, (n_rows, width), dtype=torch.int32)
+    rows[-1] = 0
+    picked = rng.sample(range(n_rows - 1), num_reqs) + [n_rows - 1] * pad_reqs
+    row_slots = torch.tensor(picked, dtype=torch.int64)
+    total = sum(q_lens)
+    pos = args["positions"]
+    qsl = args["query_start_loc"].tolist()
+    for r, q in enumerate(q_lens):  # positions inside each row's width
+        ctx = rng.randint(0, width * bs - q)
+        pos[qsl[r] : qsl[r] + q] = torch.arange(ctx, ctx + q)
+    table = torch.full((num_reqs + pad_reqs + 2, width), POISON, dtype=torch.int32)
+    table, rows, row_slots = (x.to(device) for x in (table, rows, row_slots))
+    out = args["out"].fill_(POISON)
+    n = args["num_tokens"]
+    compute_slot_mapping(
+        pos, args["query_start_loc"], table, bs, out, n, rows=rows, row_slots=row_slots
+    )
+    r_all = num_reqs + pad_reqs
+    assert torch.equal(table[:r_all], rows[row_slots])
+    assert (table[r_all:] == POISON).all(), "wrote table rows past num_reqs"
+    ref = slot_mapping_ref(pos, args["query_start_loc"], rows[row_slots], bs, n)
+    assert torch.equal(out[:n], ref) and (out[n:] == POISON).all()
+    assert (ref[:total] >= 0).all() and (ref[total:] == -1).all()
+
+
+@pytest.mark.parametrize(
+    "extra, exc, words",
+    [
+        ({"rows": "r"}, ValueError, "rows and row_slots go together"),
+        ({"rows": "r", "row_slots": "s32"}, TypeError, "row_slots must have dtype"),
+        ({"rows": "narrow", "row_slots": "s"}, ValueError, "rows has 3 columns"),
+        ({"rows": "r", "row_slots": "short"}, ValueError, "row_slots has 1 entries"),
+    ],
+)
+def test_gather_bad_input_writes_nothing(device, extra, exc, words):
+    rng = random.Random(9)
+    args = make_case([3, 1, 4], 16, pad_reqs=0, pad_tokens=2, device=device, rng=rng)
+    width = args["block_table"].shape[1]
+    made = {
+        "r": torch.ones(4, width, dtype=torch.int32, device=device),
+        "narrow": torch.ones(4, 3, dtype=torch.int32, device=device),
+        "s": torch.zeros(3, dtype=torch.int64, device=device),
+        "s32": torch.zeros(3, dtype=torch.int32, device=device),
+        "short": torch.zeros(1, dtype=torch.int64, device=device),
+    }
+    before = (args["out"].clone(), args["block_table"].clone())
+    with pytest.raises(exc, match=words):
+        compute_slot_mapping(**args, **{k: made[v] for k, v in extra.items()})
+    assert torch.equal(args["out"], before[0]) and torch.equal(args["block_table"], before[1])
+
+
 def test_lengths_past_num_tokens_never_write_out_of_range(device):
     """query_start_loc claiming more tokens than num_tokens: the writes stop at num_tokens."""
     rng = random.Random(4)
