@@ -13,12 +13,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import CachedLaunch
 from .paged_attention import _check_tensor, cdiv
 
 MAX_BLOCK_SIZE = 256
 
 
-@triton.jit
+# num_reqs and num_tokens change every step: not specialized, so one compiled kernel per
+# BLOCK serves every step (kernels/launch.py).
+@triton.jit(do_not_specialize=["num_reqs", "num_tokens"])
 def _slot_mapping_kernel(
     out_ptr,
     table_ptr,
@@ -185,23 +188,10 @@ def prepare_slot_mapping(
         if num_tokens == 0 and not gather:
             return
         block = _choose_block(num_tokens, num_reqs)
-        _slot_mapping_kernel[(num_reqs + 1,)](
-            out,
-            block_table,
-            src,
-            src_slots,
-            positions,
-            query_start_loc,
-            num_reqs,
-            num_tokens,
-            width,
-            block_table.stride(0),
-            src.stride(0),
-            BLOCK_SIZE=block_size,
-            BLOCK=block,
-            GATHER=gather,
-            ROW_BLOCK=row_block,
-            num_warps=max(1, block // 256),
-        )
+        args = (out, block_table, src, src_slots, positions, query_start_loc, num_reqs)
+        args += (num_tokens, width, block_table.stride(0), src.stride(0))
+        args += (block_size, block, gather, row_block)
+        _launch(block, (num_reqs + 1, 1, 1), args, {"num_warps": max(1, block // 256)})
 
+    _launch = CachedLaunch(_slot_mapping_kernel)
     return launch

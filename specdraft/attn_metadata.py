@@ -17,6 +17,9 @@ from .input_buffers import HostStaging, InputBuffers
 from .kv_cache import KVCache
 
 
+_min, _max, _sum = np.minimum.reduce, np.maximum.reduce, np.add.reduce
+
+
 @dataclass(frozen=True)
 class AttentionMetadata:
     """What every attention layer of one step reads. Tensors are views of persistent
@@ -95,12 +98,12 @@ class MetadataBuilder:
         counts = np.asarray(batch.num_new_tokens, dtype=np.int64)
         starts = np.asarray(batch.start_positions, dtype=np.int64)
         tokens = np.asarray(batch.token_ids, dtype=np.int64)
-        r, t = self._validate(batch, counts, starts, tokens)
+        r, t, ends, real_mq = self._validate(batch, counts, starts, tokens)
         rp = r if num_reqs_padded is None else num_reqs_padded
         tp = t if num_tokens_padded is None else num_tokens_padded
-        mq = int(counts.max()) if max_query_len is None else max_query_len
-        self._check_padding(r, t, rp, tp, int(counts.max()), mq)
-        rows = self._rows_with_capacity(batch.req_ids, starts + counts)
+        mq = real_mq if max_query_len is None else max_query_len
+        self._check_padding(r, t, rp, tp, real_mq, mq)
+        rows = self._rows_with_capacity(batch.req_ids, ends)
         self._check_unique(batch.req_ids, rows)
 
         s = self.buffers.stage()
@@ -108,7 +111,7 @@ class MetadataBuilder:
         qsl[0] = 0
         np.cumsum(counts, out=qsl[1 : r + 1])
         qsl[r + 1 : rp + 1] = t
-        s.seq_lens[:r] = starts + counts
+        s.seq_lens[:r] = ends
         s.seq_lens[r:rp] = 0
         s.input_ids[:t] = tokens
         s.input_ids[t:tp] = 0
@@ -122,7 +125,8 @@ class MetadataBuilder:
         self._upload(s, rp, tp)
         return self._metadata(rp, tp, mq, t, r)
 
-    def _validate(self, batch, counts, starts, tokens) -> tuple[int, int]:
+    def _validate(self, batch, counts, starts, tokens) -> tuple[int, int, np.ndarray, int]:
+        """(num_reqs, num_tokens, end position of each request, longest query)."""
         lim = self.limits
         r = len(batch.req_ids)
         if r < 1:
@@ -134,27 +138,28 @@ class MetadataBuilder:
                 f"num_new_tokens {counts.shape} and start_positions {starts.shape} must have "
                 f"one entry per request ({r})"
             )
-        if (counts < 1).any():
+        ends = starts + counts
+        # ufunc reductions directly: the ndarray methods add a Python layer per call
+        if _min(counts) < 1:
             i = int(np.argmax(counts < 1))
             raise ValueError(
                 f"num_new_tokens[{i}] = {counts[i]} for request {batch.req_ids[i]!r}: must be >= 1"
             )
-        if (starts < 0).any():
+        if _min(starts) < 0:
             i = int(np.argmax(starts < 0))
             raise ValueError(f"start_positions[{i}] = {starts[i]} must be >= 0")
-        ends = starts + counts
-        if (ends > lim.max_model_len).any():
+        if _max(ends) > lim.max_model_len:
             i = int(np.argmax(ends > lim.max_model_len))
             raise ValueError(
                 f"request {batch.req_ids[i]!r} reaches length {ends[i]}, over max_model_len "
                 f"{lim.max_model_len}"
             )
-        t = int(counts.sum())
+        t = int(_sum(counts))
         if t > lim.max_num_tokens:
             raise ValueError(f"batch has {t} tokens, over max_num_tokens {lim.max_num_tokens}")
         if tokens.shape != (t,):
             raise ValueError(f"token_ids has shape {tokens.shape}, expected ({t},)")
-        return r, t
+        return r, t, ends, int(_max(counts))
 
     def _check_padding(self, r: int, t: int, rp: int, tp: int, real_mq: int, mq: int) -> None:
         lim = self.limits
@@ -174,7 +179,7 @@ class MetadataBuilder:
         mark, idx = self._row_mark, self._arange[: len(rows)]
         mark[rows] = idx  # the last index wins where a row repeats
         repeated = mark[rows] != idx
-        if repeated.any():
+        if np.logical_or.reduce(repeated):
             raise ValueError(
                 f"request id {req_ids[int(np.argmax(repeated))]!r} appears twice in the batch"
             )
@@ -183,7 +188,7 @@ class MetadataBuilder:
         """Block-table row of every request, checking its blocks cover its length."""
         rows, caps = self.block_tables.rows_of(req_ids)
         short = caps * self.block_size < ends
-        if short.any():
+        if np.logical_or.reduce(short):
             i = int(np.argmax(short))
             raise ValueError(
                 f"request {req_ids[i]!r} reaches length {ends[i]} but its {caps[i]} blocks hold "

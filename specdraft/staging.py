@@ -22,6 +22,13 @@ class PinnedRing:
         self._events = [torch.cuda.Event() if pin else None for _ in range(depth)]
         self._pending = [False] * depth  # an event recorded and not yet seen complete
         self._next = 0
+        self._stream: torch.cuda.Stream | None = None  # the stream of the last copy
+        self._stream_raw = None
+        self._dev_index = None
+        if pin:
+            self._dev_index = self.device.index
+            if self._dev_index is None:
+                self._dev_index = torch.cuda.current_device()
         self.waits = 0  # times the host had to wait for a copy: expected to stay 0
 
     @property
@@ -52,5 +59,19 @@ class PinnedRing:
         dst.copy_(src, non_blocking=True)
         ev = self._events[slot]
         if ev is not None:
-            ev.record()
+            ev.record(self._current_stream())
             self._pending[slot] = True
+
+    def _current_stream(self) -> torch.cuda.Stream:
+        """torch.cuda.current_stream() builds a Stream object on every call (microseconds
+        on the per-step path); keep the last one while the raw stream stays the same."""
+        raw = _raw_stream(self._dev_index)
+        if raw is None or raw != self._stream_raw:
+            self._stream = torch.cuda.current_stream(self.device)
+            self._stream_raw = raw
+        return self._stream
+
+
+def _raw_stream(device_index: int) -> int | None:
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton's launcher reads
+    return None if get is None else get(device_index)
