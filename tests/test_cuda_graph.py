@@ -331,10 +331,7 @@ def test_gpu_stale_metadata_bug_is_caught():
     assert problems, "the comparison must catch metadata reused across descriptors"
 
 
-@pytest.mark.skipif(
-    torch.cuda.is_available(),
-    reason="CPU tensors need the Triton interpreter; on a GPU the gpu tests above run this",
-)
+@pytest.mark.interpreter
 @pytest.mark.parametrize("manager_cls", [SpeculatorCudaGraphManager, StaleMetadataSpeculator])
 def test_cpu_replay_semantics_catch_stale_metadata(manager_cls):
     """The same comparison on the CPU, with closures standing in for graphs: the manager

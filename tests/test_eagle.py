@@ -58,6 +58,7 @@ def run_head_steps(
         reqs, width, pad_tokens = nxt, cfg.hidden_size, 1
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("fc_bias", [True, False])
 def test_eagle1_head_matches_reference(tmp_path, fc_bias):
     tcfg = tiny_config()
@@ -80,6 +81,7 @@ def test_eagle1_head_matches_reference(tmp_path, fc_bias):
     ],
     ids=["default", "norm-before-residual", "narrow-target-qwen2"],
 )
+@pytest.mark.interpreter
 def test_eagle3_head_matches_reference(tmp_path, variant):
     hcfg = eagle_config(tiny_config(), draft_vocab_size=100, **variant)
     w = random_eagle3_weights(hcfg, seed=3)

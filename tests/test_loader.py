@@ -73,6 +73,7 @@ def test_roundtrip_every_tensor(tmp_path, num_shards, model_type):
         assert torch.equal(params[name], value), name
 
 
+@pytest.mark.interpreter
 def test_written_checkpoint_loads_in_transformers(tmp_path):
     """write_checkpoint's layout is the real one: transformers reads it and agrees."""
     transformers = pytest.importorskip("transformers")

@@ -87,6 +87,7 @@ CPU_CASES = {
 }
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("case", list(CPU_CASES))
 def test_hf_parity_prefill_then_32_greedy_steps(tmp_path, case):
     cfg = tiny_config(**CPU_CASES[case])
@@ -108,6 +109,7 @@ def test_hf_parity_prefill_then_32_greedy_steps(tmp_path, case):
         assert got_tokens[i] == ref_tokens, f"request {i}: greedy continuations differ"
 
 
+@pytest.mark.interpreter
 def test_logits_selection_and_aux_hidden_states():
     cfg = tiny_config(num_layers=3)
     model = random_causal_lm(cfg, seed=3)
