@@ -16,7 +16,6 @@ from .config import LimitsConfig
 from .input_buffers import HostStaging, InputBuffers
 from .kv_cache import KVCache
 
-
 _min, _max, _sum = np.minimum.reduce, np.maximum.reduce, np.add.reduce
 
 
