@@ -3,6 +3,7 @@
 This package imports torch and triton only, never the runtime."""
 
 from .activation import silu_and_mul
+from .guard import INTERPRET, check_tensors_runnable, runnable, validation_enabled
 from .kv_store import store_kv
 from .paged_attention import (
     AttentionLaunchConfig,
@@ -12,10 +13,23 @@ from .paged_attention import (
 )
 from .rmsnorm import rms_norm
 from .rotary import apply_rotary
-from .slot_mapping import compute_slot_mapping, prepare_slot_mapping
+from .slot_mapping import as_int, compute_slot_mapping, prepare_slot_mapping
+
+# The public launchers refuse CPU tensors without the interpreter and bf16 under it,
+# with a message that says what to do (kernels/guard.py).
+silu_and_mul = runnable(silu_and_mul)
+store_kv = runnable(store_kv)
+paged_attention = runnable(paged_attention)
+rms_norm = runnable(rms_norm)
+apply_rotary = runnable(apply_rotary)
+compute_slot_mapping = runnable(compute_slot_mapping)
 
 __all__ = [
+    "INTERPRET",
     "AttentionLaunchConfig",
+    "as_int",
+    "check_tensors_runnable",
+    "validation_enabled",
     "apply_rotary",
     "choose_launch_config",
     "compute_slot_mapping",

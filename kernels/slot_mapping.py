@@ -7,12 +7,13 @@ captured for a descriptor's (num_reqs, num_tokens) is valid for any lengths with
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import operator
 
 import torch
 import triton
 import triton.language as tl
 
+from .guard import check_tensors_runnable
 from .launch import CachedLaunch
 from .paged_attention import _check_tensor, cdiv
 
@@ -120,6 +121,40 @@ def compute_slot_mapping(
     launch(num_reqs, num_tokens)
 
 
+def as_int(name: str, value: object) -> int:
+    """value as a Python int: ints and integer-like scalars (numpy integers, 0-d integer
+    tensors) pass; bool, floats and everything else raise TypeError naming `name`."""
+    if isinstance(value, bool) or isinstance(value, float):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+
+
+class SlotMappingLaunch:
+    """The per-step launch returned by prepare_slot_mapping: `launch(num_reqs,
+    num_tokens)` checks the two integers against the buffers and launches;
+    `launch.check(...)` only checks (and returns them as ints)."""
+
+    def __init__(self, limits, launch_fn):
+        self._limits, self._launch_fn = limits, launch_fn
+
+    def check(self, num_reqs, num_tokens) -> tuple[int, int]:
+        given = {"num_reqs": as_int("num_reqs", num_reqs)}
+        given["num_tokens"] = as_int("num_tokens", num_tokens)
+        for name, v in given.items():
+            if v < 0:
+                raise ValueError(f"{name} must be >= 0, got {v}")
+        for name, most, why in self._limits:
+            if given[name] > most:
+                raise ValueError(f"{name} = {given[name]} is over {most}: {why}")
+        return given["num_reqs"], given["num_tokens"]
+
+    def __call__(self, num_reqs, num_tokens) -> None:
+        self._launch_fn(*self.check(num_reqs, num_tokens))
+
+
 def prepare_slot_mapping(
     positions: torch.Tensor,
     query_start_loc: torch.Tensor,
@@ -129,16 +164,19 @@ def prepare_slot_mapping(
     *,
     rows: torch.Tensor | None = None,
     row_slots: torch.Tensor | None = None,
-) -> Callable[[int, int], None]:
+    _device_check: bool = True,
+) -> SlotMappingLaunch:
     """Check persistent buffers once and return `launch(num_reqs, num_tokens)`, which
     runs compute_slot_mapping over their first num_reqs requests and num_tokens tokens
-    with only those two integers checked: the per-step path of the metadata builder."""
+    with only those two integers checked: the per-step path of the metadata builder.
+    (_device_check=False: the caller runs another implementation on these buffers and
+    only wants the checks.)"""
     _check_tensor("positions", positions, 1, (torch.int64,))
     _check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,))
     _check_tensor("block_table", block_table, 2, (torch.int32,))
     _check_tensor("out", out, 1, (torch.int64,))
     if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
+        block_size = as_int("block_size", block_size)
     if block_size < 1 or block_size > MAX_BLOCK_SIZE or block_size & (block_size - 1):
         raise ValueError(
             f"block_size must be a power of two in [1, {MAX_BLOCK_SIZE}], got {block_size}"
@@ -161,6 +199,8 @@ def prepare_slot_mapping(
     for name, t in tensors:
         if t.device != out.device:
             raise ValueError(f"{name} is on {t.device}, out on {out.device}")
+    if _device_check:
+        check_tensors_runnable("prepare_slot_mapping", tensors + [("out", out)])
     width = block_table.shape[1]
     row_block = min(1024, triton.next_power_of_2(max(width, 1)))
     src, src_slots = (rows, row_slots) if gather else (block_table, query_start_loc)
@@ -176,15 +216,6 @@ def prepare_slot_mapping(
         limits.append(("num_reqs", row_slots.numel(), f"row_slots has {row_slots.numel()} entries"))
 
     def launch(num_reqs: int, num_tokens: int) -> None:
-        given = {"num_reqs": num_reqs, "num_tokens": num_tokens}
-        for name, v in given.items():
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-            if v < 0:
-                raise ValueError(f"{name} must be >= 0, got {v}")
-        for name, most, why in limits:
-            if given[name] > most:
-                raise ValueError(f"{name} = {given[name]} is over {most}: {why}")
         if num_tokens == 0 and not gather:
             return
         block = _choose_block(num_tokens, num_reqs)
@@ -194,4 +225,4 @@ def prepare_slot_mapping(
         _launch(block, (num_reqs + 1, 1, 1), args, {"num_warps": max(1, block // 256)})
 
     _launch = CachedLaunch(_slot_mapping_kernel)
-    return launch
+    return SlotMappingLaunch(limits, launch)

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from specdraft.kernels import paged_attention, store_kv
+from specdraft.ops import paged_attention, store_kv
 
 from .attn_metadata import AttentionMetadata
+
+
+def _shape_error(name: str, t: torch.Tensor, expected: str) -> ValueError:
+    return ValueError(f"{name} has shape {tuple(t.shape)}, expected {expected}")
 
 
 class PagedAttention(torch.nn.Module):
@@ -43,8 +47,7 @@ class PagedAttention(torch.nn.Module):
     ) -> torch.Tensor:
         """q [num_tokens, Hq, D], k and v [num_tokens, Hkv, D] with num_tokens equal to
         meta.num_tokens; returns [num_tokens, Hq, D] (zeros on padded tokens)."""
-        if q.shape[0] != meta.num_tokens:
-            raise ValueError(f"q has {q.shape[0]} tokens, the metadata {meta.num_tokens}")
+        self._check(q, k, v, kv_cache, meta, out)
         k_cache, v_cache = kv_cache
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention(
@@ -61,3 +64,28 @@ class PagedAttention(torch.nn.Module):
             sliding_window=self.sliding_window,
             softcap=self.softcap,
         )
+
+    def _check(self, q, k, v, kv_cache, meta: AttentionMetadata, out) -> None:
+        """Everything about q, k, v, the cache pair and out, before store_kv writes: a bad
+        q must not leave this step's K/V in the cache."""
+        t, hq, hkv, d = meta.num_tokens, self.num_q_heads, self.num_kv_heads, self.head_dim
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+        if tuple(q.shape) != (t, hq, d):
+            raise _shape_error("q", q, f"[num_tokens {t}, {hq} heads, head_dim {d}]")
+        for name, x in (("k", k), ("v", v)):
+            if tuple(x.shape) != (t, hkv, d):
+                raise _shape_error(name, x, f"[num_tokens {t}, {hkv} kv heads, head_dim {d}]")
+        if not isinstance(kv_cache, (tuple, list)) or len(kv_cache) != 2:
+            raise TypeError("kv_cache must be a (k_cache, v_cache) pair")
+        k_cache = kv_cache[0]
+        for name, x in (("q", q), ("k", k), ("v", v), ("v_cache", kv_cache[1])):
+            if x.dtype != k_cache.dtype:
+                raise TypeError(f"{name} is {x.dtype}, the cache {k_cache.dtype}")
+            if x.device != k_cache.device:
+                raise ValueError(f"{name} is on {x.device}, the cache on {k_cache.device}")
+        if out is not None and (tuple(out.shape) != (t, hq, d) or out.dtype != q.dtype):
+            raise ValueError(
+                f"out is {tuple(out.shape)} {out.dtype}, expected [{t}, {hq}, {d}] {q.dtype}"
+            )

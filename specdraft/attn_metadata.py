@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdraft.kernels import prepare_slot_mapping
+from specdraft.ops import prepare_slot_mapping
 
 from .batch import ScheduledBatch
 from .block_table import BlockTables

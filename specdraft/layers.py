@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdraft.kernels import apply_rotary, rms_norm, silu_and_mul
+from specdraft import kernels
+from specdraft.ops import apply_rotary, rms_norm, silu_and_mul
 
 from .attention import PagedAttention
 from .attn_metadata import AttentionMetadata
@@ -107,7 +108,9 @@ def cos_sin_table(head_dim: int, rope: RopeConfig, max_positions: int, device) -
 
 class RotaryEmbedding(nn.Module):
     """Rotates q and k in place at the positions in the metadata's persistent buffer.
-    The table covers max_positions positions; later ones are clamped to the last row."""
+    The table covers max_positions positions (the kernel clamps others into it, so a
+    padded row never reads outside it); a model refuses metadata whose max_seq_len is
+    over max_positions (check_step_inputs), so real positions never reach the clamp."""
 
     def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int, *, device):
         super().__init__()
@@ -222,18 +225,112 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-def layer_caches(kv_caches, num_layers: int) -> list[KVPair]:
-    """Per-layer (k_cache, v_cache) pairs from a KVCache or a sequence of pairs."""
+def layer_caches(
+    kv_caches,
+    num_layers: int,
+    *,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> list[KVPair]:
+    """Per-layer (k_cache, v_cache) pairs from a KVCache or a sequence of pairs, each
+    checked (when the model's shape is given) before any layer writes to any of them."""
     if hasattr(kv_caches, "layer") and hasattr(kv_caches, "num_layers"):
         if kv_caches.num_layers < num_layers:
             raise ValueError(
                 f"KV cache has {kv_caches.num_layers} layers, the model needs {num_layers}"
             )
-        return [kv_caches.layer(i) for i in range(num_layers)]
-    pairs = list(kv_caches)
-    if len(pairs) != num_layers:
-        raise ValueError(f"kv_caches has {len(pairs)} (k, v) pairs, the model has {num_layers}")
+        pairs = [kv_caches.layer(i) for i in range(num_layers)]
+    else:
+        try:
+            pairs = list(kv_caches)
+        except TypeError:
+            raise TypeError(
+                f"kv_caches must be a KVCache or a sequence of (k_cache, v_cache) pairs, "
+                f"got {type(kv_caches).__name__}"
+            ) from None
+        if len(pairs) != num_layers:
+            raise ValueError(
+                f"kv_caches has {len(pairs)} (k, v) pairs, the model has {num_layers}"
+            )
+    for i, pair in enumerate(pairs):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise TypeError(f"kv_caches[{i}] must be a (k_cache, v_cache) pair")
+        for which, t in zip(("k_cache", "v_cache"), pair):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"kv_caches[{i}] {which} must be a tensor, got {type(t).__name__}")
+            if num_kv_heads is not None and (t.dim() != 4 or tuple(t.shape[2:]) != (
+                num_kv_heads,
+                head_dim,
+            )):
+                raise ValueError(
+                    f"kv_caches[{i}] {which} has shape {tuple(t.shape)}, expected [num_blocks, "
+                    f"block_size, {num_kv_heads}, {head_dim}] for this model"
+                )
+            if dtype is not None and t.dtype != dtype:
+                raise TypeError(f"kv_caches[{i}] {which} is {t.dtype}, the model runs in {dtype}")
+        if pair[0].shape != pair[1].shape:
+            raise ValueError(
+                f"kv_caches[{i}]: k_cache {tuple(pair[0].shape)} and v_cache "
+                f"{tuple(pair[1].shape)} differ"
+            )
     return pairs
+
+
+def check_step_inputs(
+    input_ids: torch.Tensor,
+    meta: AttentionMetadata,
+    *,
+    vocab_size: int,
+    rotary: RotaryEmbedding,
+    logits_indices: torch.Tensor | None,
+    all_logits: bool,
+) -> None:
+    """Everything a model forward can check before its first write: the ids' shape
+    (and, where validation is on, their values), the rotary table against the metadata's
+    length bound, and the logits selection."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a tensor, got {type(input_ids).__name__}")
+    if input_ids.dim() != 1 or input_ids.shape[0] != meta.num_tokens:
+        raise ValueError(
+            f"input_ids has shape {tuple(input_ids.shape)}, expected [{meta.num_tokens}]"
+        )
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"input_ids must be int64 or int32, got {input_ids.dtype}")
+    if meta.max_seq_len > rotary.max_positions:
+        raise ValueError(
+            f"the metadata allows sequences of {meta.max_seq_len} tokens (max_model_len) but "
+            f"the model's rotary table has {rotary.max_positions} positions: build the model "
+            f"with max_positions >= {meta.max_seq_len}"
+        )
+    if kernels.validation_enabled(input_ids) and input_ids.numel():
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"input_ids holds token id {bad}, outside [0, {vocab_size})")
+    if all_logits:
+        if logits_indices is not None:
+            raise ValueError("give logits_indices or all_logits=True, not both")
+        return
+    if logits_indices is None:
+        return
+    if not isinstance(logits_indices, torch.Tensor):
+        raise TypeError(f"logits_indices must be a tensor, got {type(logits_indices).__name__}")
+    if logits_indices.dtype != torch.int64 or logits_indices.dim() != 1:
+        raise TypeError(
+            f"logits_indices must be a 1-D int64 tensor, got {logits_indices.dtype} "
+            f"{logits_indices.dim()}-D"
+        )
+    if logits_indices.device != input_ids.device:
+        raise ValueError(f"logits_indices is on {logits_indices.device}, input_ids on "
+                         f"{input_ids.device}")
+    if kernels.validation_enabled(logits_indices) and logits_indices.numel():
+        lo, hi = int(logits_indices.min()), int(logits_indices.max())
+        if lo < 0 or hi >= meta.num_tokens:
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"logits_indices holds row {bad}, outside [0, num_tokens {meta.num_tokens})"
+            )
 
 
 def select_logits(
@@ -244,13 +341,10 @@ def select_logits(
     all_logits: bool,
 ) -> torch.Tensor:
     """lm_head over the rows of `hidden` that need logits: every row with all_logits,
-    else logits_indices (a device int64 tensor of row indices), else each request's
-    last token (meta.last_token_idx; padded requests read row 0)."""
+    else logits_indices (a device int64 tensor of row indices, checked by
+    check_step_inputs), else each request's last token (meta.last_token_idx; padded
+    requests read row 0)."""
     if all_logits:
-        if logits_indices is not None:
-            raise ValueError("give logits_indices or all_logits=True, not both")
         return lm_head(hidden)
     idx = meta.last_token_idx if logits_indices is None else logits_indices
-    if idx.dtype != torch.int64 or idx.dim() != 1:
-        raise TypeError(f"logits_indices must be a 1-D int64 tensor, got {idx.dtype} {idx.dim()}-D")
     return lm_head(hidden.index_select(0, idx))

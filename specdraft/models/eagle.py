@@ -25,6 +25,7 @@ from specdraft.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
+    check_step_inputs,
     layer_caches,
     select_logits,
 )
@@ -45,11 +46,24 @@ def _check_hidden(
         )
 
 
-def _check_ids(input_ids: torch.Tensor, meta: AttentionMetadata) -> None:
-    if input_ids.dim() != 1 or input_ids.shape[0] != meta.num_tokens:
-        raise ValueError(
-            f"input_ids has shape {tuple(input_ids.shape)}, expected [{meta.num_tokens}]"
-        )
+def _check_step(head, input_ids, meta, kv_caches, logits_indices, all_logits):
+    """The checks of a head's forward, all before its first write; returns the caches."""
+    cfg = head.cfg
+    check_step_inputs(
+        input_ids,
+        meta,
+        vocab_size=cfg.vocab_size,
+        rotary=head.rotary,
+        logits_indices=logits_indices,
+        all_logits=all_logits,
+    )
+    return layer_caches(
+        kv_caches,
+        cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        dtype=head.dtype,
+    )
 
 
 def _shared_or_new(module, make, what: str, shape: tuple[int, int]):
@@ -137,10 +151,9 @@ class EagleHead(nn.Module):
         hidden states on the first draft step, the head's own output after. Rows of
         padded tokens must be finite. Returns (hidden [num_tokens, h], logits over the
         target vocabulary for the chosen rows, see LlamaForCausalLM.forward)."""
-        _check_ids(input_ids, meta)
         h = self.cfg.hidden_size
         _check_hidden(hidden_states, meta.num_tokens, h, "hidden_size", self.dtype)
-        caches = layer_caches(kv_caches, self.cfg.num_layers)
+        caches = _check_step(self, input_ids, meta, kv_caches, logits_indices, all_logits)
         embeds = self.embed_tokens(input_ids)
         x = self.fc(torch.cat([embeds, hidden_states], dim=-1))
         residual = None
@@ -242,7 +255,6 @@ class Eagle3Head(nn.Module):
         [num_tokens, h] (the head's own output from the previous step). Returns
         (pre-norm hidden [num_tokens, h], logits [n, draft_vocab] over the draft
         vocabulary); map ids with draft_to_target or logits with logits_to_target."""
-        _check_ids(input_ids, meta)
         h = self.cfg.hidden_size
         if hidden_states.dim() == 2 and hidden_states.shape[-1] == self.fc.in_features != h:
             hidden_states = self.combine_hidden_states(hidden_states)
@@ -253,7 +265,7 @@ class Eagle3Head(nn.Module):
             f"hidden_size, or {self.fc.in_features} for fc",
             self.dtype,
         )
-        (cache,) = layer_caches(kv_caches, 1)
+        (cache,) = _check_step(self, input_ids, meta, kv_caches, logits_indices, all_logits)
         embeds = self.embed_tokens(input_ids)
         x, residual = self.layers[0](embeds, hidden_states, meta, cache)
         normed, prenorm = self.norm(x, residual)

@@ -16,6 +16,7 @@ from specdraft.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
+    check_step_inputs,
     layer_caches,
     select_logits,
 )
@@ -110,15 +111,27 @@ class LlamaForCausalLM(nn.Module):
         returns a third tensor [num_tokens, len(aux_layers) * hidden_size]: the
         residual stream entering each of those layers (what an EAGLE-3 head reads; vLLM
         uses layers (2, L // 2, L - 3))."""
-        if input_ids.dim() != 1 or input_ids.shape[0] != meta.num_tokens:
-            raise ValueError(
-                f"input_ids has shape {tuple(input_ids.shape)}, expected [{meta.num_tokens}]"
-            )
-        caches = layer_caches(kv_caches, self.cfg.num_layers)
+        # Every check before the first write: a bad argument leaves every cache as it was.
+        cfg = self.cfg
+        check_step_inputs(
+            input_ids,
+            meta,
+            vocab_size=cfg.vocab_size,
+            rotary=self.rotary,
+            logits_indices=logits_indices,
+            all_logits=all_logits,
+        )
+        caches = layer_caches(
+            kv_caches,
+            cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=self.dtype,
+        )
         aux_at = list(aux_layers or ())
         for i in aux_at:
-            if not 0 <= i < self.cfg.num_layers:
-                raise ValueError(f"aux layer {i} out of range [0, {self.cfg.num_layers})")
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < cfg.num_layers:
+                raise ValueError(f"aux_layers holds {i!r}, outside [0, {cfg.num_layers})")
         aux: list[torch.Tensor | None] = [None] * len(aux_at)
         hidden = self.embed_tokens(input_ids)
         residual = None

@@ -1,0 +1,5 @@
+import sys
+
+from specdraft.cli import main
+
+sys.exit(main())

@@ -1,0 +1,128 @@
+"""The runtime's kernel calls, on whichever path the tensors allow.
+
+CUDA tensors run the Triton kernels (specdraft.kernels). CPU tensors run them under the
+Triton interpreter when TRITON_INTERPRET=1 was set before specdraft was imported (the
+tests do this), and otherwise run the PyTorch implementation of the same math
+(specdraft.torch_ops), so the library works on a machine without a GPU.
+
+`use_backend("torch" | "triton")` forces a path for a block of code (the tests compare
+the two on the same model); `SPECDRAFT_BACKEND` does the same for a whole process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+from specdraft import kernels, torch_ops
+
+_BACKENDS = ("torch", "triton")
+_forced: str | None = None
+
+
+def _from_env() -> str | None:
+    value = os.environ.get("SPECDRAFT_BACKEND") or None
+    if value is not None and value not in _BACKENDS:
+        raise ValueError(f"SPECDRAFT_BACKEND must be one of {_BACKENDS} or unset, got {value!r}")
+    return value
+
+
+def set_backend(name: str | None) -> None:
+    """Force "torch" or "triton" for every later call; None returns to the default
+    (Triton for CUDA tensors or under the interpreter, PyTorch otherwise)."""
+    global _forced
+    if name is not None and name not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS} or None, got {name!r}")
+    _forced = name
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None) -> Iterator[None]:
+    """Context manager form of set_backend."""
+    global _forced
+    before = _forced
+    set_backend(name)
+    try:
+        yield
+    finally:
+        _forced = before
+
+
+def backend_for(t: torch.Tensor) -> str:
+    """The path a call on tensor `t` takes now."""
+    forced = _forced or _from_env()
+    if forced is not None:
+        return forced
+    if t.device.type == "cuda" or kernels.INTERPRET:
+        return "triton"
+    return "torch"
+
+
+def _check_only(name: str, *args, **kw) -> None:
+    # The launchers' argument checks without a launch, for the PyTorch path.
+    getattr(kernels, name)(*args, **kw)
+
+
+def _impl(name: str, t: torch.Tensor):
+    module = kernels if backend_for(t) == "triton" else torch_ops
+    return getattr(module, name)
+
+
+def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, **kw):
+    impl = _impl("paged_attention", q)
+    if impl is torch_ops.paged_attention:
+        # Same argument checks as the kernel's launcher, nothing launched.
+        _check_only("check_paged_attention_args", 
+            q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, **kw
+        )
+    return impl(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, **kw)
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+    impl = _impl("store_kv", k)
+    if impl is torch_ops.store_kv:
+        _check_only("check_store_kv_args", k, v, k_cache, v_cache, slot_mapping)
+    impl(k, v, k_cache, v_cache, slot_mapping)
+
+
+def rms_norm(x, weight, eps, **kw):
+    impl = _impl("rms_norm", x)
+    if impl is torch_ops.rms_norm:
+        _check_only("check_rms_norm_args", x, weight, eps, **kw)
+    return impl(x, weight, eps, **kw)
+
+
+def apply_rotary(q, k, positions, cos_sin_cache) -> None:
+    impl = _impl("apply_rotary", q)
+    if impl is torch_ops.apply_rotary:
+        _check_only("check_rotary_args", q, k, positions, cos_sin_cache)
+    impl(q, k, positions, cos_sin_cache)
+
+
+def silu_and_mul(x, *, out=None):
+    impl = _impl("silu_and_mul", x)
+    if impl is torch_ops.silu_and_mul:
+        _check_only("check_silu_and_mul_args", x, out=out)
+    return impl(x, out=out)
+
+
+def prepare_slot_mapping(positions, query_start_loc, block_table, block_size, out, **kw):
+    """Checks the buffers once (as the kernel's launcher does) and returns the per-step
+    launch(num_reqs, num_tokens) of the chosen path."""
+    checked = kernels.prepare_slot_mapping(
+        positions, query_start_loc, block_table, block_size, out, _device_check=False, **kw
+    )
+    if backend_for(out) == "triton":
+        return checked
+    torch_launch = torch_ops.prepare_slot_mapping(
+        positions, query_start_loc, block_table, block_size, out, **kw
+    )
+
+    def launch(num_reqs: int, num_tokens: int) -> None:
+        checked.check(num_reqs, num_tokens)
+        torch_launch(num_reqs, num_tokens)
+
+    return launch

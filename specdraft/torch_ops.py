@@ -1,0 +1,190 @@
+"""PyTorch implementations of the kernels' math: the runtime's path on a machine without
+a GPU (and a cross-check of the Triton path in the tests).
+
+Each function has the contract of its Triton counterpart in specdraft.kernels (same
+arguments, same outputs, same in-place writes, same treatment of padding and of
+out-of-range metadata), computed with torch ops in float32. They read lengths on the
+host, so they are for eager CPU execution, not for CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write k[t], v[t] at slot_mapping[t]; slots < 0 or past the cache write nothing."""
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    slots = slot_mapping[:num_tokens]
+    keep = (slots >= 0) & (slots < num_slots)
+    idx = slots[keep]
+    k_flat = k_cache.view(num_slots, *k_cache.shape[2:])
+    v_flat = v_cache.view(num_slots, *v_cache.shape[2:])
+    k_flat[idx] = k[keep].to(k_cache.dtype)
+    v_flat[idx] = v[keep].to(v_cache.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **_launch_bounds,
+) -> torch.Tensor:
+    """Causal attention of each request's query tokens (the last ones of its sequence)
+    over its paged keys, in float32. Metadata is clamped as the kernel clamps it: query
+    ranges into [0, num_tokens], seq_len into what the block table row can hold, and a
+    block id outside the cache hides its keys. Rows of padded tokens are zero."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    out[:num_tokens].zero_()
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    width = block_table.shape[1]
+    for r in range(len(starts) - 1):
+        s = min(max(starts[r], 0), num_tokens)
+        e = min(max(starts[r + 1], s), num_tokens)
+        n = e - s
+        seq_len = min(lens[r], width * block_size)
+        if n == 0 or seq_len <= 0:
+            continue
+        nb = -(-seq_len // block_size)
+        blocks = block_table[r, :nb].long()
+        valid_blk = (blocks >= 0) & (blocks < num_blocks)
+        blocks = torch.where(valid_blk, blocks, torch.zeros_like(blocks))
+        k = k_cache[blocks].reshape(nb * block_size, num_kv_heads, head_dim)[:seq_len].float()
+        v = v_cache[blocks].reshape(nb * block_size, num_kv_heads, head_dim)[:seq_len].float()
+        key_ok = valid_blk.repeat_interleave(block_size)[:seq_len]
+        qr = q[s:e].float().view(n, num_kv_heads, group, head_dim)
+        scores = torch.einsum("nhgd,lhd->hgnl", qr, k)
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores * (scale / softcap))
+        else:
+            scores = scores * scale
+        q_pos = torch.arange(seq_len - n, seq_len)[:, None]
+        k_pos = torch.arange(seq_len)[None, :]
+        visible = (k_pos <= q_pos) & key_ok[None, :]
+        if sliding_window is not None:
+            visible &= k_pos > q_pos - sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no visible key
+        o = torch.einsum("hgnl,lhd->nhgd", probs, v).reshape(n, num_q_heads, head_dim)
+        out[s:e] = o.to(out.dtype)
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+):
+    """As kernels.rms_norm, with the same roundings: the sum with the residual is
+    rounded to the residual's dtype, the normalised value to x's dtype before the
+    weight multiplies it (as transformers' LlamaRMSNorm does)."""
+    if residual is not None:
+        residual_out = residual if residual_out is None else residual_out
+        s = (x.float() + residual.float()).to(residual_out.dtype)
+        residual_out.copy_(s)
+        xf = s.float()
+    else:
+        xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = y.to(x.dtype).float() * weight.float()
+    if out is None:
+        out = torch.empty_like(x)
+    out.copy_(y.to(out.dtype))
+    return out if residual is None else (out, residual_out)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> None:
+    """Rotate the first R dims of q and k in place (rotate-half layout); positions are
+    clamped into the table as the kernel clamps them."""
+    num_tokens = q.shape[0]
+    if num_tokens == 0:
+        return
+    half = cos_sin_cache.shape[1] // 2
+    pos = positions[:num_tokens].clamp(0, cos_sin_cache.shape[0] - 1)
+    rows = cos_sin_cache[pos]
+    cos, sin = rows[:, None, :half], rows[:, None, half:]
+    for t in (q, k):
+        x1 = t[..., :half].float()
+        x2 = t[..., half : 2 * half].float()
+        t[..., :half] = (x1 * cos - x2 * sin).to(t.dtype)
+        t[..., half : 2 * half] = (x2 * cos + x1 * sin).to(t.dtype)
+
+
+def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    n = x.shape[1] // 2
+    y = F.silu(x[:, :n].float()) * x[:, n:].float()
+    if out is None:
+        return y.to(x.dtype)
+    out.copy_(y.to(out.dtype))
+    return out
+
+
+def prepare_slot_mapping(
+    positions: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    out: torch.Tensor,
+    *,
+    rows: torch.Tensor | None = None,
+    row_slots: torch.Tensor | None = None,
+) -> Callable[[int, int], None]:
+    """launch(num_reqs, num_tokens) with the contract of kernels.prepare_slot_mapping:
+    optional gather of the step table, slot of each token, -1 for padding, negative
+    positions, positions past the table and negative block ids."""
+    width = block_table.shape[1]
+
+    def launch(num_reqs: int, num_tokens: int) -> None:
+        if rows is not None:
+            block_table[:num_reqs] = rows[row_slots[:num_reqs]]
+        if num_tokens == 0:
+            return
+        qsl = query_start_loc[: num_reqs + 1].long().clamp(0, num_tokens)
+        counts = (qsl[1:] - qsl[:-1]).clamp(min=0)
+        req = torch.repeat_interleave(torch.arange(num_reqs), counts)
+        tok = torch.arange(num_tokens)
+        # Token t belongs to request req[t - qsl[0]]: tokens are laid out in order.
+        req_of = torch.zeros(num_tokens, dtype=torch.long)
+        first = int(qsl[0])
+        n_owned = min(req.numel(), num_tokens - first)
+        req_of[first : first + n_owned] = req[:n_owned]
+        owned = (tok >= first) & (tok < first + n_owned)
+        pos = positions[:num_tokens]
+        blk_idx = torch.div(pos, block_size, rounding_mode="floor")
+        ok = owned & (pos >= 0) & (blk_idx < width)
+        blk = block_table[req_of, blk_idx.clamp(0, width - 1)].long()
+        ok &= blk >= 0
+        out[:num_tokens] = torch.where(ok, blk * block_size + pos % block_size, -1)
+
+    return launch
