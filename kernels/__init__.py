@@ -2,17 +2,17 @@
 
 This package imports torch and triton only, never the runtime."""
 
-from .activation import silu_and_mul
+from .activation import check_silu_and_mul_args, silu_and_mul
 from .guard import INTERPRET, check_tensors_runnable, runnable, validation_enabled
-from .kv_store import store_kv
+from .kv_store import check_store_kv_args, store_kv
 from .paged_attention import (
     AttentionLaunchConfig,
     choose_launch_config,
     num_sms,
     paged_attention,
 )
-from .rmsnorm import rms_norm
-from .rotary import apply_rotary
+from .rmsnorm import check_rms_norm_args, rms_norm
+from .rotary import apply_rotary, check_rotary_args
 from .slot_mapping import as_int, compute_slot_mapping, prepare_slot_mapping
 
 # The public launchers refuse CPU tensors without the interpreter and bf16 under it,
@@ -28,6 +28,10 @@ __all__ = [
     "INTERPRET",
     "AttentionLaunchConfig",
     "as_int",
+    "check_rms_norm_args",
+    "check_rotary_args",
+    "check_silu_and_mul_args",
+    "check_store_kv_args",
     "check_tensors_runnable",
     "validation_enabled",
     "apply_rotary",

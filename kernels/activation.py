@@ -33,21 +33,28 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * stride_o + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [rows, 2 * n] holding [gate | up]; returns silu(gate) * up, [rows, n]."""
+def check_silu_and_mul_args(x: torch.Tensor, *, out: torch.Tensor | None = None) -> None:
+    """silu_and_mul's argument checks (nothing launched)."""
     _check_tensor("x", x, 2, _DTYPES)
     rows, width = x.shape
     if width % 2:
         raise ValueError(f"x must have an even last dimension [gate | up], got {width}")
     n = width // 2
-    if out is None:
-        out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    else:
+    if out is not None:
         _check_tensor("out", out, 2, (x.dtype,))
         if tuple(out.shape) != (rows, n) or out.device != x.device:
             raise ValueError(
                 f"out {tuple(out.shape)} on {out.device} must be [{rows}, {n}] on {x.device}"
             )
+
+
+def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [rows, 2 * n] holding [gate | up]; returns silu(gate) * up, [rows, n]."""
+    check_silu_and_mul_args(x, out=out)
+    rows, width = x.shape
+    n = width // 2
+    if out is None:
+        out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return out
     block = min(triton.next_power_of_2(n), 2048)

@@ -52,17 +52,14 @@ def _kv_store_kernel(
     tl.store(v_dst + offs_h[:, None] * stride_vch + offs_d[None, :], v, mask=mask)
 
 
-def store_kv(
+def check_store_kv_args(
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-) -> None:
-    """k, v: [num_tokens, num_kv_heads, head_dim]; caches [num_blocks, block_size,
-    num_kv_heads, head_dim]; slot_mapping: int64 [>= num_tokens], slot = block * block_size
-    + offset, negative for tokens that write nothing. Launches num_tokens programs, a
-    host value fixed by the caller's descriptor."""
+) -> int:
+    """store_kv's argument checks (nothing launched); returns the cache block size."""
     block_size, num_kv_heads, head_dim = validate_kv_cache(k_cache, v_cache)
     for name, t in (("k", k), ("v", v)):
         _check_tensor(name, t, 3, (k_cache.dtype,))
@@ -83,6 +80,24 @@ def store_kv(
         )
     if slot_mapping.device != k_cache.device:
         raise ValueError(f"slot_mapping is on {slot_mapping.device}, the cache on {k_cache.device}")
+    return block_size
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """k, v: [num_tokens, num_kv_heads, head_dim]; caches [num_blocks, block_size,
+    num_kv_heads, head_dim]; slot_mapping: int64 [>= num_tokens], slot = block * block_size
+    + offset. Slots < 0 (padding) and slots >= num_blocks * block_size write nothing: a
+    slot past the cache is dropped, never written out of bounds. Launches num_tokens
+    programs, a host value fixed by the caller's descriptor."""
+    block_size = check_store_kv_args(k, v, k_cache, v_cache, slot_mapping)
+    num_tokens = k.shape[0]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     if num_tokens == 0:
         return
     _kv_store_kernel[(num_tokens,)](

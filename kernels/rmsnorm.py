@@ -63,6 +63,36 @@ def _check_rows(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
         )
 
 
+def check_rms_norm_args(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> None:
+    """rms_norm's argument checks (nothing launched)."""
+    _check_tensor("x", x, 2, _DTYPES)
+    _check_tensor("weight", weight, 1, _DTYPES)
+    rows, hidden = x.shape
+    if weight.shape[0] != hidden or weight.device != x.device:
+        raise ValueError(
+            f"weight {tuple(weight.shape)} on {weight.device} must be [{hidden}] on {x.device}"
+        )
+    if hidden > MAX_HIDDEN:
+        raise ValueError(f"hidden size {hidden} is over MAX_HIDDEN {MAX_HIDDEN}")
+    if not isinstance(eps, (int, float)) or not eps > 0 or not math.isfinite(eps):
+        raise ValueError(f"eps must be a positive finite number, got {eps!r}")
+    if residual is not None:
+        _check_rows("residual", residual, x)
+        _check_rows("residual_out", residual if residual_out is None else residual_out, x)
+    elif residual_out is not None:
+        raise ValueError("residual_out needs residual")
+    if out is not None:
+        _check_rows("out", out, x)
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -78,27 +108,12 @@ def rms_norm(
     (default: `residual`, in place) and y = norm(s); returns (y, residual_out). Without:
     returns y. `out` may be x itself (each program reads its row before writing it).
     Rows are independent, so padded rows with finite inputs stay finite."""
-    _check_tensor("x", x, 2, _DTYPES)
-    _check_tensor("weight", weight, 1, _DTYPES)
+    check_rms_norm_args(x, weight, eps, residual=residual, residual_out=residual_out, out=out)
     rows, hidden = x.shape
-    if weight.shape[0] != hidden or weight.device != x.device:
-        raise ValueError(
-            f"weight {tuple(weight.shape)} on {weight.device} must be [{hidden}] on {x.device}"
-        )
-    if hidden > MAX_HIDDEN:
-        raise ValueError(f"hidden size {hidden} is over MAX_HIDDEN {MAX_HIDDEN}")
-    if not isinstance(eps, (int, float)) or not eps > 0 or not math.isfinite(eps):
-        raise ValueError(f"eps must be a positive finite number, got {eps!r}")
-    if residual is not None:
-        _check_rows("residual", residual, x)
-        residual_out = residual if residual_out is None else residual_out
-        _check_rows("residual_out", residual_out, x)
-    elif residual_out is not None:
-        raise ValueError("residual_out needs residual")
+    if residual is not None and residual_out is None:
+        residual_out = residual
     if out is None:
         out = torch.empty_like(x)
-    else:
-        _check_rows("out", out, x)
     if rows > 0:
         block = triton.next_power_of_2(hidden)
         _rms_norm_kernel[(rows,)](

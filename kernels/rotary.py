@@ -78,16 +78,13 @@ def _rotary_kernel(
     )
 
 
-def apply_rotary(
+def check_rotary_args(
     q: torch.Tensor,
     k: torch.Tensor,
     positions: torch.Tensor,
     cos_sin_cache: torch.Tensor,
 ) -> None:
-    """Rotate q [num_tokens, Hq, D] and k [num_tokens, Hkv, D] in place (they may be
-    strided views of one fused QKV output); positions: int64 [>= num_tokens];
-    cos_sin_cache: float32 [max_positions, R], R even and <= D. Positions outside
-    [0, max_positions) are clamped into it. Launches num_tokens programs."""
+    """apply_rotary's argument checks (nothing launched)."""
     _check_tensor("q", q, 3, _DTYPES)
     _check_tensor("k", k, 3, (q.dtype,))
     _check_tensor("positions", positions, 1, (torch.int64,))
@@ -113,6 +110,21 @@ def apply_rotary(
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
     if q.stride(2) != 1 or k.stride(2) != 1:
         raise ValueError("q and k must be contiguous in head_dim")
+
+
+def apply_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> None:
+    """Rotate q [num_tokens, Hq, D] and k [num_tokens, Hkv, D] in place (they may be
+    strided views of one fused QKV output); positions: int64 [>= num_tokens];
+    cos_sin_cache: float32 [max_positions, R], R even and <= D. Positions outside
+    [0, max_positions) are clamped into it. Launches num_tokens programs."""
+    check_rotary_args(q, k, positions, cos_sin_cache)
+    num_tokens, num_q_heads, head_dim = q.shape
+    rot = cos_sin_cache.shape[1]
     if num_tokens == 0:
         return
     half = rot // 2

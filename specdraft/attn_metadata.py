@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specdraft.kernels import as_int
 from specdraft.ops import prepare_slot_mapping
 
 from .batch import ScheduledBatch
@@ -94,6 +95,15 @@ class MetadataBuilder:
         past the batch get query length 0 and seq_len 0 (query_start_loc repeats the
         token count), tokens past it get slot -1. Raises ValueError before writing
         anything when the batch breaks a limit."""
+        # Sizes first: a float or a string must fail here, not after the upload.
+        if num_reqs_padded is not None:
+            num_reqs_padded = as_int("num_reqs_padded", num_reqs_padded)
+        if num_tokens_padded is not None:
+            num_tokens_padded = as_int("num_tokens_padded", num_tokens_padded)
+        if max_query_len is not None:
+            max_query_len = as_int("max_query_len", max_query_len)
+        if not isinstance(batch, ScheduledBatch):
+            raise TypeError(f"batch must be a ScheduledBatch, got {type(batch).__name__}")
         counts = np.asarray(batch.num_new_tokens, dtype=np.int64)
         starts = np.asarray(batch.start_positions, dtype=np.int64)
         tokens = np.asarray(batch.token_ids, dtype=np.int64)
@@ -205,6 +215,9 @@ class MetadataBuilder:
         equal to the query length, null-block tables, every slot -1 (nothing written to
         the cache)."""
         lim = self.limits
+        num_reqs = as_int("num_reqs", num_reqs)
+        num_tokens = as_int("num_tokens", num_tokens)
+        max_query_len = as_int("max_query_len", max_query_len)
         if not 1 <= num_reqs <= lim.max_num_reqs:
             raise ValueError(f"num_reqs {num_reqs} must be in [1, {lim.max_num_reqs}]")
         if not num_reqs <= num_tokens <= lim.max_num_tokens:

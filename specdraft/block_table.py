@@ -8,7 +8,7 @@ the rows of its batch, in batch order, into the persistent `table` the kernels r
 
 The host owns the truth (a numpy mirror of `rows`); changes queue as (entry, value)
 writes and `commit()` pushes them all with one non-blocking host-to-device copy and one
-scatter, so the host never waits for the device (DESIGN.md, invariant 5).
+scatter, so the host never waits for the device (docs/architecture.md, invariant 5).
 """
 
 from __future__ import annotations

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    # numpy integers are ints here too; the frozen field keeps what was given.
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < lo or (hi is not None and value > hi):
         limit = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
@@ -98,4 +100,6 @@ class LimitsConfig:
             )
 
     def max_blocks_per_req(self, block_size: int) -> int:
+        """Blocks that hold max_model_len tokens at block_size tokens a block."""
+        _check_int("block_size", block_size, 1)
         return -(-self.max_model_len // block_size)

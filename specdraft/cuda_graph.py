@@ -3,7 +3,7 @@
 One graph per BatchExecutionDescriptor. `capture` walks the descriptors largest first;
 for each it asks the caller's factory for a fresh closure twice, once for an eager
 warm-up and once for the capture, so that the buffers each pass runs on were prepared
-for exactly that descriptor (DESIGN.md, "The capture rule"). `dispatch` maps a real batch
+for exactly that descriptor (docs/architecture.md, "The capture rule"). `dispatch` maps a real batch
 to the smallest captured descriptor that fits it; `replay` runs that graph.
 """
 
@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from specdraft.kernels import as_int
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +69,7 @@ _POOL_HOLDERS: weakref.WeakSet = weakref.WeakSet()
 
 
 def shared_graph_pool() -> Any:
-    """One memory pool for every manager's graphs (DESIGN invariant 4)."""
+    """One memory pool for every manager's graphs (docs/architecture.md, invariant 4)."""
     global _SHARED_POOL
     if _SHARED_POOL is None or not any(m._graphs for m in _POOL_HOLDERS):
         _SHARED_POOL = torch.cuda.graph_pool_handle()
@@ -79,6 +81,15 @@ class CudaGraphBackend:
     for them."""
 
     def pool(self) -> Any:
+        if not torch.cuda.is_available():
+            # torch's own message here is "Tried to instantiate dummy base class
+            # _graph_pool_handle", which tells a user nothing.
+            raise RuntimeError(
+                "CUDA graph capture needs an NVIDIA GPU and a CUDA build of torch; none is "
+                "available here. On a CPU run eagerly: build the manager with "
+                "cg_mode=CUDAGraphMode.NONE (dispatch then returns None and the caller runs "
+                "the step eagerly)."
+            )
         return shared_graph_pool()
 
     def capture(self, fn: Callable[[], Any], pool: Any) -> tuple[Any, Any]:
@@ -118,6 +129,16 @@ class CudaGraphManager:
         dp_size: int = 1,
         backend: CudaGraphBackend | None = None,
     ):
+        max_num_reqs = as_int("max_num_reqs", max_num_reqs)
+        max_num_tokens = as_int("max_num_tokens", max_num_tokens)
+        dp_size = as_int("dp_size", dp_size)
+        if not isinstance(cg_mode, CUDAGraphMode):
+            raise TypeError(f"cg_mode must be a CUDAGraphMode, got {cg_mode!r}")
+        if capture_sizes is not None:
+            capture_sizes = [as_int(f"capture_sizes[{i}]", v) for i, v in enumerate(capture_sizes)]
+        uniform_token_counts = [
+            as_int(f"uniform_token_counts[{i}]", v) for i, v in enumerate(uniform_token_counts)
+        ]
         if max_num_reqs < 1 or max_num_tokens < max_num_reqs:
             raise ValueError(
                 f"need 1 <= max_num_reqs ({max_num_reqs}) <= max_num_tokens ({max_num_tokens})"
