@@ -135,8 +135,9 @@ def apply_rotary(
     rows = cos_sin_cache[pos]
     cos, sin = rows[:, None, :half], rows[:, None, half:]
     for t in (q, k):
-        x1 = t[..., :half].float()
-        x2 = t[..., half : 2 * half].float()
+        # float() is the same tensor for float32 input: copy before writing t.
+        x1 = t[..., :half].float().clone()
+        x2 = t[..., half : 2 * half].float().clone()
         t[..., :half] = (x1 * cos - x2 * sin).to(t.dtype)
         t[..., half : 2 * half] = (x2 * cos + x1 * sin).to(t.dtype)
 

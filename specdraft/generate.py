@@ -1,0 +1,386 @@
+"""generate(): prompts in, tokens and text out, over the target runner.
+
+The engine loop (`Engine.step`) schedules decode rows and prefill chunks under a token
+budget, allocates KV blocks for what it schedules before the step (preempting the newest
+request when blocks run out: its blocks are freed and it is prefilled again later),
+launches the step, and only then reads the tokens of the previous step through pinned
+memory. Stop checks, streaming and bookkeeping therefore run one step late and the host
+never waits for the step it has just launched. Requests join (`add_request`) and finish
+at any step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .batch import ScheduledBatch
+from .runner import Readback, TargetRunner, device_token
+from .sampling import SamplingParams, SeedSource
+
+logger = logging.getLogger(__name__)
+
+StreamCallback = Callable[[int, str], None]
+GREEDY = SamplingParams(temperature=0.0)  # the default, as in transformers
+
+
+@dataclass
+class GenerationOutput:
+    """One request's result. token_ids includes a stop token that ended it; text does
+    not (special tokens are skipped)."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str  # "stop" or "length"
+    logprobs: list[float] | None = None
+
+
+@dataclass
+class _Request:
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    stop_ids: frozenset[int]
+    want_logprobs: bool
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V the launched steps write
+    launched: int = 0  # sampled tokens launched (read back or not)
+    pending: int = 0  # sampled tokens launched and not read back yet
+    finished: str | None = None
+    decoder: object | None = None
+    text: list[str] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+class Engine:
+    """A target model with its runner and tokenizer. `generate` runs a list of prompts
+    to completion; `add_request` / `step` / `has_work` drive continuous batching."""
+
+    def __init__(self, runner: TargetRunner, tokenizer=None, *, seed: int | None = None):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.seeds = SeedSource(seed)
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self.finished: dict[int, _Request] = {}
+        self._ids = itertools.count()
+        self._prev: tuple[Readback, list[tuple[_Request, bool]]] | None = None
+        self._stream: StreamCallback | None = None
+        self.preemptions = 0
+        self.vocab_size = runner.model.cfg.vocab_size
+
+    # ---- requests -------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        params: SamplingParams | None = None,
+        max_new_tokens: int = 64,
+        stop_token_ids: Sequence[int] | None = None,
+        logprobs: bool = False,
+    ) -> int:
+        """Queue one request; returns its index. Everything is checked here, before the
+        engine's state changes."""
+        ids = self._prompt_ids(prompt)
+        params = params if params is not None else GREEDY
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
+            raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+        limit = self.runner.limits.max_model_len
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if len(ids) + max_new_tokens > limit:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens + max_new_tokens {max_new_tokens} is over "
+                f"max_model_len {limit}"
+            )
+        stops = self._stop_ids(stop_token_ids)
+        req = _Request(
+            next(self._ids),
+            ids,
+            self.seeds.resolve(params),
+            int(max_new_tokens),
+            stops,
+            bool(logprobs),
+        )
+        if self.tokenizer is not None:
+            req.decoder = self.tokenizer.stream_decoder()
+        self.waiting.append(req)
+        return req.index
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is text but the engine has no tokenizer: pass token ids")
+            if not prompt:
+                raise ValueError("prompt is empty")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            try:
+                ids = [int(t) for t in prompt]
+            except (TypeError, ValueError):
+                raise TypeError(f"prompt must be a str or a sequence of token ids, got "
+                                f"{type(prompt).__name__}") from None
+        if not ids:
+            raise ValueError("prompt is empty: it needs at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt holds token id {bad[0]}, outside [0, {self.vocab_size})")
+        return ids
+
+    def _stop_ids(self, stop_token_ids) -> frozenset[int]:
+        if stop_token_ids is None:
+            eos = () if self.tokenizer is None else self.tokenizer.stop_token_ids
+            return frozenset(eos)
+        stops = []
+        for t in stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise TypeError(f"stop_token_ids must hold ints, got {t!r}")
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"stop_token_ids holds {t}, outside [0, {self.vocab_size})")
+            stops.append(int(t))
+        return frozenset(stops)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._prev)
+
+    # ---- the loop -------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Schedule and launch one step, then process the previous step's tokens."""
+        launched = self._launch()
+        prev, self._prev = self._prev, launched
+        if prev is not None:
+            self._process(*prev)
+
+    def _schedule(self) -> list[tuple[_Request, int]]:
+        """(request, tokens this step): decode rows first, then prefill chunks."""
+        budget = self.runner.limits.max_num_tokens
+        max_reqs = self.runner.limits.max_num_reqs
+        sched: list[tuple[_Request, int]] = []
+        for req in list(self.running):
+            if len(sched) >= max_reqs or budget == 0:
+                break
+            if req.finished or req.launched >= req.max_new_tokens:
+                continue
+            todo = len(req.prompt) + len(req.output) + req.pending - req.num_computed
+            n = min(todo, budget)
+            if n > 0:
+                sched.append((req, n))
+                budget -= n
+        while self.waiting and len(self.running) < max_reqs and budget > 0:
+            req = self.waiting[0]
+            if req.pending:  # preempted with a token still in flight: wait for it
+                break
+            if not self._admit(req):
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            n = min(len(req.tokens), budget)
+            sched.append((req, n))
+            budget -= n
+        return sched
+
+    def _admit(self, req: _Request) -> bool:
+        tables = self.runner.tables
+        need = -(-(len(req.tokens) + 1) // tables.block_size)
+        if tables.num_free_blocks < need or len(tables) >= tables.max_num_reqs:
+            return False
+        tables.add_request(req.index, 1)
+        self.runner.set_sampling(tables.row_of(req.index), req.params)
+        return True
+
+    def _reserve(self, sched: list[tuple[_Request, int]]) -> list[tuple[_Request, int]]:
+        """Grow every scheduled request to cover its step; while blocks run out, preempt
+        the newest running request that is not already kept for this step."""
+        tables = self.runner.tables
+        kept: list[tuple[_Request, int]] = []
+        dropped: set[int] = set()
+        for req, n in sched:
+            if req.index in dropped:
+                continue
+            while not tables.grow(req.index, req.num_computed + n):
+                keep = {r.index for r, _ in kept} | {req.index}
+                victim = next(
+                    (r for r in reversed(self.running) if r.index not in keep and not r.finished),
+                    None,
+                )
+                if victim is None:
+                    raise RuntimeError(
+                        f"the KV cache ({tables.allocator.num_blocks} blocks) cannot hold "
+                        f"request {req.index} at {req.num_computed + n} tokens"
+                    )
+                self._preempt(victim)
+                dropped.add(victim.index)
+            kept.append((req, n))
+        return kept
+
+    def _preempt(self, req: _Request) -> None:
+        self.preemptions += 1
+        self.runner.tables.remove_request(req.index)
+        self.running.remove(req)
+        req.num_computed = 0
+        self.waiting.appendleft(req)
+        logger.info("preempted request %d (%d tokens)", req.index, len(req.tokens))
+
+    def _launch(self) -> tuple[Readback, list[tuple[_Request, bool]]] | None:
+        sched = self._reserve(self._schedule())
+        if not sched:
+            return None
+        tables = self.runner.tables
+        ids: list[int] = []
+        counts, starts = [], []
+        for req, n in sched:
+            start = req.num_computed
+            known = len(req.prompt) + len(req.output)
+            if start >= known:  # the input is the token the last step sampled
+                chunk = [device_token(tables.row_of(req.index))]
+            else:
+                chunk = req.tokens[start : start + n]
+                if len(chunk) < n:  # ends with the in-flight token
+                    chunk.append(device_token(tables.row_of(req.index)))
+            ids.extend(chunk)
+            counts.append(n)
+            starts.append(start)
+        batch = ScheduledBatch(
+            [req.index for req, _ in sched],
+            np.asarray(ids, dtype=np.int64),
+            np.asarray(counts, dtype=np.int64),
+            np.asarray(starts, dtype=np.int64),
+        )
+        greedy = all(req.params.greedy and not req.want_logprobs for req, _ in sched)
+        r = self.runner.execute(batch, greedy=greedy)
+        rows = []
+        for req, n in sched:
+            req.num_computed += n
+            samples = req.num_computed >= len(req.prompt) + len(req.output) + req.pending
+            if samples:
+                req.launched += 1
+                req.pending += 1
+            rows.append((req, samples))
+        handle = self.runner.readback(r, with_logprobs=not greedy)
+        return handle, rows
+
+    def _process(self, handle: Readback, rows: list[tuple[_Request, bool]]) -> None:
+        toks, lps = handle.wait()
+        for i, (req, samples) in enumerate(rows):
+            if not samples:
+                continue
+            req.pending -= 1
+            if req.finished:
+                continue
+            tok = toks[i]
+            req.output.append(tok)
+            if req.want_logprobs and lps is not None:
+                req.logprobs.append(lps[i])
+            if tok in req.stop_ids:
+                self._finish(req, "stop")
+            elif len(req.output) >= req.max_new_tokens:
+                self._finish(req, "length")
+            elif req.decoder is not None and self._stream is not None:
+                piece = req.decoder.push(tok)
+                if piece:
+                    self._stream(req.index, piece)
+        # A finished request leaves once nothing of it is in flight.
+        for req in [r for r in self.running if r.finished and r.pending == 0]:
+            self.running.remove(req)
+            self.runner.tables.remove_request(req.index)
+            self.finished[req.index] = req
+
+    def _finish(self, req: _Request, reason: str) -> None:
+        req.finished = reason
+        if req.decoder is not None and self._stream is not None:
+            if reason == "length":
+                piece = req.decoder.push(req.output[-1]) + req.decoder.flush()
+            else:
+                piece = req.decoder.flush()
+            if piece:
+                self._stream(req.index, piece)
+
+    # ---- generate -------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        *,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        max_new_tokens: int = 64,
+        stop_token_ids: Sequence[int] | None = None,
+        logprobs: bool = False,
+        stream: StreamCallback | None = None,
+    ) -> list[GenerationOutput]:
+        """Run `prompts` to completion (continuous batching over max_num_reqs rows).
+        params: one SamplingParams for all, or one per prompt (default greedy).
+        stream(prompt_index, new_text) receives detokenized text as it is read back."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise TypeError("prompts must be a list of prompts (text or token-id lists)")
+        if not prompts:
+            raise ValueError("prompts is empty")
+        if params is None or isinstance(params, SamplingParams):
+            per = [params] * len(prompts)
+        else:
+            per = list(params)
+            if len(per) != len(prompts):
+                raise ValueError(f"params has {len(per)} entries for {len(prompts)} prompts")
+        if self.has_work():
+            raise RuntimeError("generate() needs an idle engine; finish the running requests")
+        # Check every request before queueing any: a bad one leaves the engine idle.
+        staged = Engine(self.runner, self.tokenizer)
+        staged.vocab_size = self.vocab_size
+        for p, sp in zip(prompts, per):
+            staged.add_request(p, params=sp, max_new_tokens=max_new_tokens,
+                               stop_token_ids=stop_token_ids, logprobs=logprobs)
+        first = None
+        for p, sp in zip(prompts, per):
+            idx = self.add_request(p, params=sp, max_new_tokens=max_new_tokens,
+                                   stop_token_ids=stop_token_ids, logprobs=logprobs)
+            first = idx if first is None else first
+        self._stream = None
+        if stream is not None:
+            self._stream = lambda idx, text: stream(idx - first, text)
+        try:
+            while self.has_work():
+                self.step()
+        finally:
+            self._stream = None
+        out = []
+        for i in range(first, first + len(prompts)):
+            req = self.finished.pop(i)
+            text = None
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(req.output, skip_special_tokens=True)
+            out.append(
+                GenerationOutput(
+                    req.prompt, req.output, text, req.finished,
+                    req.logprobs if req.want_logprobs else None,
+                )
+            )
+        return out
+
+
+def timed_generate(engine: Engine, prompts, **kw) -> tuple[list[GenerationOutput], float]:
+    """generate() and its wall time in seconds (the device drained at both ends)."""
+    import torch
+
+    cuda = engine.runner.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, **kw)
+    if cuda:
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0

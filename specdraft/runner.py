@@ -1,0 +1,231 @@
+"""The target runner: a causal LM served over the paged KV cache, one step at a time.
+
+A step is a ScheduledBatch of prefill chunks and decode rows. The runner builds its
+metadata, runs the model (a captured graph for decode-only steps that fit a descriptor,
+eagerly otherwise), samples one token per request on the device and leaves it in
+persistent buffers; `readback` starts an asynchronous copy of those tokens into pinned
+host memory and returns a handle the caller reads one step later, so the host never
+waits for the step it has just launched.
+
+Device-fed tokens: a decode row's input is the token the previous step sampled for the
+same request, which the host has not seen yet. The host writes the id -(row + 1) for such
+a token (row: the request's block-table row) and the step replaces it on the device with
+the last token sampled for that row.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .attn_metadata import AttentionMetadata, MetadataBuilder
+from .batch import ScheduledBatch
+from .block_table import BlockTables
+from .config import CacheConfig, LimitsConfig
+from .cuda_graph import BatchExecutionDescriptor, CUDAGraphMode, SpeculatorCudaGraphManager
+from .input_buffers import InputBuffers
+from .kv_cache import KVCache, num_blocks_for_budget
+from .models.llama import LlamaForCausalLM
+from .sampling import TARGET_SAMPLE, SamplingParams, SamplingTensors, logprobs, sample
+
+logger = logging.getLogger(__name__)
+
+
+def device_token(row: int) -> int:
+    """The input id that stands for "the last token sampled for block-table row `row`"."""
+    return -(row + 1)
+
+
+@dataclass
+class Readback:
+    """Tokens (and log-probabilities) of one step, on their way to pinned host memory.
+    `wait()` returns them once the copy has run: call it a step later."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor | None
+    event: torch.cuda.Event | None
+    num_reqs: int
+
+    def wait(self) -> tuple[list[int], list[float] | None]:
+        if self.event is not None:
+            self.event.synchronize()
+        toks = self.tokens[: self.num_reqs].tolist()
+        lps = None if self.logprobs is None else self.logprobs[: self.num_reqs].tolist()
+        return toks, lps
+
+
+class TargetRunner:
+    """Owns the KV cache, block tables, input buffers, per-request sampling rows and the
+    decode graphs of one model.
+
+    max_num_tokens is the token budget of one step (prefill chunks are cut to fit it);
+    max_model_len bounds prompt + output per request and must fit the model's rotary
+    table. Graphs are captured on CUDA unless cuda_graphs=False; on a CPU every step
+    runs eagerly."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        *,
+        max_num_reqs: int = 32,
+        max_num_tokens: int = 512,
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        gpu_memory_fraction: float = 0.5,
+        cuda_graphs: bool | None = None,
+        capture_sizes: list[int] | None = None,
+    ):
+        if not isinstance(model, LlamaForCausalLM):
+            raise TypeError(f"model must be a LlamaForCausalLM, got {type(model).__name__}")
+        self.model = model
+        self.device = model.embed_tokens.weight.device
+        if max_model_len is None:
+            max_model_len = model.rotary.max_positions
+        self.limits = LimitsConfig(max_num_reqs, max_num_tokens, max_model_len)
+        if max_model_len > model.rotary.max_positions:
+            raise ValueError(
+                f"max_model_len {max_model_len} is over the model's rotary table "
+                f"({model.rotary.max_positions} positions): build the model with "
+                f"max_positions >= {max_model_len}"
+            )
+        mcfg = model.cfg.runtime_config(model.dtype)
+        if num_blocks is None:
+            if self.device.type == "cuda":
+                free = int(torch.cuda.mem_get_info(self.device)[0] * gpu_memory_fraction)
+                num_blocks = num_blocks_for_budget(mcfg, CacheConfig(block_size, 2), free)
+            else:
+                num_blocks = max_num_reqs * self.limits.max_blocks_per_req(block_size) + 1
+            # Never more than every request at full length needs.
+            need = max_num_reqs * self.limits.max_blocks_per_req(block_size) + 1
+            num_blocks = max(2, min(num_blocks, need))
+        self.cache = KVCache(mcfg, CacheConfig(block_size, num_blocks=num_blocks), self.device)
+        self.tables = BlockTables(
+            max_num_reqs,
+            self.limits.max_blocks_per_req(block_size),
+            block_size,
+            self.cache.num_blocks,
+            self.device,
+        )
+        self.buffers = InputBuffers(self.limits, self.device)
+        self.builder = MetadataBuilder(self.limits, self.buffers, self.tables, self.cache)
+        dev = self.device
+        rows = max_num_reqs + 1  # + the null row that padded requests point at
+        self.sampling = SamplingTensors(rows, dev)
+        self.last_token = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.out_tokens = torch.zeros(max_num_reqs, dtype=torch.int64, device=dev)
+        self.out_logprobs = torch.zeros(max_num_reqs, dtype=torch.float32, device=dev)
+        pin = dev.type == "cuda"
+        self._host = [
+            (
+                torch.zeros(max_num_reqs, dtype=torch.int64, pin_memory=pin),
+                torch.zeros(max_num_reqs, dtype=torch.float32, pin_memory=pin),
+                torch.cuda.Event() if pin else None,
+            )
+            for _ in range(3)
+        ]
+        self._next_host = 0
+        use_graphs = dev.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+        if use_graphs and dev.type != "cuda":
+            raise ValueError("cuda_graphs=True needs the model on a CUDA device")
+        sizes = capture_sizes or [s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+                                  if s <= max_num_reqs]
+        mode = CUDAGraphMode.FULL if use_graphs else CUDAGraphMode.NONE
+        # Two graph sets: greedy (argmax, no log-probs) and general (filters, log-probs).
+        self._graphs = {
+            greedy: SpeculatorCudaGraphManager(
+                max_num_reqs=max_num_reqs,
+                max_num_tokens=max_num_tokens,
+                cg_mode=mode,
+                capture_sizes=sizes,
+                uniform_token_counts=(1,),
+                mixed=False,
+            )
+            for greedy in (True, False)
+        }
+        self.steps = 0
+        self.graph_steps = 0
+
+    # ---- requests -------------------------------------------------------------------
+
+    def set_sampling(self, row: int, params: SamplingParams) -> None:
+        """Write a request's sampling parameters into its row (at admission)."""
+        self.sampling.write_rows([row], [params])
+
+    # ---- capture --------------------------------------------------------------------
+
+    def capture(self) -> None:
+        """Warm up and capture the decode graphs (no-op without graphs)."""
+        for greedy, manager in self._graphs.items():
+            if not manager.descriptors:
+                continue
+
+            def forward(num_reqs, num_tokens, meta, slots, dp, mode, greedy=greedy):
+                return self._forward(meta, greedy=greedy)
+
+            manager.capture(forward, self.builder, f"Capturing decode graphs (greedy={greedy})")
+
+    # ---- one step -------------------------------------------------------------------
+
+    def _forward(self, meta: AttentionMetadata, *, greedy: bool) -> torch.Tensor:
+        """Model, sampling and the device-side bookkeeping of one step; fixed shapes
+        only, so it can be captured per descriptor."""
+        ids = meta.input_ids
+        fed = ids < 0
+        ids = torch.where(fed, self.last_token[(-1 - ids).clamp(min=0)], ids)
+        _, logits = self.model(ids, meta, self.cache)
+        r = meta.num_reqs
+        rows = self.buffers.row_slots[:r]
+        pos = meta.positions.index_select(0, meta.last_token_idx) + 1  # the drawn token's
+        if greedy:
+            tok = logits.argmax(dim=-1)
+        else:
+            params = self.sampling.select(rows)
+            tok = sample(logits, params, pos, TARGET_SAMPLE)
+            lp = logprobs(logits).gather(1, tok[:, None]).squeeze(1)
+            self.out_logprobs[:r].copy_(lp)
+        self.out_tokens[:r].copy_(tok)
+        self.last_token.index_copy_(0, rows, tok)
+        return self.out_tokens[:r]
+
+    def execute(self, batch: ScheduledBatch, *, greedy: bool) -> int:
+        """Run one step. Returns the number of batch rows whose sampled token sits in
+        out_tokens[:num_reqs] (rows in batch order). greedy: every request in the batch
+        is greedy and wants no log-probabilities (the argmax graph set)."""
+        r, t = batch.num_reqs, batch.num_tokens
+        manager = self._graphs[greedy]
+        desc: BatchExecutionDescriptor | None = None
+        if t == r:  # decode only: one token per request
+            desc = manager.dispatch(r, t, uniform_token_count=1, max_query_len=1)
+        if desc is None:
+            meta = self.builder.build(batch)
+            self._forward(meta, greedy=greedy)
+        else:
+            self.builder.build(
+                batch,
+                num_reqs_padded=desc.num_reqs,
+                num_tokens_padded=desc.num_tokens,
+                max_query_len=desc.max_query_len,
+            )
+            manager.replay(desc)
+            self.graph_steps += 1
+        self.steps += 1
+        return r
+
+    def readback(self, num_reqs: int, *, with_logprobs: bool) -> Readback:
+        """Start copying this step's tokens to pinned host memory; read them a step
+        later with Readback.wait()."""
+        toks, lps, event = self._host[self._next_host]
+        self._next_host = (self._next_host + 1) % len(self._host)
+        toks[:num_reqs].copy_(self.out_tokens[:num_reqs], non_blocking=True)
+        if with_logprobs:
+            lps[:num_reqs].copy_(self.out_logprobs[:num_reqs], non_blocking=True)
+        if event is not None:
+            event.record()
+        return Readback(toks, lps if with_logprobs else None, event, num_reqs)
+
+    def teardown(self) -> None:
+        for manager in self._graphs.values():
+            manager.teardown()
