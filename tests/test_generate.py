@@ -1,0 +1,177 @@
+"""generate() over the target runner on a tiny random model: greedy equals transformers,
+chunked prefill / preemption / continuous batching change nothing, seeded sampling is
+reproducible, the PyTorch and Triton paths agree, and bad input changes nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft import ops
+from specdraft.generate import Engine
+from specdraft.models.tiny import random_causal_lm, random_weights, tiny_config
+from specdraft.runner import TargetRunner
+from specdraft.sampling import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+CFG = tiny_config()
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(10, 33)), [200]]
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_causal_lm(CFG, seed=0, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def hf_tokens():
+    hf_cfg = transformers.AutoConfig.for_model(**CFG.to_hf())
+    hf = getattr(transformers, CFG.architecture)(hf_cfg).float().eval()
+    missing, unexpected = hf.load_state_dict(random_weights(CFG, seed=0), strict=False)
+    assert not unexpected
+    out = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            g = hf.generate(torch.tensor([p]), max_new_tokens=STEPS, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)
+            out.append(g[0, len(p):].tolist())
+    return out
+
+
+def engine(model, **kw) -> Engine:
+    args = dict(max_num_reqs=4, max_num_tokens=64, max_model_len=64, num_blocks=40)
+    args.update(kw)
+    return Engine(TargetRunner(model, **args))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_greedy_equals_transformers(model, hf_tokens, backend):
+    with ops.use_backend(backend):
+        out = engine(model).generate(PROMPTS, max_new_tokens=STEPS)
+    assert [o.token_ids for o in out] == hf_tokens
+    assert all(o.finish_reason == "length" for o in out)
+
+
+def test_chunked_prefill_preemption_and_batching_change_nothing(model, hf_tokens):
+    # 8-token budget: the 23-token prompt is prefilled in chunks beside decode rows;
+    # 2 rows for 4 prompts: requests join as others finish; 7 blocks of 16 tokens
+    # cannot hold every request at once, so some are preempted and prefilled again.
+    small = engine(model, max_num_reqs=2, max_num_tokens=8, num_blocks=4)
+    out = small.generate(PROMPTS, max_new_tokens=STEPS)
+    assert [o.token_ids for o in out] == hf_tokens
+    tight = engine(model, max_num_reqs=4, max_num_tokens=16, num_blocks=5)
+    out = tight.generate(PROMPTS, max_new_tokens=STEPS)
+    assert [o.token_ids for o in out] == hf_tokens
+    assert tight.preemptions > 0
+
+
+def test_seeded_sampling_reproducible_and_paths_agree(model):
+    params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=s) for s in range(4)]
+    runs = []
+    for backend in ("torch", "triton", "torch"):
+        with ops.use_backend(backend):
+            e = engine(model)
+            runs.append(e.generate(PROMPTS, params=params, max_new_tokens=STEPS, logprobs=True))
+    toks = [[o.token_ids for o in run] for run in runs]
+    assert toks[0] == toks[1] == toks[2]
+    assert len({tuple(t) for t in toks[0]}) == len(PROMPTS)
+    for o in runs[0]:
+        assert len(o.logprobs) == len(o.token_ids)
+        assert all(lp <= 0 for lp in o.logprobs)
+    # another seed draws other tokens
+    other = engine(model).generate(PROMPTS, params=SamplingParams(temperature=0.8, seed=99),
+                                   max_new_tokens=STEPS)
+    assert [o.token_ids for o in other] != toks[0]
+
+
+def test_stop_ids_and_max_new_tokens(model, hf_tokens):
+    stop = hf_tokens[0][4]
+    out = engine(model).generate(PROMPTS, max_new_tokens=STEPS, stop_token_ids=[stop])
+    first = out[0].token_ids
+    assert first == hf_tokens[0][: hf_tokens[0].index(stop) + 1]
+    assert out[0].finish_reason == "stop"
+    out = engine(model).generate(PROMPTS, max_new_tokens=3)
+    assert [o.token_ids for o in out] == [t[:3] for t in hf_tokens]
+
+
+class _CharTokenizer:
+    """Token i is chr(65 + i % 26); enough to check the streaming plumbing."""
+
+    stop_token_ids = ()
+
+    def encode(self, text):
+        return [ord(c) - 65 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(65 + i % 26) for i in ids)
+
+    def stream_decoder(self):
+        tok = self
+
+        class D:
+            def push(self, i):
+                return tok.decode([i])
+
+            def flush(self):
+                return ""
+
+        return D()
+
+
+def test_streaming_callback_gets_the_text(model):
+    e = Engine(TargetRunner(model, max_num_reqs=4, max_num_tokens=64, max_model_len=64,
+                            num_blocks=40), _CharTokenizer())
+    pieces: dict[int, str] = {}
+    out = e.generate(["ABC", "HELLO"], max_new_tokens=6,
+                     stream=lambda i, t: pieces.__setitem__(i, pieces.get(i, "") + t))
+    assert [pieces[i] for i in range(2)] == [o.text for o in out]
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        (dict(prompts=[[]]), ValueError, "prompt is empty"),
+        (dict(prompts=[list(range(60))], max_new_tokens=10), ValueError, "max_model_len"),
+        (dict(prompts=[[1, 300]]), ValueError, "outside [0, 256)"),
+        (dict(prompts=[[1, -2]]), ValueError, "token id -2"),
+        (dict(prompts=[[1]], max_new_tokens=0), ValueError, "max_new_tokens"),
+        (dict(prompts=[[1]], stop_token_ids=[999]), ValueError, "stop_token_ids"),
+        (dict(prompts=["text"]), ValueError, "tokenizer"),
+        (dict(prompts=[[1]], params=[SamplingParams()] * 3), ValueError, "params"),
+        (dict(prompts="abc"), TypeError, "prompts"),
+        (dict(prompts=[[1]], max_new_tokens=2.5), TypeError, "max_new_tokens"),
+    ],
+)
+def test_bad_input_changes_nothing(model, kwargs, exc, words):
+    e = engine(model)
+    e.runner.cache.data.normal_()  # NaN-free contents to compare bit for bit
+    before = (e.runner.cache.data.clone(), e.runner.tables.rows.clone(),
+              e.runner.tables.num_free_blocks)
+    prompts = kwargs.pop("prompts")
+    kwargs.setdefault("max_new_tokens", 8)
+    good = [1, 2, 3]
+    with pytest.raises(exc, match=None) as info:
+        e.generate([good, *prompts] if isinstance(prompts, list) else prompts, **kwargs)
+    assert words in str(info.value)
+    assert torch.equal(before[0], e.runner.cache.data)
+    assert torch.equal(before[1], e.runner.tables.rows)
+    assert before[2] == e.runner.tables.num_free_blocks
+    assert not e.has_work()
+    # the engine still serves the good request afterwards
+    assert len(e.generate([good], max_new_tokens=2)[0].token_ids) == 2
+
+
+@pytest.mark.parametrize(
+    "params, words",
+    [
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+    ],
+)
+def test_bad_sampling_params(params, words):
+    with pytest.raises(ValueError, match=words):
+        SamplingParams(**params)
