@@ -1,0 +1,210 @@
+"""End to end on the embedded SmolLM2-135M-Instruct: specdraft's target-only generate()
+against transformers' plain greedy generate() on the same prompts, same run; batch 1, 8,
+32. Also: the bare decode-graph step rate (what generate() can at most reach), host time
+per decode step, kernel launches per step, startup (load + capture).
+
+    python -m bench.e2e --out results [--gguf PATH] [--new-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdraft.batch import ScheduledBatch
+from specdraft.cli import DEFAULT_PROMPTS
+from specdraft.demo import load_engine
+from specdraft.generate import timed_generate
+
+
+def prompts_for(tokenizer, batch: int) -> list[list[int]]:
+    chats = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+        for p in DEFAULT_PROMPTS
+    ]
+    ids = [tokenizer.encode(c, add_special_tokens=False) for c in chats]
+    return [ids[i % len(ids)] for i in range(batch)]
+
+
+def bare_step_us(engine, batch: int, context: int = 256, iters: int = 200) -> float:
+    """Median device time of the captured greedy decode graph at `batch` requests of
+    `context` tokens (fresh requests, random-ish ids), replayed alone."""
+    runner = engine.runner
+    manager = runner._graphs[True]
+    desc = manager.dispatch(batch, batch, uniform_token_count=1, max_query_len=1)
+    if desc is None:
+        return float("nan")
+    tables = runner.tables
+    ids = list(range(10_000, 10_000 + batch))
+    for rid in ids:
+        tables.add_request(rid, context)
+    sched = ScheduledBatch(
+        ids,
+        np.arange(batch, dtype=np.int64) + 100,
+        np.ones(batch, dtype=np.int64),
+        np.full(batch, context - 1, dtype=np.int64),
+    )
+    runner.builder.build(
+        sched,
+        num_reqs_padded=desc.num_reqs,
+        num_tokens_padded=desc.num_tokens,
+        max_query_len=desc.max_query_len,
+    )
+    for _ in range(10):
+        manager.replay(desc)
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters // 5):
+            manager.replay(desc)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / (iters // 5))
+    for rid in ids:
+        tables.remove_request(rid)
+    return statistics.median(times)
+
+
+def launches_per_step(engine, batch: int) -> int:
+    """CUDA kernels in one eager decode step (what a graph replays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = engine.runner
+    tables = runner.tables
+    ids = list(range(20_000, 20_000 + batch))
+    for rid in ids:
+        tables.add_request(rid, 64)
+    sched = ScheduledBatch(ids, np.arange(batch, dtype=np.int64) + 5,
+                           np.ones(batch, dtype=np.int64), np.full(batch, 63, dtype=np.int64))
+    meta = runner.builder.build(sched)
+    runner._forward(meta, greedy=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runner._forward(meta, greedy=True)
+        torch.cuda.synchronize()
+    for rid in ids:
+        tables.remove_request(rid)
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+
+def host_us_per_step(engine, ids: list[list[int]], new_tokens: int) -> float:
+    """Median host time of Engine._launch (schedule, build, dispatch, replay, readback
+    enqueue) over the decode steps of one generate() call."""
+    samples: list[float] = []
+    orig = engine._launch
+
+    def timed():
+        t0 = time.perf_counter()
+        out = orig()
+        samples.append(time.perf_counter() - t0)
+        return out
+
+    engine._launch = timed
+    try:
+        engine.generate(ids, max_new_tokens=new_tokens)
+    finally:
+        engine._launch = orig
+    return 1e6 * statistics.median(samples[2:]) if len(samples) > 3 else float("nan")
+
+
+def hf_greedy_tok_s(path: str, ids: list[list[int]], new_tokens: int) -> float | None:
+    """transformers loading the same GGUF (bf16), plain greedy, left-padded batch."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    p = Path(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        p.parent, gguf_file=p.name, torch_dtype=torch.bfloat16
+    ).cuda().eval()
+    width = max(len(x) for x in ids)
+    inp = torch.tensor([[0] * (width - len(x)) + x for x in ids], device="cuda")
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device="cuda")
+    kw = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+    model.generate(inp[:, :], attention_mask=mask, **dict(kw, max_new_tokens=4))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = model.generate(inp, attention_mask=mask, **kw)
+    torch.cuda.synchronize()
+    return (out.shape[1] - width) * len(ids) / (time.perf_counter() - t0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("results"))
+    ap.add_argument("--gguf", default=None)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--no-hf", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.e2e needs a GPU")
+        return 0
+    from specdraft.embedded import smollm2_gguf_path
+
+    path = str(smollm2_gguf_path(wheel=args.gguf) if args.gguf is None or
+               args.gguf.endswith(".whl") else args.gguf)
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        engine, load_s, capture_s = load_engine(path, device="cuda", dtype=torch.bfloat16,
+                                                max_num_reqs=batch, max_model_len=1024,
+                                                graphs=True)
+        ids = prompts_for(engine.tokenizer, batch)
+        engine.generate(ids[:1], max_new_tokens=4)  # warm-up
+        # Every request runs new_tokens steps: stop ids off, so all rows stay busy.
+        outs, secs = timed_generate(engine, ids, max_new_tokens=args.new_tokens,
+                                    stop_token_ids=[])
+        n = sum(len(o.token_ids) for o in outs)
+        tok_s = n / secs
+        step_us = bare_step_us(engine, batch)
+        host_us = host_us_per_step(engine, ids, 32)
+        launches = launches_per_step(engine, batch)
+        hf = None if args.no_hf else hf_greedy_tok_s(path, ids, args.new_tokens)
+        row = {
+            "batch": batch,
+            "tokens": n,
+            "generate_tok_s": round(tok_s, 1),
+            "bare_step_us": round(step_us, 1),
+            "bare_tok_s": round(batch * 1e6 / step_us, 1),
+            "generate_over_bare": round(tok_s / (batch * 1e6 / step_us), 3),
+            "host_us_per_step": round(host_us, 1),
+            "launches_per_step": launches,
+            "load_s": round(load_s, 2),
+            "capture_s": round(capture_s, 2),
+            "hf_greedy_tok_s": None if hf is None else round(hf, 1),
+            "ours_over_hf": None if hf is None else round(tok_s / hf, 2),
+            "text0": engine.tokenizer.decode(outs[0].token_ids, skip_special_tokens=True)[:80],
+        }
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        engine.runner.teardown()
+        del engine
+        torch.cuda.empty_cache()
+    env = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "e2e.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    cols = ["batch", "generate_tok_s", "bare_tok_s", "generate_over_bare", "bare_step_us",
+            "host_us_per_step", "launches_per_step", "load_s", "capture_s", "hf_greedy_tok_s",
+            "ours_over_hf"]
+    lines = [f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}", "",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    (args.out / "e2e.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

