@@ -41,6 +41,45 @@ class AttentionMetadata:
     last_token_idx: torch.Tensor  # int64 [num_reqs]
 
 
+def _int_array(name: str, value) -> np.ndarray:
+    """batch.<name> as an int64 array; floats are refused, not truncated."""
+    a = np.asarray(value)
+    if a.dtype != np.int64:
+        if a.size and a.dtype.kind not in "iu":
+            raise TypeError(f"batch.{name} must hold integers, got dtype {a.dtype}")
+        a = a.astype(np.int64)
+    return a
+
+
+def _check_parts(limits, buffers, block_tables, kv_cache) -> None:
+    """The builder's parts fit each other: every size a batch within `limits` can reach
+    has room in the buffers and the step table, so no build fails after its upload."""
+    for name, value, cls in (
+        ("limits", limits, LimitsConfig),
+        ("buffers", buffers, InputBuffers),
+        ("block_tables", block_tables, BlockTables),
+    ):
+        if not isinstance(value, cls):
+            raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
+    if kv_cache is not None and not isinstance(kv_cache, KVCache):
+        raise TypeError(f"kv_cache must be a KVCache or None, got {type(kv_cache).__name__}")
+    for name, have, owner in (
+        ("max_num_reqs", buffers.max_num_reqs, "buffers"),
+        ("max_num_tokens", buffers.max_num_tokens, "buffers"),
+        ("max_num_reqs", block_tables.max_num_reqs, "block_tables"),
+    ):
+        if have < getattr(limits, name):
+            raise ValueError(
+                f"limits.{name} is {getattr(limits, name)} but {owner} are sized for {name} "
+                f"{have}: build {owner} from the same limits"
+            )
+    devices = {"buffers": buffers.slot_mapping.device, "block_tables": block_tables.rows.device}
+    if kv_cache is not None:
+        devices["kv_cache"] = kv_cache.data.device
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"buffers, block tables and KV cache must share a device, got {devices}")
+
+
 class MetadataBuilder:
     """Fills InputBuffers and the step block table for one step, and returns the
     metadata. Host work is vectorised numpy plus one staging copy; nothing waits for
@@ -53,6 +92,7 @@ class MetadataBuilder:
         block_tables: BlockTables,
         kv_cache: KVCache | None = None,
     ):
+        _check_parts(limits, buffers, block_tables, kv_cache)
         if kv_cache is not None and block_tables.allocator.num_blocks > kv_cache.num_blocks:
             raise ValueError(
                 f"block tables hand out block ids up to {block_tables.allocator.num_blocks - 1}"
@@ -104,9 +144,9 @@ class MetadataBuilder:
             max_query_len = as_int("max_query_len", max_query_len)
         if not isinstance(batch, ScheduledBatch):
             raise TypeError(f"batch must be a ScheduledBatch, got {type(batch).__name__}")
-        counts = np.asarray(batch.num_new_tokens, dtype=np.int64)
-        starts = np.asarray(batch.start_positions, dtype=np.int64)
-        tokens = np.asarray(batch.token_ids, dtype=np.int64)
+        counts = _int_array("num_new_tokens", batch.num_new_tokens)
+        starts = _int_array("start_positions", batch.start_positions)
+        tokens = _int_array("token_ids", batch.token_ids)
         r, t, ends, real_mq = self._validate(batch, counts, starts, tokens)
         rp = r if num_reqs_padded is None else num_reqs_padded
         tp = t if num_tokens_padded is None else num_tokens_padded

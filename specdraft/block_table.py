@@ -13,19 +13,28 @@ scatter, so the host never waits for the device (docs/architecture.md, invariant
 
 from __future__ import annotations
 
-import operator
 from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 import torch
 
-from specdraft.config import _check_int
+from specdraft import kernels
+from specdraft.config import _check_int, check_device
 from specdraft.staging import PinnedRing
 
 # Staging entries allocated up front; the buffers double on demand up to the worst case
 # (every entry of every row), which at 256 requests x 2048 blocks would pin 4 x 8 MiB.
 _INITIAL_STAGE_ENTRIES = 1024
+
+
+def _check_hashable(req_id: object) -> None:
+    try:
+        hash(req_id)
+    except TypeError:
+        raise TypeError(
+            f"req_id must be hashable, got {type(req_id).__name__} {req_id!r:.80}"
+        ) from None
 
 
 class OutOfBlocksError(RuntimeError):
@@ -37,8 +46,8 @@ class BlockAllocator:
     out: block 0 is the null block that padded block-table entries point to."""
 
     def __init__(self, num_blocks: int, num_reserved: int = 1):
-        _check_int("num_reserved", num_reserved, 0)
-        _check_int("num_blocks", num_blocks, num_reserved + 1)
+        num_reserved = _check_int("num_reserved", num_reserved, 0)
+        num_blocks = _check_int("num_blocks", num_blocks, num_reserved + 1)
         self.num_blocks = num_blocks
         self.num_reserved = num_reserved
         self._free: deque[int] = deque(range(num_reserved, num_blocks))
@@ -53,7 +62,7 @@ class BlockAllocator:
 
     def allocate(self, n: int) -> list[int]:
         """n block ids, all or none."""
-        _check_int("n", n, 0)
+        n = _check_int("n", n, 0)
         if n > len(self._free):
             raise OutOfBlocksError(
                 f"cannot allocate n={n} blocks: num_free={len(self._free)} "
@@ -105,15 +114,16 @@ class BlockTables:
         num_blocks: int,
         device: str | torch.device,
     ):
-        _check_int("max_num_reqs", max_num_reqs, 1)
-        _check_int("max_blocks_per_req", max_blocks_per_req, 1)
-        _check_int("block_size", block_size, 1)
+        max_num_reqs = _check_int("max_num_reqs", max_num_reqs, 1)
+        max_blocks_per_req = _check_int("max_blocks_per_req", max_blocks_per_req, 1)
+        block_size = _check_int("block_size", block_size, 1)
+        num_blocks = _check_int("num_blocks", num_blocks, 2, 2**31 - 1)  # block ids are int32
+        device = check_device(device)
         self.max_num_reqs = max_num_reqs
         self.max_blocks_per_req = max_blocks_per_req
         self.block_size = block_size
         self.max_tokens_per_req = max_blocks_per_req * block_size
         self.null_row = max_num_reqs
-        _check_int("num_blocks", num_blocks, 2, 2**31 - 1)  # block ids are int32
         self.allocator = BlockAllocator(num_blocks, num_reserved=1)
 
         shape = (max_num_reqs + 1, max_blocks_per_req)
@@ -177,6 +187,14 @@ class BlockTables:
         except KeyError:
             unknown = next(r for r in req_ids if r not in self._slot_of)
             raise ValueError(f"unknown req_id {unknown!r} ({len(self)} requests held)") from None
+        except TypeError:  # not a sequence, or an unhashable id
+            if not isinstance(req_ids, Sequence):
+                raise TypeError(
+                    f"req_ids must be a sequence of request ids, got {type(req_ids).__name__}"
+                ) from None
+            for r in req_ids:
+                _check_hashable(r)
+            raise
         return rows, self._blocks_in_row[rows]
 
     # ---- changes ---------------------------------------------------------------------
@@ -185,6 +203,7 @@ class BlockTables:
         """Give a new request blocks for num_tokens tokens and a row slot; returns the slot.
 
         Raises OutOfBlocksError, with nothing changed, when the blocks are not there."""
+        _check_hashable(req_id)
         if req_id in self._reqs:
             raise ValueError(f"req_id {req_id!r} is already present ({len(self)} requests)")
         need = self._blocks_needed(num_tokens)
@@ -262,6 +281,16 @@ class BlockTables:
         if row_slots.device != self.device:
             raise ValueError(f"row_slots is on {row_slots.device}, rows on {self.device}")
         n = row_slots.numel()
+        if n and kernels.validation_enabled(row_slots):
+            # A host read, so only where validation is on (CPU tensors by default): on the
+            # CPU an index past `rows` fails inside index_select, on CUDA it is a device
+            # assert that ends the process.
+            lo, hi = int(row_slots.min()), int(row_slots.max())
+            if lo < 0 or hi > self.null_row:
+                raise ValueError(
+                    f"row_slots holds {lo if lo < 0 else hi}, outside [0, {self.null_row}] "
+                    f"(row slots, and null_row {self.null_row} for padding)"
+                )
         torch.index_select(self.rows, 0, row_slots, out=self.table[:n])
 
     # ---- internals -------------------------------------------------------------------
@@ -269,15 +298,14 @@ class BlockTables:
     def _lookup(self, req_id: Hashable) -> tuple[int, list[int]]:
         try:
             return self._reqs[req_id]
+        except TypeError:
+            _check_hashable(req_id)
+            raise
         except KeyError:
             raise ValueError(f"unknown req_id {req_id!r} ({len(self)} requests held)") from None
 
     def _blocks_needed(self, num_tokens: int) -> int:
-        if isinstance(num_tokens, bool):
-            raise TypeError(f"num_tokens must be an int, got {num_tokens!r}")
-        num_tokens = operator.index(num_tokens)
-        if num_tokens < 1:
-            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        num_tokens = _check_int("num_tokens", num_tokens, 1)
         if num_tokens > self.max_tokens_per_req:
             raise ValueError(
                 f"num_tokens {num_tokens} is over the max_model_len capacity "

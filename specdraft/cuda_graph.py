@@ -55,6 +55,21 @@ class BatchExecutionDescriptor:
         return True
 
 
+def _sizes(name: str, values: object) -> list[int]:
+    """A list of sizes >= 1 (ints or numpy integers), each checked and named by index."""
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise TypeError(
+            f"{name} must be a sequence of ints, got {type(values).__name__} {values!r}"
+        )
+    out = []
+    for i, v in enumerate(values):
+        v = as_int(f"{name}[{i}]", v)
+        if v < 1:
+            raise ValueError(f"{name}[{i}] must be >= 1, got {v}")
+        out.append(v)
+    return out
+
+
 def default_capture_sizes(max_num_tokens: int) -> list[int]:
     """1, 2, 4, 8, then every 8 up to 256, then every 16 up to 512, capped at the limit."""
     sizes = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, 513, 16))
@@ -135,10 +150,8 @@ class CudaGraphManager:
         if not isinstance(cg_mode, CUDAGraphMode):
             raise TypeError(f"cg_mode must be a CUDAGraphMode, got {cg_mode!r}")
         if capture_sizes is not None:
-            capture_sizes = [as_int(f"capture_sizes[{i}]", v) for i, v in enumerate(capture_sizes)]
-        uniform_token_counts = [
-            as_int(f"uniform_token_counts[{i}]", v) for i, v in enumerate(uniform_token_counts)
-        ]
+            capture_sizes = _sizes("capture_sizes", capture_sizes)
+        uniform_token_counts = _sizes("uniform_token_counts", uniform_token_counts)
         if max_num_reqs < 1 or max_num_tokens < max_num_reqs:
             raise ValueError(
                 f"need 1 <= max_num_reqs ({max_num_reqs}) <= max_num_tokens ({max_num_tokens})"
@@ -168,8 +181,6 @@ class CudaGraphManager:
         out = set()
         sizes = sorted({s for s in sizes if 1 <= s <= self.max_num_tokens})
         for u in sorted(set(uniform_counts)):
-            if u < 1:
-                raise ValueError(f"uniform token counts must be >= 1, got {u}")
             for s in sizes:
                 if s % u == 0 and s // u <= self.max_num_reqs:
                     out.add(BatchExecutionDescriptor(s, s // u, u, u, self.cg_mode))
@@ -206,8 +217,22 @@ class CudaGraphManager:
         """Warm up and capture every descriptor (or the given ones), largest first. The
         factory is called twice per descriptor: for the warm-up (run eagerly) and for the
         capture, each time preparing that descriptor's inputs afresh."""
+        if not callable(create_forward_fn):
+            raise TypeError(
+                f"create_forward_fn must be callable, got {type(create_forward_fn).__name__}"
+            )
         todo = self.descriptors if descriptors is None else list(descriptors)
-        if self._pool is None and todo:
+        for i, d in enumerate(todo):
+            if not isinstance(d, BatchExecutionDescriptor):
+                raise TypeError(
+                    f"descriptors[{i}] must be a BatchExecutionDescriptor, got {type(d).__name__}"
+                )
+        if not todo:
+            # Nothing to capture (cg_mode NONE, or an empty list): no CUDA call at all, so
+            # this works on a machine without a GPU.
+            self.capture_seconds, self.pool_bytes = 0.0, None
+            return
+        if self._pool is None:
             self._pool = self.backend.pool()
             _POOL_HOLDERS.add(self)
         free_before = self.backend.free_memory()
@@ -225,16 +250,15 @@ class CudaGraphManager:
         self._ranked_tokens = [d.num_tokens for d in self._ranked]
         self.backend.synchronize()
         free_after = self.backend.free_memory()
-        if todo:
-            elapsed = time.perf_counter() - start
-            logger.info(
-                "captured %d graphs in %.2f s (%.3f s each); free memory %s -> %s",
-                len(todo),
-                elapsed,
-                elapsed / len(todo),
-                _gib(free_before),
-                _gib(free_after),
-            )
+        elapsed = time.perf_counter() - start
+        logger.info(
+            "captured %d graphs in %.2f s (%.3f s each); free memory %s -> %s",
+            len(todo),
+            elapsed,
+            elapsed / len(todo),
+            _gib(free_before),
+            _gib(free_after),
+        )
         self.capture_seconds = time.perf_counter() - start
         self.pool_bytes = (
             free_before - free_after if free_before is not None and free_after is not None else None
@@ -256,6 +280,15 @@ class CudaGraphManager:
     ) -> BatchExecutionDescriptor | None:
         """The smallest captured descriptor that fits the batch, or None (run eagerly).
         Uniform descriptors win ties: their tighter max_query_len gives smaller tiles."""
+        # Per step: plain ints skip the conversion.
+        if type(num_reqs) is not int:
+            num_reqs = as_int("num_reqs", num_reqs)
+        if type(num_tokens) is not int:
+            num_tokens = as_int("num_tokens", num_tokens)
+        if uniform_token_count is not None and type(uniform_token_count) is not int:
+            uniform_token_count = as_int("uniform_token_count", uniform_token_count)
+        if max_query_len is not None and type(max_query_len) is not int:
+            max_query_len = as_int("max_query_len", max_query_len)
         if not 1 <= num_reqs <= self.max_num_reqs:
             raise ValueError(
                 f"num_reqs {num_reqs} must be in [1, max_num_reqs {self.max_num_reqs}]"
@@ -269,6 +302,11 @@ class CudaGraphManager:
             raise ValueError(
                 f"uniform_token_count {uniform_token_count} x num_reqs {num_reqs} != "
                 f"num_tokens {num_tokens}"
+            )
+        if max_query_len is not None and max_query_len * num_reqs < num_tokens:
+            raise ValueError(
+                f"max_query_len {max_query_len} is too small: {num_reqs} requests of at most "
+                f"{max_query_len} tokens cannot hold num_tokens {num_tokens}"
             )
         mq = max_query_len or uniform_token_count or num_tokens - num_reqs + 1
         # Ranked by num_tokens first: start at the first graph with enough tokens; the
@@ -300,7 +338,8 @@ class CudaGraphManager:
 
     def teardown(self) -> None:
         """Drop every graph and this manager's hold on the pool."""
-        self.backend.synchronize()
+        if self._graphs:  # nothing captured (cg_mode NONE, a CPU run): no CUDA call
+            self.backend.synchronize()
         self._graphs.clear()
         self._outputs.clear()
         self._ranked, self._ranked_tokens = [], []
@@ -342,6 +381,14 @@ class SpeculatorCudaGraphManager(CudaGraphManager):
         progress_bar_desc: str = "Capturing draft graphs",
         descriptors: Sequence[BatchExecutionDescriptor] | None = None,
     ) -> None:
+        if not callable(forward_fn):
+            raise TypeError(f"forward_fn must be callable, got {type(forward_fn).__name__}")
+        if not callable(getattr(metadata_builder, "prepare_inputs_to_capture", None)):
+            raise TypeError(
+                "metadata_builder must be a MetadataBuilder (with prepare_inputs_to_capture), "
+                f"got {type(metadata_builder).__name__}"
+            )
+
         def create_forward_fn(desc: BatchExecutionDescriptor, warmup: bool) -> ForwardFn:
             num_reqs = desc.num_reqs or min(desc.num_tokens, self.max_num_reqs)
             max_query_len = desc.max_query_len or desc.uniform_token_count or desc.num_tokens

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .config import LimitsConfig
+from .config import LimitsConfig, check_device
 from .staging import PinnedRing
 
 
@@ -36,7 +36,9 @@ class InputBuffers:
     [max_num_tokens]), computed on the device."""
 
     def __init__(self, limits: LimitsConfig, device: torch.device | str):
-        self.device = torch.device(device)
+        if not isinstance(limits, LimitsConfig):
+            raise TypeError(f"limits must be a LimitsConfig, got {type(limits).__name__}")
+        self.device = check_device(device)
         t, r = limits.max_num_tokens, limits.max_num_reqs
         n32 = (r + 1) + r
         words32 = -(-n32 // 2)

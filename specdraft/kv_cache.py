@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from .config import CacheConfig, ModelConfig
+from .config import CacheConfig, ModelConfig, _check_int, check_device
 
 logger = logging.getLogger(__name__)
 
@@ -15,6 +15,10 @@ NULL_BLOCK = 0  # reserved: padded block-table entries point here; never allocat
 
 def num_blocks_for_budget(model: ModelConfig, cache: CacheConfig, free_bytes: int) -> int:
     """Blocks that fit in gpu_memory_fraction of `free_bytes`."""
+    _check_configs(model, cache)
+    if cache.gpu_memory_fraction is None:
+        raise ValueError("cache.gpu_memory_fraction is None: this cache is sized by num_blocks")
+    free_bytes = _check_int("free_bytes", free_bytes, 0)
     per_block = cache.block_size * model.kv_bytes_per_token
     budget = int(free_bytes * cache.gpu_memory_fraction)
     n = budget // per_block
@@ -26,13 +30,21 @@ def num_blocks_for_budget(model: ModelConfig, cache: CacheConfig, free_bytes: in
     return n
 
 
+def _check_configs(model: object, cache: object) -> None:
+    if not isinstance(model, ModelConfig):
+        raise TypeError(f"model must be a ModelConfig, got {type(model).__name__}")
+    if not isinstance(cache, CacheConfig):
+        raise TypeError(f"cache must be a CacheConfig, got {type(cache).__name__}")
+
+
 class KVCache:
     """K and V for every layer in one allocation [num_layers, 2, num_blocks, block_size,
     num_kv_heads, head_dim]; `layer(i)` gives the (k_cache, v_cache) views the kernels
     take. Block 0 is the null block, kept at zero."""
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, device: torch.device | str):
-        device = torch.device(device)
+        _check_configs(model, cache)
+        device = check_device(device)
         if cache.num_blocks is not None:
             num_blocks = cache.num_blocks
         else:
@@ -62,6 +74,7 @@ class KVCache:
         )
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 0 <= i < self.num_layers:
-            raise ValueError(f"layer index {i} out of range [0, {self.num_layers})")
+        """(k_cache, v_cache) of layer i, each [num_blocks, block_size, num_kv_heads,
+        head_dim]."""
+        i = _check_int("layer index", i, 0, self.num_layers - 1)
         return self.data[i, 0], self.data[i, 1]

@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import torch
 
+from .config import _check_int, check_device
+
 
 class PinnedRing:
     """`depth` host buffers of `numel` elements of `dtype`, pinned when CUDA is present."""
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, depth: int = 4):
-        self.device = torch.device(device)
+        numel = _check_int("numel", numel, 0)
+        depth = _check_int("depth", depth, 1)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
+        self.device = check_device(device)
         pin = self.device.type == "cuda"
         self._bufs = [torch.empty(numel, dtype=dtype, pin_memory=pin) for _ in range(depth)]
         # One reusable event per buffer, recorded after each of its copies.
@@ -49,9 +55,23 @@ class PinnedRing:
 
     def copy_to(self, slot: int, dst: torch.Tensor, n: int) -> None:
         """Copy the first n elements of buffer `slot` into dst[:n], asynchronously."""
+        # Plain int comparisons first: this runs on every step.
+        if type(slot) is not int:
+            slot = _check_int("slot", slot, 0)
+        if type(n) is not int:
+            n = _check_int("n", n, 0)
+        if not 0 <= slot < len(self._bufs):
+            raise ValueError(f"slot must be in [0, {len(self._bufs)}), got {slot}")
+        if not isinstance(dst, torch.Tensor):
+            raise TypeError(f"dst must be a tensor, got {type(dst).__name__}")
+        src = self._bufs[slot]
+        if not 0 <= n <= src.numel() or n > dst.numel():
+            raise ValueError(
+                f"n = {n} elements must be in [0, {min(src.numel(), dst.numel())}]: the "
+                f"staging buffer holds {src.numel()}, dst {dst.numel()}"
+            )
         if n == 0:
             return
-        src = self._bufs[slot]
         if n != src.numel():
             src = src[:n]
         if n != dst.numel():
