@@ -1,9 +1,10 @@
 """Sampling shared by generate(), the draft round and the rejection sampler.
 
 One definition of the distribution a token is drawn from (`filtered_probs`) and one way of
-drawing from it (`sample`), both stateless and seeded (DESIGN invariant 6) and made of
-fixed-shape tensor ops only: no host sync, no data-dependent shapes, capturable in a CUDA
-graph, the same tokens on CPU and CUDA tensors up to float rounding.
+drawing from it (`sample`), both stateless and seeded (docs/architecture.md, invariant
+8) and made of fixed-shape tensor ops only: no host sync, no data-dependent shapes,
+capturable in a CUDA graph, the same tokens on CPU and CUDA tensors up to float
+rounding.
 
 The distribution, per row (`filtered_probs`):
 
