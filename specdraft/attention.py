@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from specdraft.kernels import as_int
+from specdraft.kernels.validation import MAX_HEAD_DIM
 from specdraft.ops import paged_attention, store_kv
 
 from .attn_metadata import AttentionMetadata
@@ -28,13 +32,39 @@ class PagedAttention(torch.nn.Module):
         softcap: float | None = None,
     ):
         super().__init__()
+        num_q_heads = as_int("num_q_heads", num_q_heads)
+        num_kv_heads = as_int("num_kv_heads", num_kv_heads)
+        head_dim = as_int("head_dim", head_dim)
+        for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        if not 1 <= head_dim <= MAX_HEAD_DIM:
+            raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
         if num_q_heads % num_kv_heads:
             raise ValueError(
                 f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}"
             )
+        scale = head_dim**-0.5 if scale is None else scale
+        # Checked here, not at the first forward: the forward stores K/V before attention
+        # runs, so a bad value found there would leave this step's K/V in the cache.
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
+            math.isfinite(scale) and scale > 0
+        ):
+            raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+        if sliding_window is not None:
+            sliding_window = as_int("sliding_window", sliding_window)
+            if sliding_window < 1:
+                raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        if softcap is not None and (
+            isinstance(softcap, bool)
+            or not isinstance(softcap, (int, float))
+            or not (math.isfinite(softcap) and softcap > 0)
+        ):
+            raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
-        self.scale = head_dim**-0.5 if scale is None else scale
-        self.sliding_window, self.softcap = sliding_window, softcap
+        self.scale = float(scale)
+        self.sliding_window = sliding_window
+        self.softcap = None if softcap is None else float(softcap)
 
     def forward(
         self,
@@ -68,6 +98,8 @@ class PagedAttention(torch.nn.Module):
     def _check(self, q, k, v, kv_cache, meta: AttentionMetadata, out) -> None:
         """Everything about q, k, v, the cache pair and out, before store_kv writes: a bad
         q must not leave this step's K/V in the cache."""
+        if not isinstance(meta, AttentionMetadata):
+            raise TypeError(f"meta must be an AttentionMetadata, got {type(meta).__name__}")
         t, hq, hkv, d = meta.num_tokens, self.num_q_heads, self.num_kv_heads, self.head_dim
         for name, x in (("q", q), ("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor):

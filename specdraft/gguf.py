@@ -399,8 +399,27 @@ def load_gguf_causal_lm(
     """A LlamaForCausalLM from a llama GGUF file, dequantized to `dtype` (None / "auto":
     the file's float type, bfloat16 for quantized files). max_positions: rows of the
     rotary table (default the file's context_length)."""
+    return _load(open_gguf(path), dtype, device, max_positions)
+
+
+def load_gguf(
+    path: str | Path,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str = "cpu",
+    max_positions: int | None = None,
+):
+    """(LlamaForCausalLM, Tokenizer) from one read of a llama GGUF file."""
+    from .tokenizer import Tokenizer
+
+    opened = open_gguf(path)
+    tokenizer = Tokenizer(opened[1].metadata, where=str(path))
+    return _load(opened, dtype, device, max_positions), tokenizer
+
+
+def _load(opened, dtype, device, max_positions) -> LlamaForCausalLM:
     start = time.perf_counter()
-    cfg, ckpt = open_gguf(path)
+    cfg, ckpt = opened
     cfg = dataclasses.replace(cfg, dtype=_dtype(dtype, cfg))
     logger.info(
         "loading %s: %d layers, hidden %d, %d/%d heads, vocab %d, %s -> %s",

@@ -114,6 +114,10 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int, *, device):
         super().__init__()
+        head_dim = kernels.as_int("head_dim", head_dim)
+        max_positions = kernels.as_int("max_positions", max_positions)
+        if head_dim < 2 or head_dim % 2:
+            raise ValueError(f"head_dim must be even and >= 2 for rotary, got {head_dim}")
         if max_positions < 1:
             raise ValueError(f"max_positions must be >= 1, got {max_positions}")
         self.head_dim, self.rope, self.max_positions = head_dim, rope, max_positions
@@ -156,6 +160,11 @@ class Attention(nn.Module):
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVPair) -> torch.Tensor:
+        want = self.qkv_proj.in_features
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != want:
+            raise ValueError(
+                f"x has shape {tuple(getattr(x, 'shape', ()))}, expected [num_tokens, {want}]"
+            )
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
@@ -289,6 +298,8 @@ def check_step_inputs(
     """Everything a model forward can check before its first write: the ids' shape
     (and, where validation is on, their values), the rotary table against the metadata's
     length bound, and the logits selection."""
+    if not isinstance(meta, AttentionMetadata):
+        raise TypeError(f"meta must be an AttentionMetadata, got {type(meta).__name__}")
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"input_ids must be a tensor, got {type(input_ids).__name__}")
     if input_ids.dim() != 1 or input_ids.shape[0] != meta.num_tokens:

@@ -632,6 +632,8 @@ def load_draft(
 ) -> LlamaForCausalLM | EagleHead | Eagle3Head:
     """Any draft this runtime builds, by what the checkpoint holds: an EAGLE-3 head
     (midlayer.hidden_norm.weight), an EAGLE-1 head (fc.weight) or a causal LM."""
+    if target is not None and not isinstance(target, LlamaForCausalLM):
+        raise TypeError(f"target must be a LlamaForCausalLM or None, got {type(target).__name__}")
     ckpt = _open(path)
     kw = dict(dtype=dtype, max_positions=max_positions)
     if _is_eagle3(ckpt):

@@ -94,8 +94,9 @@ class TargetRunner:
         mcfg = model.cfg.runtime_config(model.dtype)
         if num_blocks is None:
             if self.device.type == "cuda":
-                free = int(torch.cuda.mem_get_info(self.device)[0] * gpu_memory_fraction)
-                num_blocks = num_blocks_for_budget(mcfg, CacheConfig(block_size, 2), free)
+                free = int(torch.cuda.mem_get_info(self.device)[0])
+                budget = CacheConfig(block_size, gpu_memory_fraction=gpu_memory_fraction)
+                num_blocks = num_blocks_for_budget(mcfg, budget, free)
             else:
                 num_blocks = max_num_reqs * self.limits.max_blocks_per_req(block_size) + 1
             # Never more than every request at full length needs.

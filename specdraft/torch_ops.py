@@ -60,38 +60,49 @@ def paged_attention(
     if out is None:
         out = torch.empty_like(q)
     out[:num_tokens].zero_()
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
+    num_reqs = query_start_loc.numel() - 1
+    if num_reqs <= 0 or num_tokens == 0:
+        return out
     width = block_table.shape[1]
-    for r in range(len(starts) - 1):
-        s = min(max(starts[r], 0), num_tokens)
-        e = min(max(starts[r + 1], s), num_tokens)
-        n = e - s
-        seq_len = min(lens[r], width * block_size)
-        if n == 0 or seq_len <= 0:
-            continue
-        nb = -(-seq_len // block_size)
-        blocks = block_table[r, :nb].long()
-        valid_blk = (blocks >= 0) & (blocks < num_blocks)
-        blocks = torch.where(valid_blk, blocks, torch.zeros_like(blocks))
-        k = k_cache[blocks].reshape(nb * block_size, num_kv_heads, head_dim)[:seq_len].float()
-        v = v_cache[blocks].reshape(nb * block_size, num_kv_heads, head_dim)[:seq_len].float()
-        key_ok = valid_blk.repeat_interleave(block_size)[:seq_len]
-        qr = q[s:e].float().view(n, num_kv_heads, group, head_dim)
-        scores = torch.einsum("nhgd,lhd->hgnl", qr, k)
-        if softcap is not None:
-            scores = softcap * torch.tanh(scores * (scale / softcap))
-        else:
-            scores = scores * scale
-        q_pos = torch.arange(seq_len - n, seq_len)[:, None]
-        k_pos = torch.arange(seq_len)[None, :]
-        visible = (k_pos <= q_pos) & key_ok[None, :]
-        if sliding_window is not None:
-            visible &= k_pos > q_pos - sliding_window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no visible key
-        o = torch.einsum("hgnl,lhd->nhgd", probs, v).reshape(n, num_q_heads, head_dim)
-        out[s:e] = o.to(out.dtype)
+    # Clamp as the kernel does: query ranges into [0, num_tokens] and monotone, seq_len
+    # into what the table row can hold; a request with nothing left attends to nothing.
+    qsl = query_start_loc.long().clamp(0, num_tokens)
+    starts = qsl[:-1]
+    ends = torch.maximum(qsl[1:], starts)
+    n = ends - starts
+    seq = seq_lens[:num_reqs].long().clamp(0, width * block_size)
+    active = (n > 0) & (seq > 0)
+    if not bool(active.any()):
+        return out
+    # All requests at once, padded to the longest query and context of the batch: one set
+    # of tensor ops per call instead of a Python loop over requests.
+    n_max, l_max = int(n.max()), int(seq.max())
+    nb = -(-l_max // block_size)
+    blocks = block_table[:num_reqs, :nb].long()
+    blk_ok = (blocks >= 0) & (blocks < num_blocks)  # ids outside the cache hide their keys
+    blocks = torch.where(blk_ok, blocks, 0)
+    k = k_cache[blocks].reshape(num_reqs, nb * block_size, num_kv_heads, head_dim)[:, :l_max]
+    v = v_cache[blocks].reshape(num_reqs, nb * block_size, num_kv_heads, head_dim)[:, :l_max]
+    k_pos = torch.arange(l_max)
+    key_ok = blk_ok.repeat_interleave(block_size, dim=1)[:, :l_max] & (k_pos < seq[:, None])
+    j = torch.arange(n_max)
+    q_ok = (j < n[:, None]) & active[:, None]  # [R, n_max]
+    tok = (starts[:, None] + j).clamp(max=num_tokens - 1)
+    qr = q[tok].float().view(num_reqs, n_max, num_kv_heads, group, head_dim)
+    scores = torch.einsum("rnhgd,rlhd->rhgnl", qr, k.float())
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores * (scale / softcap))
+    else:
+        scores = scores * scale
+    q_pos = seq[:, None] - n[:, None] + j  # [R, n_max]
+    visible = (k_pos <= q_pos[:, :, None]) & key_ok[:, None, :]
+    if sliding_window is not None:
+        visible &= k_pos > q_pos[:, :, None] - sliding_window
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no visible key
+    o = torch.einsum("rhgnl,rlhd->rnhgd", probs, v.float())
+    o = o.reshape(num_reqs, n_max, num_q_heads, head_dim)
+    out[tok[q_ok]] = o[q_ok].to(out.dtype)
     return out
 
 

@@ -6,7 +6,6 @@ and that every cache, block-table tensor (with the allocator's free list and the
 mirror) and input buffer is bit-identical to its state before the call. GOOD holds the
 other side of the contract: sizes given as numpy integers are accepted.
 
-Rows marked xfail are faults in files other engineers own; the reason names the file.
 """
 
 from __future__ import annotations
@@ -806,9 +805,7 @@ BAD = [
     bad("attn-layer-heads-not-multiple", lambda rt: call(PagedAttention, 4, 3, 16), ValueError,
         "num_kv_heads"),
     bad("attn-layer-zero-kv-heads", lambda rt: call(PagedAttention, 4, 0, 16), ValueError,
-        "num_kv_heads",
-        xfail="specdraft/attention.py: PagedAttention(num_kv_heads=0) raises ZeroDivisionError "
-        "from num_q_heads % num_kv_heads; head counts and head_dim are not checked"),
+        "num_kv_heads"),
     bad("attn-layer-q-shape",
         lambda rt: call(layer(rt), rt.track(torch.zeros(4, 4, 8, device=DEVICE)),
                         *rt.qkv()[1:], rt.cache.layer(0), rt.meta()),
@@ -834,20 +831,14 @@ BAD = [
                         rt.meta()),
         ValueError, "v_cache"),
     bad("attn-layer-scale-0",
-        lambda rt: call(layer(rt, scale=0.0), *rt.qkv(), rt.cache.layer(0), rt.meta()),
-        ValueError, "scale",
-        xfail="specdraft/attention.py: scale, sliding_window and softcap are not checked by "
-        "PagedAttention (construction or _check): store_kv writes this step's K/V into the "
-        "cache, then paged_attention refuses scale=0, so the error leaves the cache changed"),
+        lambda rt: call(PagedAttention, 4, 2, 16, scale=0.0), ValueError, "scale"),
     bad("attn-layer-window-0",
-        lambda rt: call(layer(rt, sliding_window=0), *rt.qkv(), rt.cache.layer(0), rt.meta()),
-        ValueError, "sliding_window",
-        xfail="specdraft/attention.py: sliding_window=0 is accepted; the forward stores K/V "
-        "before paged_attention refuses it, so the cache changes before the error"),
+        lambda rt: call(PagedAttention, 4, 2, 16, sliding_window=0), ValueError,
+        "sliding_window"),
+    bad("attn-layer-softcap-inf",
+        lambda rt: call(PagedAttention, 4, 2, 16, softcap=float("inf")), ValueError, "softcap"),
     bad("attn-layer-meta-none",
-        lambda rt: call(layer(rt), *rt.qkv(), rt.cache.layer(0), None), TypeError, "meta",
-        xfail="specdraft/attention.py: PagedAttention.forward(meta=None) raises AttributeError "
-        "('NoneType' object has no attribute 'num_tokens'); meta is not type-checked"),
+        lambda rt: call(layer(rt), *rt.qkv(), rt.cache.layer(0), None), TypeError, "meta"),
     bad("rmsnorm-layer-width",
         lambda rt: call(RMSNorm(64, 1e-5, dtype=F32, device=DEVICE),
                         rt.track(torch.randn(3, 32, device=DEVICE))),
@@ -857,10 +848,7 @@ BAD = [
         "max_positions"),
     bad("rotary-layer-odd-head-dim",
         lambda rt: call(RotaryEmbedding, 15, RopeConfig(), 32, device=DEVICE), ValueError,
-        "head_dim",
-        xfail="specdraft/layers.py: RotaryEmbedding accepts an odd head_dim and builds a "
-        "16-column table for head_dim 15; the error only comes at the first forward, from "
-        "the kernel, naming cos_sin_cache"),
+        "head_dim"),
     bad("rotary-layer-positions-int32",
         lambda rt: call(rt.model.rotary, *rt.qkv()[:2],
                         torch.zeros(4, dtype=torch.int32, device=DEVICE)),
@@ -868,10 +856,7 @@ BAD = [
     bad("attention-module-x-width",
         lambda rt: call(rt.model.layers[0].self_attn, rt.track(torch.randn(4, 32, device=DEVICE)),
                         rt.meta(), rt.cache.layer(0)),
-        ValueError, "x",
-        xfail="specdraft/layers.py: Attention.forward passes x of the wrong width to F.linear, "
-        "which raises RuntimeError 'mat1 and mat2 shapes cannot be multiplied', naming no "
-        "argument"),
+        ValueError, "x"),
     bad("decoder-layer-residual-without-norm",
         lambda rt: call(rt.eagle.layers[0], rt.track(torch.randn(4, 64, device=DEVICE)),
                         rt.track(torch.randn(4, 64, device=DEVICE)), rt.meta(),
@@ -922,9 +907,7 @@ BAD = [
         lambda rt: call(random_causal_lm(rt.cfg, dtype=F32, device=DEVICE, max_positions=32),
                         rt.ids(), rt.meta(), rt.cache),
         ValueError, "max_positions"),
-    bad("llama-meta-none", lambda rt: model_call(rt, meta=None), TypeError, "meta",
-        xfail="specdraft/layers.py (check_step_inputs): meta=None raises AttributeError "
-        "('NoneType' object has no attribute 'num_tokens'); meta is not type-checked"),
+    bad("llama-meta-none", lambda rt: model_call(rt, meta=None), TypeError, "meta"),
     bad("eagle-hidden-fp16", lambda rt: eagle_call(rt, hidden=rt.hidden(64, torch.float16)),
         TypeError, "hidden_states"),
     bad("eagle-hidden-shape", lambda rt: eagle_call(rt, hidden=rt.hidden(32)), ValueError,
@@ -947,11 +930,7 @@ BAD = [
         TypeError, "hidden_states"),
     bad("eagle3-aux-hidden-fp16",
         lambda rt: eagle_call(rt, which="eagle3", hidden=rt.hidden(192, torch.float16)),
-        TypeError, "hidden_states",
-        xfail="specdraft/models/eagle.py (Eagle3Head.forward): [T, 3h] hidden states of the "
-        "wrong dtype go through fc before _check_hidden, so F.linear raises RuntimeError "
-        "'expected m1 and m2 to have the same dtype' instead of a TypeError naming "
-        "hidden_states"),
+        TypeError, "hidden_states"),
     bad("eagle3-logits-indices-out-of-range",
         lambda rt: eagle_call(rt, which="eagle3", logits_indices=ids_of(rt, [7])), ValueError,
         "logits_indices"),
@@ -992,9 +971,7 @@ BAD = [
     bad("load-draft-missing", lambda rt: call(load_draft, str(rt.tmp / "nope")), ValueError,
         "nope"),
     bad("load-draft-target-wrong-type",
-        lambda rt: call(load_draft, rt.checkpoint(), target="llama"), TypeError, "target",
-        xfail="specdraft/loader.py (load_draft): a checkpoint without fc / midlayer tensors "
-        "loads as a causal LM and ignores target, so target='llama' is not refused"),
+        lambda rt: call(load_draft, rt.checkpoint(), target="llama"), TypeError, "target"),
 ]
 # fmt: on
 
@@ -1142,11 +1119,6 @@ GOOD = [
     pytest.param(
         good_aux_layers,
         id="llama-aux-layers-numpy",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="specdraft/models/llama.py: aux_layers=(np.int64(0),) is refused with "
-            "ValueError 'aux_layers holds np.int64(0), outside [0, 2)': only a Python int passes",
-        ),
     ),
 ]
 

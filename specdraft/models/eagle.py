@@ -256,7 +256,12 @@ class Eagle3Head(nn.Module):
         (pre-norm hidden [num_tokens, h], logits [n, draft_vocab] over the draft
         vocabulary); map ids with draft_to_target or logits with logits_to_target."""
         h = self.cfg.hidden_size
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError(f"hidden_states must be a tensor, got {type(hidden_states).__name__}")
         if hidden_states.dim() == 2 and hidden_states.shape[-1] == self.fc.in_features != h:
+            # the target's auxiliary states: checked, then fused by fc
+            _check_hidden(hidden_states, meta.num_tokens, self.fc.in_features, "fc input",
+                          self.dtype)
             hidden_states = self.combine_hidden_states(hidden_states)
         _check_hidden(
             hidden_states,

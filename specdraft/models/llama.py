@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from specdraft.attn_metadata import AttentionMetadata
+from specdraft.kernels import as_int
 from specdraft.layers import (
     DecoderLayer,
     Embedding,
@@ -128,10 +129,10 @@ class LlamaForCausalLM(nn.Module):
             head_dim=cfg.head_dim,
             dtype=self.dtype,
         )
-        aux_at = list(aux_layers or ())
+        aux_at = [as_int("aux_layers[i]", i) for i in (aux_layers or ())]
         for i in aux_at:
-            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < cfg.num_layers:
-                raise ValueError(f"aux_layers holds {i!r}, outside [0, {cfg.num_layers})")
+            if not 0 <= i < cfg.num_layers:
+                raise ValueError(f"aux_layers holds {i}, outside [0, {cfg.num_layers})")
         aux: list[torch.Tensor | None] = [None] * len(aux_at)
         hidden = self.embed_tokens(input_ids)
         residual = None
