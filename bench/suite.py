@@ -1,8 +1,10 @@
 """The whole GPU suite: every test (gpu-marked ones included), then the benchmarks (host
-preparation under pytest-benchmark, graph capture and replay, draft models, attention), then
-short tables.
+preparation under pytest-benchmark, graph capture and replay, draft models, end to end on
+the embedded model, attention), then short tables.
 
-    python -m bench.suite [--out results] [--quick] [--sweep] [--no-flex]
+    python -m bench.suite [--out results] [--quick] [--sweep] [--no-flex] [--only a,b]
+
+--only picks parts: tests, host, capture, models, e2e, attention (default: all).
 
 Exit status is non-zero when a test or a benchmark fails."""
 
@@ -59,36 +61,46 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--only", default="tests,host,capture,models,e2e,attention")
     args = ap.parse_args()
+    parts = set(args.only.split(","))
+    if args.skip_tests:
+        parts.discard("tests")
     if not torch.cuda.is_available():
         print("bench.suite needs an NVIDIA GPU; run `pytest` for the CPU tests")
         return 2
-    rc, summary = (0, "tests skipped") if args.skip_tests else run_tests(args.out)
+    rc, summary = run_tests(args.out) if "tests" in parts else (0, "tests skipped")
     print(f"tests: {summary}", flush=True)
+    host_line, codes = "host prep: skipped", [rc]
+    if "host" in parts:
+        hrc, host_line = run_host_prep(args.out)
+        print(host_line, flush=True)
+        codes.append(hrc)
+    out = ["--out", str(args.out)]
+    if "capture" in parts:
+        from bench import capture
 
-    hrc, host_line = run_host_prep(args.out)
-    print(host_line, flush=True)
+        codes.append(capture.main(out))
+    if "models" in parts:
+        from bench import models
 
-    from bench import capture
+        codes.append(models.main(out))
+    if "e2e" in parts:
+        from bench import e2e
 
-    crc = capture.main(["--out", str(args.out)])
+        codes.append(e2e.main(out))
+    if "attention" in parts:
+        from bench import attention
 
-    from bench import models
-
-    mrc = models.main(["--out", str(args.out)])
-
-    from bench import attention
-
-    bench_argv = ["--out", str(args.out)]
-    bench_argv += ["--quick"] * args.quick + ["--sweep"] * args.sweep
-    bench_argv += ["--no-flex"] * args.no_flex
-    brc = attention.main(bench_argv)
-    for name in ("models", "capture"):
+        bench_argv = out + ["--quick"] * args.quick + ["--sweep"] * args.sweep
+        bench_argv += ["--no-flex"] * args.no_flex
+        codes.append(attention.main(bench_argv))
+    for name in ("models", "capture", "e2e"):
         md = args.out / f"{name}.md"
-        if md.exists():
+        if md.exists() and name in parts:
             print("\n" + md.read_text().strip())
     print(f"\n{host_line}\ntests: {summary}")
-    return rc or hrc or crc or mrc or brc
+    return next((c for c in codes if c), 0)
 
 
 if __name__ == "__main__":

@@ -175,3 +175,34 @@ def test_bad_input_changes_nothing(model, kwargs, exc, words):
 def test_bad_sampling_params(params, words):
     with pytest.raises(ValueError, match=words):
         SamplingParams(**params)
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_equal_eager_and_transformers(hf_tokens):
+    """fp32 on the GPU: decode graphs replayed by generate() give transformers' greedy
+    tokens, and the launch path of every step runs under sync-debug "error"."""
+    model = random_causal_lm(CFG, seed=0, dtype=torch.float32, device="cuda")
+    runner = TargetRunner(model, max_num_reqs=4, max_num_tokens=64, max_model_len=64,
+                          num_blocks=40, capture_sizes=[1, 2, 4])
+    runner.capture()
+    e = Engine(runner)
+    launch = e._launch
+
+    def strict_launch():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    e._launch = strict_launch
+    out = e.generate(PROMPTS, max_new_tokens=STEPS)
+    assert [o.token_ids for o in out] == hf_tokens
+    assert runner.graph_steps > 0
+    eager = Engine(TargetRunner(model, max_num_reqs=4, max_num_tokens=64, max_model_len=64,
+                                num_blocks=40, cuda_graphs=False))
+    params = [SamplingParams(temperature=0.9, top_p=0.8, seed=s) for s in range(4)]
+    a = e.generate(PROMPTS, params=params, max_new_tokens=STEPS)
+    b = eager.generate(PROMPTS, params=params, max_new_tokens=STEPS)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    runner.teardown()
