@@ -81,8 +81,12 @@ def launches_per_step(engine, batch: int) -> int:
     ids = list(range(20_000, 20_000 + batch))
     for rid in ids:
         tables.add_request(rid, 64)
-    sched = ScheduledBatch(ids, np.arange(batch, dtype=np.int64) + 5,
-                           np.ones(batch, dtype=np.int64), np.full(batch, 63, dtype=np.int64))
+    sched = ScheduledBatch(
+        ids,
+        np.arange(batch, dtype=np.int64) + 5,
+        np.ones(batch, dtype=np.int64),
+        np.full(batch, 63, dtype=np.int64),
+    )
     meta = runner.builder.build(sched)
     runner._forward(meta, greedy=True)
     torch.cuda.synchronize()
@@ -121,9 +125,13 @@ def hf_greedy_tok_s(path: str, ids: list[list[int]], new_tokens: int) -> float |
     except ImportError:
         return None
     p = Path(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        p.parent, gguf_file=p.name, torch_dtype=torch.bfloat16
-    ).cuda().eval()
+    model = (
+        transformers.AutoModelForCausalLM.from_pretrained(
+            p.parent, gguf_file=p.name, torch_dtype=torch.bfloat16
+        )
+        .cuda()
+        .eval()
+    )
     width = max(len(x) for x in ids)
     inp = torch.tensor([[0] * (width - len(x)) + x for x in ids], device="cuda")
     mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device="cuda")
@@ -149,18 +157,25 @@ def main(argv=None) -> int:
         return 0
     from specdraft.embedded import smollm2_gguf_path
 
-    path = str(smollm2_gguf_path(wheel=args.gguf) if args.gguf is None or
-               args.gguf.endswith(".whl") else args.gguf)
+    path = str(
+        smollm2_gguf_path(wheel=args.gguf)
+        if args.gguf is None or args.gguf.endswith(".whl")
+        else args.gguf
+    )
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        engine, load_s, capture_s = load_engine(path, device="cuda", dtype=torch.bfloat16,
-                                                max_num_reqs=batch, max_model_len=1024,
-                                                graphs=True)
+        engine, load_s, capture_s = load_engine(
+            path,
+            device="cuda",
+            dtype=torch.bfloat16,
+            max_num_reqs=batch,
+            max_model_len=1024,
+            graphs=True,
+        )
         ids = prompts_for(engine.tokenizer, batch)
         engine.generate(ids[:1], max_new_tokens=4)  # warm-up
         # Every request runs new_tokens steps: stop ids off, so all rows stay busy.
-        outs, secs = timed_generate(engine, ids, max_new_tokens=args.new_tokens,
-                                    stop_token_ids=[])
+        outs, secs = timed_generate(engine, ids, max_new_tokens=args.new_tokens, stop_token_ids=[])
         n = sum(len(o.token_ids) for o in outs)
         tok_s = n / secs
         step_us = bare_step_us(engine, batch)
@@ -195,11 +210,25 @@ def main(argv=None) -> int:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "e2e.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
-    cols = ["batch", "generate_tok_s", "bare_tok_s", "generate_over_bare", "bare_step_us",
-            "host_us_per_step", "launches_per_step", "load_s", "capture_s", "hf_greedy_tok_s",
-            "ours_over_hf"]
-    lines = [f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}", "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    cols = [
+        "batch",
+        "generate_tok_s",
+        "bare_tok_s",
+        "generate_over_bare",
+        "bare_step_us",
+        "host_us_per_step",
+        "launches_per_step",
+        "load_s",
+        "capture_s",
+        "hf_greedy_tok_s",
+        "ours_over_hf",
+    ]
+    lines = [
+        f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "---|" * len(cols),
+    ]
     lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
     (args.out / "e2e.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

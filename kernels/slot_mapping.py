@@ -30,6 +30,7 @@ def _slot_mapping_kernel(
     row_slots_ptr,
     positions_ptr,
     qsl_ptr,
+    seq_lens_ptr,
     num_reqs,
     num_tokens,
     max_blocks,
@@ -39,6 +40,7 @@ def _slot_mapping_kernel(
     BLOCK: tl.constexpr,
     GATHER: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
+    ADVANCE: tl.constexpr,
 ):
     req = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -66,10 +68,19 @@ def _slot_mapping_kernel(
     # Clamped to [0, num_tokens): inconsistent lengths never write outside out[:num_tokens].
     start = tl.maximum(tl.load(qsl_ptr + req), 0)
     end = tl.minimum(tl.load(qsl_ptr + req + 1), num_tokens)
+    if ADVANCE:
+        # The same requests one step later: each moves on by its query length (1 for
+        # decode). Requests without tokens (padding) keep seq_len 0.
+        q_len = tl.maximum(end - start, 0)
+        seq = tl.load(seq_lens_ptr + req)
+        tl.store(seq_lens_ptr + req, tl.where(q_len > 0, seq + q_len, seq))
     for t0 in range(start, end, BLOCK):
         tok = (t0 + offs).to(tl.int64)
         mask = tok < end
         pos = tl.load(positions_ptr + tok, mask=mask, other=-1)
+        if ADVANCE:
+            pos = pos + (end - start)
+            tl.store(positions_ptr + tok, pos, mask=mask)
         blk_idx = pos // BLOCK_SIZE
         # A negative position or one past the table's width reads nothing and maps to -1.
         valid = mask & (pos >= 0) & (blk_idx < max_blocks)
@@ -124,7 +135,7 @@ def compute_slot_mapping(
 def as_int(name: str, value: object) -> int:
     """value as a Python int: ints and integer-like scalars (numpy integers, 0-d integer
     tensors) pass; bool, floats and everything else raise TypeError naming `name`."""
-    if isinstance(value, bool) or isinstance(value, float):
+    if isinstance(value, (bool, float)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     try:
         return operator.index(value)
@@ -164,11 +175,16 @@ def prepare_slot_mapping(
     *,
     rows: torch.Tensor | None = None,
     row_slots: torch.Tensor | None = None,
+    advance_seq_lens: torch.Tensor | None = None,
     _device_check: bool = True,
 ) -> SlotMappingLaunch:
     """Check persistent buffers once and return `launch(num_reqs, num_tokens)`, which
     runs compute_slot_mapping over their first num_reqs requests and num_tokens tokens
     with only those two integers checked: the per-step path of the metadata builder.
+    With `advance_seq_lens` (int32 [>= num_reqs], the step's seq_lens), the launch first
+    moves the same requests one step on, on the device: every token's position and every
+    request's seq_len grow by the request's query length (requests without tokens are
+    left alone). This is the next decode step of an unchanged batch without a host upload.
     (_device_check=False: the caller runs another implementation on these buffers and
     only wants the checks.)"""
     _check_tensor("positions", positions, 1, (torch.int64,))
@@ -196,6 +212,10 @@ def prepare_slot_mapping(
                 f"rows has {rows.shape[1]} columns, block_table {block_table.shape[1]}"
             )
         tensors += [("rows", rows), ("row_slots", row_slots)]
+    advance = advance_seq_lens is not None
+    if advance:
+        _check_tensor("advance_seq_lens", advance_seq_lens, 1, (torch.int32,))
+        tensors.append(("advance_seq_lens", advance_seq_lens))
     for name, t in tensors:
         if t.device != out.device:
             raise ValueError(f"{name} is on {t.device}, out on {out.device}")
@@ -214,14 +234,18 @@ def prepare_slot_mapping(
     ]
     if gather:
         limits.append(("num_reqs", row_slots.numel(), f"row_slots has {row_slots.numel()} entries"))
+    if advance:
+        n = advance_seq_lens.numel()
+        limits.append(("num_reqs", n, f"advance_seq_lens has {n} entries"))
+    seq_arg = advance_seq_lens if advance else query_start_loc  # unread unless ADVANCE
 
     def launch(num_reqs: int, num_tokens: int) -> None:
         if num_tokens == 0 and not gather:
             return
         block = _choose_block(num_tokens, num_reqs)
-        args = (out, block_table, src, src_slots, positions, query_start_loc, num_reqs)
-        args += (num_tokens, width, block_table.stride(0), src.stride(0))
-        args += (block_size, block, gather, row_block)
+        args = (out, block_table, src, src_slots, positions, query_start_loc, seq_arg)
+        args += (num_reqs, num_tokens, width, block_table.stride(0), src.stride(0))
+        args += (block_size, block, gather, row_block, advance)
         _launch(block, (num_reqs + 1, 1, 1), args, {"num_warps": max(1, block // 256)})
 
     _launch = CachedLaunch(_slot_mapping_kernel)

@@ -119,6 +119,18 @@ class MetadataBuilder:
             rows=block_tables.rows,
             row_slots=buffers.row_slots,
         )
+        # The same launch that first moves the last batch one step on (advance()).
+        self._advance = prepare_slot_mapping(
+            buffers.positions,
+            buffers.query_start_loc,
+            block_tables.table,
+            self.block_size,
+            buffers.slot_mapping,
+            rows=block_tables.rows,
+            row_slots=buffers.row_slots,
+            advance_seq_lens=buffers.seq_lens,
+        )
+        self._last: AttentionMetadata | None = None  # what the buffers hold now
         self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
     # ---- real batches -------------------------------------------------------------
@@ -172,7 +184,8 @@ class MetadataBuilder:
         s.row_slots[:r] = rows
         s.row_slots[r:rp] = self.block_tables.null_row
         self._upload(s, rp, tp)
-        return self._metadata(rp, tp, mq, t, r)
+        self._last = self._metadata(rp, tp, mq, t, r)
+        return self._last
 
     def _validate(self, batch, counts, starts, tokens) -> tuple[int, int, np.ndarray, int]:
         """(num_reqs, num_tokens, end position of each request, longest query)."""
@@ -284,6 +297,7 @@ class MetadataBuilder:
         s.row_slots[:num_reqs] = self.block_tables.null_row
         self._upload(s, num_reqs, num_tokens)
         self.buffers.slot_mapping[:num_tokens].fill_(-1)
+        self._last = None  # the buffers hold dummy contents now
         return self._metadata(num_reqs, num_tokens, max_query_len, t, num_reqs)
 
     # ---- shared ---------------------------------------------------------------------
@@ -292,6 +306,20 @@ class MetadataBuilder:
         self.buffers.upload(s)
         self.block_tables.commit()
         self._slot_mapping(rp, tp)
+
+    def advance(self) -> AttentionMetadata:
+        """The metadata of the batch last built, one step later, without a host upload:
+        on the device every request's positions and seq_len move on by its query length
+        (1 for decode) and the slots are recomputed; input ids stay as they are (the
+        runner feeds decode tokens on the device). Block tables must already cover the
+        new lengths (grow before calling); pending block-table writes are committed.
+        The caller guarantees the batch is the same requests in the same order."""
+        last = self._last
+        if last is None:
+            raise RuntimeError("advance() needs a batch built by build() first")
+        self.block_tables.commit()
+        self._advance(last.num_reqs, last.num_tokens)
+        return last
 
     def _metadata(self, rp: int, tp: int, mq: int, t: int, r: int) -> AttentionMetadata:
         views = self._views.get((rp, tp))

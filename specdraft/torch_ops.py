@@ -171,10 +171,12 @@ def prepare_slot_mapping(
     *,
     rows: torch.Tensor | None = None,
     row_slots: torch.Tensor | None = None,
+    advance_seq_lens: torch.Tensor | None = None,
 ) -> Callable[[int, int], None]:
     """launch(num_reqs, num_tokens) with the contract of kernels.prepare_slot_mapping:
-    optional gather of the step table, slot of each token, -1 for padding, negative
-    positions, positions past the table and negative block ids."""
+    optional gather of the step table, optional advance of positions and seq_lens by each
+    request's query length, slot of each token, -1 for padding, negative positions,
+    positions past the table and negative block ids."""
     width = block_table.shape[1]
 
     def launch(num_reqs: int, num_tokens: int) -> None:
@@ -183,16 +185,17 @@ def prepare_slot_mapping(
         if num_tokens == 0:
             return
         qsl = query_start_loc[: num_reqs + 1].long().clamp(0, num_tokens)
-        counts = (qsl[1:] - qsl[:-1]).clamp(min=0)
-        req = torch.repeat_interleave(torch.arange(num_reqs), counts)
+        qsl = torch.maximum(qsl, torch.cummax(qsl, 0).values)  # monotone, as clamped
         tok = torch.arange(num_tokens)
-        # Token t belongs to request req[t - qsl[0]]: tokens are laid out in order.
-        req_of = torch.zeros(num_tokens, dtype=torch.long)
-        first = int(qsl[0])
-        n_owned = min(req.numel(), num_tokens - first)
-        req_of[first : first + n_owned] = req[:n_owned]
-        owned = (tok >= first) & (tok < first + n_owned)
+        # request of each token (searchsorted: repeat_interleave with tensor repeats is
+        # milliseconds on the CPU); tokens outside every request are padding
+        req_of = torch.searchsorted(qsl[1:], tok, right=True).clamp(max=max(num_reqs - 1, 0))
+        owned = (tok >= qsl[0]) & (tok < qsl[-1])
         pos = positions[:num_tokens]
+        if advance_seq_lens is not None:
+            counts = qsl[1:] - qsl[:-1]
+            advance_seq_lens[:num_reqs] += counts.to(advance_seq_lens.dtype)
+            pos += torch.where(owned, counts[req_of], 0)
         blk_idx = torch.div(pos, block_size, rounding_mode="floor")
         ok = owned & (pos >= 0) & (blk_idx < width)
         blk = block_table[req_of, blk_idx.clamp(0, width - 1)].long()

@@ -34,9 +34,14 @@ def hf_tokens():
     out = []
     with torch.no_grad():
         for p in PROMPTS:
-            g = hf.generate(torch.tensor([p]), max_new_tokens=STEPS, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)
-            out.append(g[0, len(p):].tolist())
+            g = hf.generate(
+                torch.tensor([p]),
+                max_new_tokens=STEPS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            out.append(g[0, len(p) :].tolist())
     return out
 
 
@@ -81,8 +86,9 @@ def test_seeded_sampling_reproducible_and_paths_agree(model):
         assert len(o.logprobs) == len(o.token_ids)
         assert all(lp <= 0 for lp in o.logprobs)
     # another seed draws other tokens
-    other = engine(model).generate(PROMPTS, params=SamplingParams(temperature=0.8, seed=99),
-                                   max_new_tokens=STEPS)
+    other = engine(model).generate(
+        PROMPTS, params=SamplingParams(temperature=0.8, seed=99), max_new_tokens=STEPS
+    )
     assert [o.token_ids for o in other] != toks[0]
 
 
@@ -121,11 +127,16 @@ class _CharTokenizer:
 
 
 def test_streaming_callback_gets_the_text(model):
-    e = Engine(TargetRunner(model, max_num_reqs=4, max_num_tokens=64, max_model_len=64,
-                            num_blocks=40), _CharTokenizer())
+    e = Engine(
+        TargetRunner(model, max_num_reqs=4, max_num_tokens=64, max_model_len=64, num_blocks=40),
+        _CharTokenizer(),
+    )
     pieces: dict[int, str] = {}
-    out = e.generate(["ABC", "HELLO"], max_new_tokens=6,
-                     stream=lambda i, t: pieces.__setitem__(i, pieces.get(i, "") + t))
+    out = e.generate(
+        ["ABC", "HELLO"],
+        max_new_tokens=6,
+        stream=lambda i, t: pieces.__setitem__(i, pieces.get(i, "") + t),
+    )
     assert [pieces[i] for i in range(2)] == [o.text for o in out]
 
 
@@ -147,8 +158,11 @@ def test_streaming_callback_gets_the_text(model):
 def test_bad_input_changes_nothing(model, kwargs, exc, words):
     e = engine(model)
     e.runner.cache.data.normal_()  # NaN-free contents to compare bit for bit
-    before = (e.runner.cache.data.clone(), e.runner.tables.rows.clone(),
-              e.runner.tables.num_free_blocks)
+    before = (
+        e.runner.cache.data.clone(),
+        e.runner.tables.rows.clone(),
+        e.runner.tables.num_free_blocks,
+    )
     prompts = kwargs.pop("prompts")
     kwargs.setdefault("max_new_tokens", 8)
     good = [1, 2, 3]
@@ -182,8 +196,14 @@ def test_gpu_graphs_equal_eager_and_transformers(hf_tokens):
     """fp32 on the GPU: decode graphs replayed by generate() give transformers' greedy
     tokens, and the launch path of every step runs under sync-debug "error"."""
     model = random_causal_lm(CFG, seed=0, dtype=torch.float32, device="cuda")
-    runner = TargetRunner(model, max_num_reqs=4, max_num_tokens=64, max_model_len=64,
-                          num_blocks=40, capture_sizes=[1, 2, 4])
+    runner = TargetRunner(
+        model,
+        max_num_reqs=4,
+        max_num_tokens=64,
+        max_model_len=64,
+        num_blocks=40,
+        capture_sizes=[1, 2, 4],
+    )
     runner.capture()
     e = Engine(runner)
     launch = e._launch
@@ -199,8 +219,16 @@ def test_gpu_graphs_equal_eager_and_transformers(hf_tokens):
     out = e.generate(PROMPTS, max_new_tokens=STEPS)
     assert [o.token_ids for o in out] == hf_tokens
     assert runner.graph_steps > 0
-    eager = Engine(TargetRunner(model, max_num_reqs=4, max_num_tokens=64, max_model_len=64,
-                                num_blocks=40, cuda_graphs=False))
+    eager = Engine(
+        TargetRunner(
+            model,
+            max_num_reqs=4,
+            max_num_tokens=64,
+            max_model_len=64,
+            num_blocks=40,
+            cuda_graphs=False,
+        )
+    )
     params = [SamplingParams(temperature=0.9, top_p=0.8, seed=s) for s in range(4)]
     a = e.generate(PROMPTS, params=params, max_new_tokens=STEPS)
     b = eager.generate(PROMPTS, params=params, max_new_tokens=STEPS)

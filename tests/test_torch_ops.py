@@ -15,8 +15,9 @@ pytestmark = pytest.mark.interpreter
 
 
 def _pa_case(q_lens, ctx, gen, **kw):
-    return _random_batch(q_lens, ctx, hq=8, hkv=2, d=32, block=16, dtype=torch.float32,
-                         device="cpu", gen=gen, **kw)
+    return _random_batch(
+        q_lens, ctx, hq=8, hkv=2, d=32, block=16, dtype=torch.float32, device="cpu", gen=gen, **kw
+    )
 
 
 @pytest.mark.parametrize(
