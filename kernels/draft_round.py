@@ -1,0 +1,445 @@
+"""The draft round's bookkeeping kernels: prepare, advance, epilogue.
+
+A draft round (specdraft/drafter.py) runs as one CUDA graph: draft prefill over the
+tokens the target just verified, then K_max - 1 draft decode steps. Everything that
+depends on how many tokens the target accepted is computed here, on the device, from
+persistent buffers, so the host never reads an accepted count (docs/architecture.md,
+invariant 5) and a launch captured for (num_rows, W, K) serves any contents.
+
+- prepare (one program per batch row): from each row's request slot, verified tokens
+  [rows, W], accepted count a and the slot's draft KV length L, writes the draft
+  prefill's input ids, positions (L .. L + a), slot mapping, ragged query_start_loc
+  (a + 1 tokens per row, padding rows 0, padded tokens only at the tail), seq_lens,
+  last-token indices and the step's block table; the decode steps' query_start_loc and
+  last-token indices; the sampling-parameter row of each batch row; advances L by
+  a + 1 (the new committed length); and, in program 0, the round counters.
+- advance (one program): before decode step s, each row's last sampled token becomes
+  its input, its position moves by one, its seq_len and slot follow.
+- epilogue (one program): tokens at j >= k[row] and on padding rows become -1.
+
+Row slots: -1 marks a padding row (it writes nothing and reads the null row); `null_row`
+marks a dummy row used while capturing (it runs like a real row over the null row's
+all-zero block table, so it writes no KV, and it never updates a length).
+Block id 0 is the null block: a position whose block id is <= 0, or that lies past the
+table's width, maps to slot -1 (nothing written).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .guard import check_tensors_runnable
+from .launch import CachedLaunch
+
+__all__ = ["DraftRoundBuffers", "DraftRoundKernels"]
+
+
+@triton.jit
+def _slot_of(rows_ptr, row_base, pos, valid, max_blocks, BLOCK_SIZE: tl.constexpr):
+    """int64 cache slot of each position (-1: write nothing), reading the request's
+    persistent block-table row at row_base."""
+    blk_idx = pos // BLOCK_SIZE
+    ok = valid & (pos >= 0) & (blk_idx < max_blocks)
+    blk = tl.load(rows_ptr + row_base + blk_idx, mask=ok, other=0).to(tl.int64)
+    # int64: block ids times block_size pass 2^31 on caches over 2^31 / 64 blocks.
+    return tl.where(ok & (blk > 0), blk * BLOCK_SIZE + pos % BLOCK_SIZE, -1)
+
+
+@triton.jit
+def _draft_prepare_kernel(
+    slots_ptr,  # int64 [R] request slot of each row; -1 padding; null_row dummy
+    k_ptr,  # int64 [R] speculative tokens of each row
+    width_ptr,  # int64 [1] verified width of this round (rows beyond it are stale)
+    verified_ptr,  # int64 [>= R, W]
+    stride_ver,
+    accepted_ptr,  # int64 [>= R]
+    base_ptr,  # int32 [num_slots] draft KV length per slot
+    rows_ptr,  # int32 [num_slots, max_blocks] persistent block-table rows
+    stride_rows,
+    table_ptr,  # int32 [>= R, max_blocks] the step's block table (out)
+    stride_table,
+    p_ids_ptr,  # int64 [R * W] prefill input ids (out)
+    p_pos_ptr,  # int64 [R * W] prefill positions (out)
+    p_slot_ptr,  # int64 [R * W] prefill slot mapping (out)
+    p_src_ptr,  # int64 [R * W] row of the [R * W] verified block each token came from
+    p_qsl_ptr,  # int32 [R + 1]
+    p_seq_ptr,  # int32 [R]
+    p_last_ptr,  # int64 [R]
+    d_qsl_ptr,  # int32 [R + 1] decode steps: one token per real row
+    d_last_ptr,  # int64 [R]
+    param_ptr,  # int64 [R] sampling-parameter row (null_row for padding)
+    cur_pos_ptr,  # int64 [R] position of each row's last written token
+    counters_ptr,  # int64 [2 + K_CAP]: rounds, rows drafted, drafts per position
+    num_rows,
+    max_blocks,
+    vocab_size,
+    null_row,
+    W: tl.constexpr,
+    K_CAP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0)
+    width = tl.load(width_ptr)
+    width = tl.minimum(tl.maximum(width, 1), W)
+
+    # Every program computes the prefix sums it needs from all rows (rows <= a few
+    # hundred): no second launch and no inter-program ordering.
+    ri = tl.arange(0, BLOCK_R)
+    in_batch = ri < num_rows
+    slot_all = tl.load(slots_ptr + ri, mask=in_batch, other=-1)
+    real_all = in_batch & (slot_all >= 0)
+    acc_all = tl.load(accepted_ptr + ri, mask=real_all, other=0).to(tl.int64)
+    # Clamped: a count outside [0, width - 1] never reads or writes outside the buffers.
+    acc_all = tl.minimum(tl.maximum(acc_all, 0), width - 1)
+    cnt_all = tl.where(real_all, acc_all + 1, 0)
+    start = tl.sum(tl.where(ri < r, cnt_all, 0), axis=0)
+    total = tl.sum(cnt_all, axis=0)
+    num_real = tl.sum(real_all.to(tl.int64), axis=0)
+    cnt = tl.sum(tl.where(ri == r, cnt_all, 0), axis=0)
+
+    slot = tl.load(slots_ptr + r)
+    real = slot >= 0
+    src_row = tl.where(real, slot, null_row).to(tl.int64)
+    base = tl.load(base_ptr + src_row).to(tl.int64)
+    base = tl.where(real, base, 0)
+    row_base = src_row * stride_rows
+
+    # The step's block table: row r is a copy of the request's persistent row.
+    cols = tl.arange(0, ROW_BLOCK)
+    table_row = table_ptr + r.to(tl.int64) * stride_table
+    for c0 in range(0, max_blocks, ROW_BLOCK):
+        m = c0 + cols < max_blocks
+        tl.store(table_row + c0 + cols, tl.load(rows_ptr + row_base + c0 + cols, mask=m), mask=m)
+
+    # Real tokens of row r go to [start, start + cnt); token j sits at position base + j.
+    j = tl.arange(0, BLOCK_W)
+    is_tok = j < cnt
+    ids = tl.load(verified_ptr + r.to(tl.int64) * stride_ver + j, mask=is_tok, other=0)
+    ids = tl.minimum(tl.maximum(ids, 0), vocab_size - 1)
+    pos = base + j
+    dst = start + j
+    tl.store(p_ids_ptr + dst, ids, mask=is_tok)
+    tl.store(p_pos_ptr + dst, pos, mask=is_tok)
+    tl.store(
+        p_slot_ptr + dst,
+        _slot_of(rows_ptr, row_base, pos, is_tok, max_blocks, BLOCK_SIZE),
+        mask=is_tok,
+    )
+    tl.store(p_src_ptr + dst, r.to(tl.int64) * W + j, mask=is_tok)
+    # Padded tail: program r clears tokens [r * W, (r + 1) * W) that no row owns.
+    t = r.to(tl.int64) * W + j
+    is_pad = (j < W) & (t >= total)
+    zero = tl.zeros([BLOCK_W], dtype=tl.int64)
+    tl.store(p_ids_ptr + t, zero, mask=is_pad)
+    tl.store(p_pos_ptr + t, zero, mask=is_pad)
+    tl.store(p_slot_ptr + t, zero - 1, mask=is_pad)
+    tl.store(p_src_ptr + t, zero, mask=is_pad)
+
+    end = start + cnt
+    tl.store(p_qsl_ptr + r + 1, end.to(tl.int32))
+    tl.store(p_seq_ptr + r, (base + cnt).to(tl.int32))
+    tl.store(p_last_ptr + r, tl.maximum(end - 1, 0))
+    tl.store(d_qsl_ptr + r + 1, tl.minimum(r + 1, num_real).to(tl.int32))
+    tl.store(d_last_ptr + r, tl.where(real, r, 0).to(tl.int64))
+    tl.store(param_ptr + r, src_row)
+    tl.store(cur_pos_ptr + r, tl.where(real, base + cnt - 1, 0))
+    # The new committed length: the prefill wrote L .. L + a. Dummy rows never write it.
+    tl.store(base_ptr + src_row, (base + cnt).to(tl.int32), mask=real & (slot != null_row))
+
+    if r == 0:
+        tl.store(p_qsl_ptr, 0)
+        tl.store(d_qsl_ptr, 0)
+        counted = real_all & (slot_all != null_row)
+        k_all = tl.load(k_ptr + ri, mask=counted, other=0)
+        k_all = tl.minimum(tl.maximum(k_all, 0), K_CAP)
+        kk = tl.arange(0, BLOCK_K)
+        per_pos = tl.sum((k_all[:, None] > kk[None, :]).to(tl.int64), axis=0)
+        any_row = tl.sum(counted.to(tl.int64), axis=0)
+        tl.store(counters_ptr, tl.load(counters_ptr) + tl.where(any_row > 0, 1, 0))
+        tl.store(counters_ptr + 1, tl.load(counters_ptr + 1) + any_row)
+        mk = kk < K_CAP
+        old = tl.load(counters_ptr + 2 + kk, mask=mk, other=0)
+        tl.store(counters_ptr + 2 + kk, old + per_pos, mask=mk)
+
+
+@triton.jit
+def _draft_advance_kernel(
+    slots_ptr,  # int64 [R]
+    tok_ptr,  # int64: the previous step's token of row r at tok_ptr + r * stride_tok
+    stride_tok,
+    base_ptr,  # int32 [num_slots] (unused slots' rows are never read)
+    rows_ptr,
+    stride_rows,
+    cur_pos_ptr,  # int64 [R] (in/out)
+    d_ids_ptr,  # int64 [R] (out)
+    d_pos_ptr,  # int64 [R] (out)
+    d_seq_ptr,  # int32 [R] (out)
+    d_slot_ptr,  # int64 [R] (out)
+    num_rows,
+    max_blocks,
+    vocab_size,
+    null_row,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    ri = tl.arange(0, BLOCK_R)
+    in_batch = ri < num_rows
+    slot = tl.load(slots_ptr + ri, mask=in_batch, other=-1)
+    real = in_batch & (slot >= 0)
+    src_row = tl.where(real, slot, null_row).to(tl.int64)
+    tok = tl.load(tok_ptr + ri.to(tl.int64) * stride_tok, mask=real, other=0)
+    tok = tl.minimum(tl.maximum(tok, 0), vocab_size - 1)
+    pos = tl.load(cur_pos_ptr + ri, mask=real, other=0) + 1
+    tl.store(cur_pos_ptr + ri, pos, mask=real)
+    slot_out = _slot_of(rows_ptr, src_row * stride_rows, pos, real, max_blocks, BLOCK_SIZE)
+    tl.store(d_ids_ptr + ri, tl.where(real, tok, 0), mask=in_batch)
+    tl.store(d_pos_ptr + ri, tl.where(real, pos, 0), mask=in_batch)
+    tl.store(d_seq_ptr + ri, tl.where(real, pos + 1, 0).to(tl.int32), mask=in_batch)
+    tl.store(d_slot_ptr + ri, slot_out, mask=in_batch)
+
+
+@triton.jit
+def _draft_epilogue_kernel(
+    slots_ptr,  # int64 [R]
+    k_ptr,  # int64 [R]
+    tok_ptr,  # int64 [R, K] contiguous (in/out)
+    num_rows,
+    K,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    ri = tl.arange(0, BLOCK_R)
+    in_batch = ri < num_rows
+    slot = tl.load(slots_ptr + ri, mask=in_batch, other=-1)
+    k = tl.load(k_ptr + ri, mask=in_batch, other=0)
+    k = tl.where(slot >= 0, k, 0)
+    kk = tl.arange(0, BLOCK_K)
+    m = in_batch[:, None] & (kk[None, :] < K)
+    drop = kk[None, :] >= k[:, None]
+    ptrs = tok_ptr + ri[:, None].to(tl.int64) * K + kk[None, :]
+    tl.store(ptrs, tl.full([BLOCK_R, BLOCK_K], -1, tl.int64), mask=m & drop)
+
+
+def _pow2(n: int, lo: int = 2) -> int:
+    return max(lo, triton.next_power_of_2(max(int(n), 1)))
+
+
+class DraftRoundBuffers:
+    """The persistent tensors the three kernels read and write (see the kernels for
+    shapes and dtypes). Built once by the drafter; the launchers check them once."""
+
+    def __init__(self, **tensors: torch.Tensor):
+        self.__dict__.update(tensors)
+
+
+_SPEC = {
+    # name: (dtype, ndim)
+    "slots": (torch.int64, 1),
+    "k": (torch.int64, 1),
+    "width": (torch.int64, 1),
+    "verified": (torch.int64, 2),
+    "accepted": (torch.int64, 1),
+    "base": (torch.int32, 1),
+    "rows": (torch.int32, 2),
+    "table": (torch.int32, 2),
+    "p_ids": (torch.int64, 1),
+    "p_pos": (torch.int64, 1),
+    "p_slot": (torch.int64, 1),
+    "p_src": (torch.int64, 1),
+    "p_qsl": (torch.int32, 1),
+    "p_seq": (torch.int32, 1),
+    "p_last": (torch.int64, 1),
+    "d_ids": (torch.int64, 1),
+    "d_pos": (torch.int64, 1),
+    "d_seq": (torch.int32, 1),
+    "d_slot": (torch.int64, 1),
+    "d_qsl": (torch.int32, 1),
+    "d_last": (torch.int64, 1),
+    "param": (torch.int64, 1),
+    "cur_pos": (torch.int64, 1),
+    "counters": (torch.int64, 1),
+    "tokens": (torch.int64, 1),
+}
+
+
+def check_draft_round_buffers(
+    b: DraftRoundBuffers, *, max_rows: int, width: int, k_cap: int, null_row: int
+) -> None:
+    """Shapes, dtypes, contiguity and one device for every buffer; raises ValueError /
+    TypeError naming the buffer. Called once, when the launchers are built."""
+    device = b.slots.device
+    for name, (dtype, ndim) in _SPEC.items():
+        t = getattr(b, name, None)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"draft round buffer {name} must be a tensor, got {type(t).__name__}")
+        if t.dtype != dtype or t.dim() != ndim:
+            raise TypeError(
+                f"draft round buffer {name} must be {ndim}-D {dtype}, got {t.dim()}-D {t.dtype}"
+            )
+        if t.device != device:
+            raise ValueError(f"draft round buffer {name} is on {t.device}, slots on {device}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"draft round buffer {name} must have unit stride in its last dim")
+    need = {
+        "slots": max_rows,
+        "k": max_rows,
+        "width": 1,
+        "accepted": max_rows,
+        "base": null_row + 1,
+        "p_ids": max_rows * width,
+        "p_pos": max_rows * width,
+        "p_slot": max_rows * width,
+        "p_src": max_rows * width,
+        "p_qsl": max_rows + 1,
+        "p_seq": max_rows,
+        "p_last": max_rows,
+        "d_ids": max_rows,
+        "d_pos": max_rows,
+        "d_seq": max_rows,
+        "d_slot": max_rows,
+        "d_qsl": max_rows + 1,
+        "d_last": max_rows,
+        "param": max_rows,
+        "cur_pos": max_rows,
+        "counters": 2 + k_cap,
+        "tokens": max_rows * k_cap,
+    }
+    for name, n in need.items():
+        if getattr(b, name).numel() < n:
+            raise ValueError(
+                f"draft round buffer {name} has {getattr(b, name).numel()} entries, needs {n}"
+            )
+    if b.verified.shape[0] < max_rows or b.verified.shape[1] != width:
+        raise ValueError(
+            f"verified has shape {tuple(b.verified.shape)}, needs [>= {max_rows}, {width}]"
+        )
+    if b.rows.shape[0] < null_row + 1 or b.table.shape[0] < max_rows:
+        raise ValueError(
+            f"rows {tuple(b.rows.shape)} / table {tuple(b.table.shape)} are too "
+            f"small for null_row {null_row} and {max_rows} rows"
+        )
+    if b.rows.shape[1] != b.table.shape[1]:
+        raise ValueError(f"rows has {b.rows.shape[1]} columns, table {b.table.shape[1]}")
+    check_tensors_runnable("draft round", list(vars(b).items()))
+
+
+class DraftRoundKernels:
+    """Launchers of the three kernels over one set of checked persistent buffers.
+    Per call only the row count (and step / K) varies, each fixed by a graph's
+    descriptor: the launches are graph-safe and cheap on the host."""
+
+    def __init__(
+        self,
+        buffers: DraftRoundBuffers,
+        *,
+        max_rows: int,
+        width: int,
+        k_cap: int,
+        block_size: int,
+        vocab_size: int,
+        null_row: int,
+    ):
+        check_draft_round_buffers(
+            buffers, max_rows=max_rows, width=width, k_cap=k_cap, null_row=null_row
+        )
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {block_size}")
+        self.b = buffers
+        self.max_rows, self.width, self.k_cap = max_rows, width, k_cap
+        self.block_size, self.vocab_size, self.null_row = block_size, vocab_size, null_row
+        self.max_blocks = buffers.rows.shape[1]
+        self._row_block = min(1024, _pow2(self.max_blocks))
+        self._prepare = CachedLaunch(_draft_prepare_kernel)
+        self._advance = CachedLaunch(_draft_advance_kernel)
+        self._epilogue = CachedLaunch(_draft_epilogue_kernel)
+
+    def _rows(self, num_rows: int) -> int:
+        if not 1 <= num_rows <= self.max_rows:
+            raise ValueError(f"num_rows {num_rows} must be in [1, {self.max_rows}]")
+        return _pow2(num_rows)
+
+    def prepare(self, num_rows: int) -> None:
+        b, block_r = self.b, self._rows(num_rows)
+        args = (
+            b.slots,
+            b.k,
+            b.width,
+            b.verified,
+            b.verified.stride(0),
+            b.accepted,
+            b.base,
+            b.rows,
+            b.rows.stride(0),
+            b.table,
+            b.table.stride(0),
+            b.p_ids,
+            b.p_pos,
+            b.p_slot,
+            b.p_src,
+            b.p_qsl,
+            b.p_seq,
+            b.p_last,
+            b.d_qsl,
+            b.d_last,
+            b.param,
+            b.cur_pos,
+            b.counters,
+            num_rows,
+            self.max_blocks,
+            self.vocab_size,
+            self.null_row,
+            self.width,
+            self.k_cap,
+            self.block_size,
+            block_r,
+            _pow2(self.width),
+            _pow2(self.k_cap),
+            self._row_block,
+        )
+        self._prepare(("prepare", num_rows), (num_rows,), args, {"num_warps": 1})
+
+    def advance(self, num_rows: int, step: int, k_max: int) -> None:
+        """Inputs of decode step `step` (1 .. k_max - 1) from the tokens of step - 1."""
+        if not 1 <= step < k_max <= self.k_cap:
+            raise ValueError(f"step {step} must be in [1, k_max {k_max}) and k_max <= {self.k_cap}")
+        b, block_r = self.b, self._rows(num_rows)
+        tok = b.tokens[: num_rows * k_max].view(num_rows, k_max)[:, step - 1]
+        args = (
+            b.slots,
+            tok,
+            k_max,
+            b.base,
+            b.rows,
+            b.rows.stride(0),
+            b.cur_pos,
+            b.d_ids,
+            b.d_pos,
+            b.d_seq,
+            b.d_slot,
+            num_rows,
+            self.max_blocks,
+            self.vocab_size,
+            self.null_row,
+            self.block_size,
+            block_r,
+        )
+        # The token pointer moves with (rows, k_max, step): part of the key.
+        self._advance(
+            ("advance", num_rows, k_max, step),
+            (1,),
+            args,
+            {"num_warps": 4 if block_r >= 128 else 1},
+        )
+
+    def epilogue(self, num_rows: int, k_max: int) -> None:
+        if not 1 <= k_max <= self.k_cap:
+            raise ValueError(f"k_max {k_max} must be in [1, {self.k_cap}]")
+        b, block_r = self.b, self._rows(num_rows)
+        args = (b.slots, b.k, b.tokens, num_rows, k_max, block_r, _pow2(self.k_cap))
+        self._epilogue(("epilogue", num_rows, k_max), (1,), args, {"num_warps": 1})
