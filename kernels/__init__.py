@@ -11,6 +11,13 @@ from .paged_attention import (
     num_sms,
     paged_attention,
 )
+from .rejection import (
+    RejectionConfig,
+    RejectionWorkspace,
+    check_rejection_args,
+    choose_rejection_config,
+    rejection_sample,
+)
 from .rmsnorm import check_rms_norm_args, rms_norm
 from .rotary import apply_rotary, check_rotary_args
 from .slot_mapping import as_int, compute_slot_mapping, prepare_slot_mapping
@@ -23,11 +30,15 @@ paged_attention = runnable(paged_attention)
 rms_norm = runnable(rms_norm)
 apply_rotary = runnable(apply_rotary)
 compute_slot_mapping = runnable(compute_slot_mapping)
+rejection_sample = runnable(rejection_sample)
 
 __all__ = [
     "INTERPRET",
     "AttentionLaunchConfig",
+    "RejectionConfig",
+    "RejectionWorkspace",
     "as_int",
+    "check_rejection_args",
     "check_rms_norm_args",
     "check_rotary_args",
     "check_silu_and_mul_args",
@@ -36,10 +47,12 @@ __all__ = [
     "validation_enabled",
     "apply_rotary",
     "choose_launch_config",
+    "choose_rejection_config",
     "compute_slot_mapping",
     "num_sms",
     "paged_attention",
     "prepare_slot_mapping",
+    "rejection_sample",
     "rms_norm",
     "silu_and_mul",
     "store_kv",
