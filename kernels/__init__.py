@@ -7,6 +7,7 @@ from .guard import INTERPRET, check_tensors_runnable, runnable, validation_enabl
 from .kv_store import check_store_kv_args, store_kv
 from .paged_attention import (
     AttentionLaunchConfig,
+    check_paged_attention_args,
     choose_launch_config,
     num_sms,
     paged_attention,
@@ -21,6 +22,7 @@ from .rejection import (
 from .rmsnorm import check_rms_norm_args, rms_norm
 from .rotary import apply_rotary, check_rotary_args
 from .slot_mapping import as_int, compute_slot_mapping, prepare_slot_mapping
+from .validation import set_validation, use_validation
 
 # The public launchers refuse CPU tensors without the interpreter and bf16 under it,
 # with a message that says what to do (kernels/guard.py).
@@ -38,6 +40,7 @@ __all__ = [
     "RejectionConfig",
     "RejectionWorkspace",
     "as_int",
+    "check_paged_attention_args",
     "check_rejection_args",
     "check_rms_norm_args",
     "check_rotary_args",
@@ -54,6 +57,8 @@ __all__ = [
     "prepare_slot_mapping",
     "rejection_sample",
     "rms_norm",
+    "set_validation",
     "silu_and_mul",
     "store_kv",
+    "use_validation",
 ]

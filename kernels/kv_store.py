@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from .paged_attention import _check_tensor, validate_kv_cache
+from .validation import check_slot_mapping, validation_enabled
 
 
 @triton.jit
@@ -35,8 +36,8 @@ def _kv_store_kernel(
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok)
-    # slot -1 marks a padded token; a slot past the cache is dropped rather than written
-    # out of bounds.
+    # The contract (store_kv's docstring): slot -1 marks a padded token, and any slot
+    # outside [0, num_slots) writes nothing rather than out of bounds.
     if (slot < 0) | (slot >= num_slots):
         return
     blk = slot // BLOCK_SIZE
@@ -59,7 +60,8 @@ def check_store_kv_args(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> int:
-    """store_kv's argument checks (nothing launched); returns the cache block size."""
+    """store_kv's argument checks (nothing launched); returns the cache block size. In
+    validation mode (kernels/validation.py) also the slots' values: one host read."""
     block_size, num_kv_heads, head_dim = validate_kv_cache(k_cache, v_cache)
     for name, t in (("k", k), ("v", v)):
         _check_tensor(name, t, 3, (k_cache.dtype,))
@@ -80,6 +82,9 @@ def check_store_kv_args(
         )
     if slot_mapping.device != k_cache.device:
         raise ValueError(f"slot_mapping is on {slot_mapping.device}, the cache on {k_cache.device}")
+    if num_tokens > 0 and validation_enabled(k):
+        num_slots = k_cache.shape[0] * block_size
+        check_slot_mapping(slot_mapping, num_tokens=num_tokens, num_slots=num_slots)
     return block_size
 
 
@@ -92,9 +97,14 @@ def store_kv(
 ) -> None:
     """k, v: [num_tokens, num_kv_heads, head_dim]; caches [num_blocks, block_size,
     num_kv_heads, head_dim]; slot_mapping: int64 [>= num_tokens], slot = block * block_size
-    + offset. Slots < 0 (padding) and slots >= num_blocks * block_size write nothing: a
-    slot past the cache is dropped, never written out of bounds. Launches num_tokens
-    programs, a host value fixed by the caller's descriptor."""
+    + offset, -1 for padding. Launches num_tokens programs, a host value fixed by the
+    caller's descriptor.
+
+    Contract, whatever slot_mapping holds: a slot < 0 or >= num_blocks * block_size
+    writes nothing (it is dropped, never written out of bounds), so no value makes the
+    kernel write outside the caches. In validation mode (kernels/validation.py; the
+    default for CPU tensors) a slot past the cache, or a negative slot other than -1,
+    raises ValueError before anything is written."""
     block_size = check_store_kv_args(k, v, k_cache, v_cache, slot_mapping)
     num_tokens = k.shape[0]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]

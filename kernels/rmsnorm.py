@@ -10,13 +10,12 @@ in most elements.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from .paged_attention import _check_tensor
+from .validation import check_positive_float
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HIDDEN = 32768
@@ -82,8 +81,8 @@ def check_rms_norm_args(
         )
     if hidden > MAX_HIDDEN:
         raise ValueError(f"hidden size {hidden} is over MAX_HIDDEN {MAX_HIDDEN}")
-    if not isinstance(eps, (int, float)) or not eps > 0 or not math.isfinite(eps):
-        raise ValueError(f"eps must be a positive finite number, got {eps!r}")
+    # float32 in the kernel: an eps that rounds to 0 there turns an all-zero row into NaN.
+    check_positive_float("eps", eps)
     if residual is not None:
         _check_rows("residual", residual, x)
         _check_rows("residual_out", residual if residual_out is None else residual_out, x)
