@@ -113,9 +113,7 @@ class _Pending:
     event: torch.cuda.Event | None
     host: torch.Tensor
     slots: np.ndarray
-    gen: np.ndarray
-    lower_after: np.ndarray
-    upper_after: np.ndarray
+    after: np.ndarray  # [n, 3] (lower, upper, generation) of the rows right after launch
 
 
 class LengthBook:
@@ -123,15 +121,16 @@ class LengthBook:
 
     The device holds the exact L (advanced by num_accepted + 1 inside each round). The
     host keeps bounds: a round adds between 1 and W_in tokens, so lower += 1 and
-    upper += W_in at launch; after each round the new lengths of its rows are copied into
+    upper += W_in at launch; after a round the new lengths of its rows are copied into
     pinned memory, and once that copy has completed (`poll`, which only queries an
     event, never waits) the bounds of those rows collapse onto the exact value plus
-    whatever later rounds have added since. KV blocks are allocated to the upper bound."""
+    whatever later rounds have added since. KV blocks are allocated to the upper bound.
+    At most `depth` readbacks are in flight: a host further ahead skips them."""
 
-    def __init__(self, num_slots: int, max_rows: int, device: torch.device, depth: int = 4):
-        self.lower = np.zeros(num_slots, dtype=np.int64)
-        self.upper = np.zeros(num_slots, dtype=np.int64)
-        self.gen = np.zeros(num_slots, dtype=np.int64)  # bumped when a slot changes hands
+    def __init__(self, num_slots: int, max_rows: int, device: torch.device, depth: int = 2):
+        # per slot: lower bound, upper bound, generation (bumped when the slot changes
+        # hands, so that a late readback of the previous request is ignored)
+        self.state = np.zeros((num_slots, 3), dtype=np.int64)
         pin = device.type == "cuda"
         # (pinned buffer, reusable event) pairs not in flight
         self._free = deque(
@@ -143,39 +142,38 @@ class LengthBook:
         )
         self._pending: deque[_Pending] = deque()
         self._cuda = pin
-        self.dropped = 0  # readbacks overtaken before they completed (bounds stay safe)
+        self.skipped = 0  # rounds without a readback (host far ahead; bounds stay safe)
         self.applied = 0
 
+    @property
+    def lower(self) -> np.ndarray:
+        return self.state[:, 0]
+
+    @property
+    def upper(self) -> np.ndarray:
+        return self.state[:, 1]
+
     def set_exact(self, slot: int, length: int) -> None:
-        self.gen[slot] += 1
-        self.lower[slot] = self.upper[slot] = length
+        self.state[slot] = (length, length, self.state[slot, 2] + 1)
 
     def launched(self, slots: np.ndarray, width: int, new_lengths: torch.Tensor) -> None:
-        """A round over `slots` has been enqueued; new_lengths [len(slots)] (device int32)
-        will hold their exact lengths once it has run."""
-        self.lower[slots] += 1
-        self.upper[slots] += width
+        """A round over `slots` has been enqueued; new_lengths (device int32, one entry
+        per batch row, as many as the readback buffers) will hold their exact lengths
+        once it has run."""
+        after = self.state[slots]
+        after[:, 0] += 1
+        after[:, 1] += width
+        self.state[slots] = after
         if not self._free:
-            # Overtaken: its copy precedes the new one on the stream, so reusing the
-            # buffer and event is safe; those rows keep their (looser) bounds.
-            old = self._pending.popleft()
-            self._free.append((old.host, old.event))
-            self.dropped += 1
+            # Every readback buffer is in flight: the host is rounds ahead of the GPU.
+            # Skip this one (its rows keep looser, still safe, bounds) rather than wait.
+            self.skipped += 1
+            return
         host, event = self._free.popleft()
-        n = len(slots)
-        host[:n].copy_(new_lengths[:n], non_blocking=self._cuda)
+        host.copy_(new_lengths, non_blocking=self._cuda)  # whole buffer: no slicing
         if event is not None:
             event.record()
-        self._pending.append(
-            _Pending(
-                event,
-                host,
-                slots.copy(),
-                self.gen[slots].copy(),
-                self.lower[slots].copy(),
-                self.upper[slots].copy(),
-            )
-        )
+        self._pending.append(_Pending(event, host, slots, after))
 
     def poll(self) -> None:
         """Apply every readback whose copy has completed (non-blocking)."""
@@ -184,11 +182,12 @@ class LengthBook:
             if p.event is not None and not p.event.query():
                 return
             self._pending.popleft()
-            n = len(p.slots)
-            exact = p.host[:n].numpy().astype(np.int64)
-            same = self.gen[p.slots] == p.gen  # slots that still hold the same request
-            s = p.slots[same]
-            self.lower[s] = exact[same] + (self.lower[s] - p.lower_after[same])
-            self.upper[s] = exact[same] + (self.upper[s] - p.upper_after[same])
+            exact = p.host.numpy()[: len(p.slots)].astype(np.int64)
+            # new bound = exact + what later rounds added = bound + (exact - bound at launch)
+            adj = exact[:, None] - p.after[:, :2]
+            stale = self.state[p.slots, 2] != p.after[:, 2]  # the slot changed hands since
+            if stale.any():
+                adj[stale] = 0
+            self.state[p.slots, :2] += adj  # slots of one round are distinct
             self._free.append((p.host, p.event))
             self.applied += 1

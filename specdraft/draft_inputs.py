@@ -140,49 +140,44 @@ class ProposeInputs:
 
 
 def check_propose_inputs(d: Drafter, req_ids, verified, accepted, hidden, k, k_max):
-    if isinstance(req_ids, str | bytes) or not isinstance(req_ids, Sequence):
-        raise DraftInputTypeError(
-            f"req_ids must be a sequence of request ids, got {type(req_ids).__name__}"
-        )
-    req_ids = list(req_ids)
+    """Everything about a propose() call the host can check without reading the device;
+    returns what the round needs. Per-round path: kept to a few numpy calls."""
+    if type(req_ids) is not list:
+        if isinstance(req_ids, str | bytes) or not isinstance(req_ids, Sequence):
+            raise DraftInputTypeError(
+                f"req_ids must be a sequence of request ids, got {type(req_ids).__name__}"
+            )
+        req_ids = list(req_ids)
     b = len(req_ids)
     if not 1 <= b <= d.max_num_reqs:
         raise ValueError(f"req_ids has {b} requests, must be in [1, max_num_reqs {d.max_num_reqs}]")
-    for r in req_ids:
-        _hashable(r)
-    slots, num_blocks = d.tables.rows_of(req_ids)  # ValueError naming an unknown id
-    if len(np.unique(slots)) != b:
+    slots, num_blocks = d.tables.rows_of(req_ids)  # names an unknown or unhashable id
+    # Distinct requests hold distinct slots: mark each slot with its row, read it back.
+    mark, rows = d._slot_mark, d._arange[:b]
+    mark[slots] = rows
+    if (mark[slots] != rows).any():
         seen: set = set()
         dup = next(r for r in req_ids if r in seen or seen.add(r))
         raise ValueError(f"req_ids holds {dup!r} twice")
-    _tensor("verified_tokens", verified, d.device, _INT_DTYPES, (b, None))
+    dev = d.device
+    _tensor("verified_tokens", verified, dev, _INT_DTYPES, (b, None))
     w = verified.shape[1]
     if not 1 <= w <= d.width:
         raise ValueError(
             f"verified_tokens has width {w}, must be in [1, W = {d.width}] (largest K_max + 1)"
         )
-    _tensor("num_accepted", accepted, d.device, _INT_DTYPES, (b,))
-    if d.kind is DraftKind.LLAMA:
+    _tensor("num_accepted", accepted, dev, _INT_DTYPES, (b,))
+    if d.hidden_in == 0:
         if hidden is not None:
             raise ValueError("target_hidden is for EAGLE heads; a Llama draft takes None")
+    elif hidden is None:
+        raise ValueError(
+            f"target_hidden [{b}, {w}, {d.hidden_in}] is required for an {d.kind.value} head"
+        )
     else:
-        if hidden is None:
-            raise ValueError(
-                f"target_hidden [{b}, {w}, {d.hidden_in}] is required for an {d.kind.value} head"
-            )
-        _tensor("target_hidden", hidden, d.device, (d.dtype,), (b, w, d.hidden_in))
+        _tensor("target_hidden", hidden, dev, (d.dtype,), (b, w, d.hidden_in))
 
-    ks = None
-    if k is not None:
-        ks = _host_ints("k", k)
-        if ks.size == 1 and b != 1 and np.ndim(k) == 0:
-            ks = np.full(b, ks[0], dtype=np.int64)
-        if ks.shape != (b,):
-            raise ValueError(f"k has {ks.size} entries, expected one per request ({b})")
-        neg = ks < 0
-        if neg.any():
-            i = int(np.argmax(neg))
-            raise ValueError(f"k[{i}] = {ks[i]} for request {req_ids[i]!r} must be >= 0")
+    ks = None if k is None else _check_k(k, b, req_ids)
     if k_max is not None:
         if isinstance(k_max, bool) or not isinstance(k_max, int | np.integer):
             raise DraftInputTypeError(f"k_max must be an int, got {k_max!r}")
@@ -191,22 +186,32 @@ def check_propose_inputs(d: Drafter, req_ids, verified, accepted, hidden, k, k_m
         k_max = int(k_max)
     elif d.k_table is not None:
         k_max = d.k_max_for(b)
-    else:
-        want = int(ks.max()) if ks is not None else int(d._slot_k[slots].max())
+    else:  # the smallest captured K_max that covers every request's k
+        want = int((d._slot_k[slots] if ks is None else ks).max())
         k_max = next((o for o in d.k_options if o >= want), d.k_options[-1])
     if ks is None:
         ks = np.minimum(d._slot_k[slots], k_max)
-    over = ks > k_max
-    if over.any():
-        i = int(np.argmax(over))
+    elif ks.max() > k_max:
+        i = int(np.argmax(ks > k_max))
         raise ValueError(
             f"k[{i}] = {ks[i]} for request {req_ids[i]!r} is over K_max {k_max} of this round "
             f"(options {d.k_options}" + (", table by batch size)" if d.k_table else ")")
         )
-
     if kernels.validation_enabled(verified):
         _check_values(d, req_ids, verified, accepted, w)
     return ProposeInputs(req_ids, slots, num_blocks, w, ks, k_max)
+
+
+def _check_k(k, b: int, req_ids: list) -> np.ndarray:
+    ks = _host_ints("k", k)
+    if ks.size == 1 and b != 1 and np.ndim(k) == 0:
+        ks = np.full(b, ks[0], dtype=np.int64)
+    if ks.shape != (b,):
+        raise ValueError(f"k has {ks.size} entries, expected one per request ({b})")
+    if ks.min() < 0:
+        i = int(np.argmax(ks < 0))
+        raise ValueError(f"k[{i}] = {ks[i]} for request {req_ids[i]!r} must be >= 0")
+    return ks
 
 
 def _check_values(d: Drafter, req_ids, verified, accepted, w: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -42,13 +43,11 @@ def setup(request):
 def torch_layers(monkeypatch):
     """Model layers on their PyTorch path (fast on the CPU), the round's own kernels
     still through Triton (the interpreter): for the many-round tests."""
-    from specdraft import drafter as drafter_module
+    from specdraft import draft_loop as loop_module
     from specdraft.kernels.draft_round import DraftRoundKernels
     from specdraft.ops import use_backend
 
-    monkeypatch.setattr(
-        drafter_module, "draft_round_ops", lambda b, **kw: DraftRoundKernels(b, **kw)
-    )
+    monkeypatch.setattr(loop_module, "draft_round_ops", lambda b, **kw: DraftRoundKernels(b, **kw))
     with use_backend("torch"):
         yield
 
@@ -92,7 +91,7 @@ def test_committed_kv_equals_fresh_prefill_over_32_rounds(setup, torch_layers):
     blocks reused): after every round the committed draft KV of every request equals a
     from-scratch prefill of its committed context."""
     d = drafter(setup, k_max_options=(1, 2, 3))
-    assert type(d._ops).__name__ == "DraftRoundKernels"
+    assert type(d.loop.ops).__name__ == "DraftRoundKernels"
     sim = EngineSim(setup, d, seed=2)
     rng = random.Random(3)
     live = [sim.join() for _ in range(3)]
@@ -112,9 +111,16 @@ def test_committed_kv_equals_fresh_prefill_over_32_rounds(setup, torch_layers):
             length = len(toks) - setup.shift
             slot = d.tables.row_of(r)
             assert int(d.buffers.base[slot]) == length
+            # the host's bounds hold the exact length; the readback then pins it
+            assert d.lengths.lower[slot] <= length <= d.lengths.upper[slot]
+            assert d.tables.num_blocks_of(r) * d.block_size >= d.lengths.upper[slot]
             ref = fresh_kv(setup, toks, hid_ctx, length)
             torch.testing.assert_close(kv_rows(d, r, length), ref, atol=2e-5, rtol=1e-5)
         sim.commit(rids)
+        d.lengths.poll()  # CPU copies are complete at once
+        for r in rids:
+            slot = d.tables.row_of(r)
+            assert d.lengths.lower[slot] == d.lengths.upper[slot] == int(d.buffers.base[slot])
     assert left >= 5
 
 
@@ -147,7 +153,7 @@ def test_padded_graph_path_equals_unpadded_eager(setup, torch_layers):
         assert torch.equal(tg, te), f"round {rnd}"
         assert (qg is None) == (qe is None) == (b == 1)
         if qg is not None:
-            assert torch.isfinite(g._q).all()
+            assert torch.isfinite(g.loop.q).all()
             torch.testing.assert_close(qg, qe, atol=1e-6, rtol=1e-5)
     assert g.graph_rounds == 5 and e.graph_rounds == 0
     assert torch.count_nonzero(g.cache.data[:, :, 0]) == 0
@@ -591,3 +597,105 @@ def test_transformers_target_drives_propose(variant, torch_layers):
     if same:
         assert rate >= 0.9, f"acceptance {rate:.2f} with the target's own weights"
     assert len(d) == 0 and d.tables.num_free_blocks == d.tables.allocator.num_blocks - 1
+
+
+# ---- counters, K_max table, the CPU version of the distribution check ------------------
+
+
+def test_counters_and_k_max_table(torch_layers):
+    """On-device counters advance inside each round; a K_max table picks K_max by batch
+    size and only its (bucket, K_max) graphs are captured."""
+    s = make_setup("llama")
+    d = drafter(
+        s,
+        k_max_options={2: 3, 4: 1},
+        capture_sizes=[1, 2, 4],
+        graph_backend=EagerBackend(),
+        cuda_graphs=True,
+        graph_modes=("greedy",),
+    )
+    assert [d.k_max_for(n) for n in (1, 2, 3, 4, 9)] == [3, 3, 1, 1, 1]
+    assert sorted(
+        (k, desc.num_reqs) for (k, _), m in d._managers.items() for desc in m.captured
+    ) == [(1, 4), (3, 1), (3, 2)]
+    sim = EngineSim(s, d, seed=12)
+    rids = [sim.join(4) for _ in range(3)]
+    ver, acc, _ = sim.inputs(rids[:2], d.width)
+    out = d.propose(rids[:2], ver, acc, k=[3, 1])
+    assert out.tokens.shape == (2, 3) and out.tokens[1, 1:].eq(-1).all()
+    sim.commit(rids[:2])
+    ver, acc, _ = sim.inputs(rids, d.width)
+    with pytest.raises(ValueError, match=r"k\[0\] = 2 .* over K_max 1 .*table by batch size"):
+        d.propose(rids, ver, acc, k=[2, 0, 0])
+    out = d.propose(rids, ver, acc, k=[1, 0, 1])
+    assert out.tokens.shape == (3, 1) and out.tokens[1, 0] == -1
+    c = d.read_counters()
+    assert c == {"rounds": 2, "rows": 5, "proposed_per_position": [4, 1, 1]}
+    assert d.graph_rounds == 2
+
+
+def chi_limit(df: int) -> float:
+    return df + 10 * (2 * df) ** 0.5
+
+
+def chi_square(counts: np.ndarray, expected: np.ndarray) -> tuple[float, int]:
+    """Pearson's statistic with bins of expected count < 5 merged into one."""
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    return float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1
+
+
+def draw_counts(rows: int, rounds: int, params: SamplingParams, k_max: int = 2, device="cpu", **kw):
+    """A Llama draft whose attention output is zeroed, so that each step's distribution
+    depends on its input token only; `rows` requests with the same context and their own
+    seeds, fed the same verified token every round. Returns per position the observed
+    counts and the expected counts (the sum of the filtered distributions of the
+    draws), plus the drafter for inspection."""
+    from dataclasses import replace
+
+    s = make_setup("llama")
+    model = s.model.to(device)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    d = Drafter(model, max_num_reqs=rows, k_max_options=(k_max,), max_model_len=rounds + 16, **kw)
+    v = d.vocab_size
+    for i in range(rows):
+        d.add_request(i, [5, 6, 7], replace(params, seed=1000 + i))
+    # the distribution after each token, from the model itself (attention contributes 0)
+    with torch.no_grad():
+        from tests.model_helpers import PagedRunner
+
+        runner = PagedRunner(s.cfg, device, max_num_reqs=v, max_num_tokens=v, max_model_len=4)
+        meta = runner.step([(t, [t]) for t in range(v)])
+        _, logits = model(meta.input_ids, meta, runner.cache)
+        dist = filtered_probs(logits.float(), params).double().cpu().numpy()
+    counts = np.zeros((k_max, v))
+    expected = np.zeros((k_max, v))
+    ids = list(range(rows))
+    ver = torch.full((rows, 1), 9, dtype=torch.int64, device=device)
+    acc = torch.zeros(rows, dtype=torch.int64, device=device)
+    for _ in range(rounds):
+        toks = d.propose(ids, ver, acc).tokens.cpu().numpy()
+        prev = np.full(rows, 9)
+        for j in range(k_max):
+            np.add.at(counts[j], toks[:, j], 1)
+            expected[j] += dist[prev].sum(0)
+            prev = toks[:, j]
+    return counts, expected, d
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(1.0, top_k=5), SamplingParams(0.5, top_p=0.8)],
+    ids=["T1-top5", "T0.5-top0.8"],
+)
+def test_cpu_draft_distribution(params, torch_layers):
+    """A small version of the GPU's 200k-draw check: 640 draws per position."""
+    counts, expected, _ = draw_counts(16, 40, params)
+    for j in range(counts.shape[0]):
+        stat, df = chi_square(counts[j], expected[j])
+        assert stat <= chi_limit(df), f"position {j}: chi2 {stat:.1f} with {df} df"

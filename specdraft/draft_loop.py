@@ -1,0 +1,253 @@
+"""The body of one draft round, as one CUDA graph captures it, and the draft's prompt
+prefill. `DraftLoop.run(rows, k_max, mode)` reads only persistent buffers (filled by
+Drafter.propose before the replay) and writes its results into persistent buffers, so
+a graph captured for (rows, k_max, mode) replays any round of that shape.
+
+Per round: prepare kernel -> draft prefill over the verified rows -> sample draft token
+0 -> (k_max - 1) x (advance kernel -> decode step -> sample) -> epilogue kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .attn_metadata import AttentionMetadata, MetadataBuilder
+from .batch import ScheduledBatch
+from .block_table import BlockTables
+from .config import LimitsConfig
+from .draft_buffers import HostStage, SamplingMode, make_round_buffers
+from .draft_inputs import DraftKind
+from .draft_round_ops import draft_round_ops
+from .input_buffers import InputBuffers
+from .kv_cache import KVCache
+from .sampling import DRAFT_PROPOSAL, SamplingTensors, sample
+
+
+@dataclass
+class RoundState:
+    """What passes from one step of a round to the next."""
+
+    rows: int
+    k_max: int
+    mode: SamplingMode
+    tokens: torch.Tensor  # int64 [rows, k_max], target ids
+    q: torch.Tensor | None  # float32 [rows, k_max, V]
+    params: SamplingTensors | None
+    hidden: torch.Tensor | None  # EAGLE: the head's state carried to the next step
+
+
+class DraftLoop:
+    """Owns the draft model's cache, block tables and every buffer a round touches."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kind: DraftKind,
+        *,
+        limits: LimitsConfig,
+        width: int,
+        k_cap: int,
+        cache: KVCache,
+        hidden_in: int,
+        q_vocab: str,
+    ):
+        self.model, self.kind, self.cache = model, kind, cache
+        self.width, self.k_cap, self.hidden_in = width, k_cap, hidden_in
+        self.device, self.dtype = cache.data.device, model.dtype
+        self.max_model_len = limits.max_model_len
+        r = limits.max_num_reqs
+        bs = cache.block_size
+        self.tables = BlockTables(
+            r, limits.max_blocks_per_req(bs), bs, cache.num_blocks, self.device
+        )
+        self.builder = MetadataBuilder(
+            limits, InputBuffers(limits, self.device), self.tables, cache
+        )
+        self.null_row = self.tables.null_row
+        self.vocab_size = model.cfg.vocab_size  # input ids: the target's vocabulary
+        self.draft_vocab = getattr(model, "draft_vocab_size", self.vocab_size)
+        # The token a KV row stands for sits one position later in an EAGLE head's cache:
+        # its row p holds (token p + 1, the target's state at p), as vLLM's EAGLE does.
+        self.shift = 0 if kind is DraftKind.LLAMA else 1
+        self.sampling = SamplingTensors(r + 1, self.device)
+        self.buffers, packed = make_round_buffers(
+            max_rows=r,
+            width=width,
+            k_cap=k_cap,
+            null_row=self.null_row,
+            rows=self.tables.rows,
+            table=self.tables.table,
+            device=self.device,
+        )
+        self.stage = HostStage(packed, r)
+        self.ops = draft_round_ops(
+            self.buffers,
+            max_rows=r,
+            width=width,
+            k_cap=k_cap,
+            block_size=bs,
+            vocab_size=self.vocab_size,
+            null_row=self.null_row,
+        )
+        self.hidden = None
+        if kind is not DraftKind.LLAMA:
+            self.hidden = torch.zeros(r * width, hidden_in, dtype=self.dtype, device=self.device)
+        # q, flat, viewed as [rows, k_max, V] per round. With q over the target
+        # vocabulary of an EAGLE-3 head with a reduced vocabulary, columns outside the
+        # draft vocabulary are never written (column = flat index mod V in every view):
+        # zero once.
+        reduced = kind is DraftKind.EAGLE3 and self.draft_vocab != self.vocab_size
+        self.scatter_q = reduced and q_vocab == "target"
+        self.q_vocab = self.draft_vocab if reduced and not self.scatter_q else self.vocab_size
+        ids = torch.arange(self.draft_vocab, device=self.device)
+        self.q_token_ids = model.draft_to_target(ids) if reduced else ids
+        self.map_tokens = reduced
+        self.q = torch.zeros(r * k_cap * self.q_vocab, dtype=torch.float32, device=self.device)
+        self._meta: dict[tuple[str, int], AttentionMetadata] = {}
+
+    # ---- the round -------------------------------------------------------------------
+
+    def run(self, rows: int, k_max: int, mode: SamplingMode):
+        """The whole round over `rows` batch rows; what one graph captures. Returns
+        views (tokens [rows, k_max], q [rows, k_max, V] or None)."""
+        state = self.start(rows, k_max, mode)
+        for step in range(1, k_max):
+            self.step(state, step)
+        return self.finish(state)
+
+    def start(self, rows: int, k_max: int, mode: SamplingMode) -> RoundState:
+        """prepare, the draft prefill over the verified rows, draft token 0."""
+        b, w = self.buffers, self.width
+        self.ops.prepare(rows)  # writes every buffer read below
+        state = RoundState(
+            rows, k_max, mode, b.tokens[: rows * k_max].view(rows, k_max), None, None, None
+        )
+        if mode is not SamplingMode.GREEDY:
+            state.q = self.q[: rows * k_max * self.q_vocab].view(rows, k_max, self.q_vocab)
+            state.params = self.sampling.select(b.param[:rows])
+        meta = self.metadata("prefill", rows)
+        hidden = None
+        if self.hidden is not None:
+            hidden = self.hidden.index_select(0, b.p_src[: rows * w])
+        out, logits = self._forward(meta, hidden)
+        if hidden is not None:
+            state.hidden = out.index_select(0, b.p_last[:rows])  # the state that drew token 0
+        self._sample(state, logits, 0)
+        return state
+
+    def step(self, state: RoundState, step: int) -> None:
+        """advance, one decode step, draft token `step`."""
+        self.ops.advance(state.rows, step, state.k_max)
+        state.hidden, logits = self._forward(self.metadata("decode", state.rows), state.hidden)
+        self._sample(state, logits, step)
+
+    def finish(self, state: RoundState):
+        self.ops.epilogue(state.rows, state.k_max)
+        return state.tokens, state.q
+
+    def _forward(self, meta: AttentionMetadata, hidden: torch.Tensor | None):
+        if self.kind is DraftKind.LLAMA:
+            return self.model(meta.input_ids, meta, self.cache)
+        return self.model(meta.input_ids, hidden, meta, self.cache)
+
+    def _sample(self, state: RoundState, logits: torch.Tensor, step: int) -> None:
+        """Draft token `step` of every row into tokens[:, step] (target ids) and the
+        distribution it was drawn from into q[:, step]."""
+        if state.mode is SamplingMode.GREEDY:
+            tok = logits.argmax(dim=-1)
+        else:
+            # The absolute position of the drawn token keys its draws (invariant 6).
+            pos = self.buffers.cur_pos[: state.rows] + (1 + self.shift)
+            tok, probs = sample(
+                logits,
+                state.params,
+                pos,
+                DRAFT_PROPOSAL,
+                any_filter=state.mode is SamplingMode.FILTER,
+                return_probs=True,
+            )
+            if self.scatter_q:
+                state.q[:, step].index_copy_(1, self.q_token_ids, probs)
+            else:
+                state.q[:, step].copy_(probs)
+        if self.map_tokens:
+            tok = self.model.draft_to_target(tok)
+        state.tokens[:, step].copy_(tok)
+
+    def metadata(self, kind: str, rows: int) -> AttentionMetadata:
+        """Views of the round's persistent buffers: the prefill over rows x W token rows
+        (ragged, padding at the tail) or a decode step (one token per row)."""
+        meta = self._meta.get((kind, rows))
+        if meta is None:
+            b, r, n = self.buffers, rows, self.max_model_len
+            table = self.tables.table[:r]
+            if kind == "prefill":
+                t = r * self.width
+                meta = AttentionMetadata(
+                    t,
+                    r,
+                    self.width,
+                    n,
+                    t,
+                    r,
+                    b.p_qsl[: r + 1],
+                    b.p_seq[:r],
+                    table,
+                    b.p_slot[:t],
+                    b.p_pos[:t],
+                    b.p_ids[:t],
+                    b.p_last[:r],
+                )
+            else:
+                meta = AttentionMetadata(
+                    r,
+                    r,
+                    1,
+                    n,
+                    r,
+                    r,
+                    b.d_qsl[: r + 1],
+                    b.d_seq[:r],
+                    table,
+                    b.d_slot[:r],
+                    b.d_pos[:r],
+                    b.d_ids[:r],
+                    b.d_last[:r],
+                )
+            self._meta[(kind, rows)] = meta
+        return meta
+
+    def write_dummy_inputs(self, rows: int, k_max: int) -> None:
+        """Valid round inputs for a graph's warm-up or capture: `rows` dummy rows on the
+        null row (whose blocks are all the null block, so no KV is written and no length
+        is advanced), every verified row accepted, k = k_max."""
+        b, w = self.buffers, self.width
+        slots = np.full(rows, self.null_row, dtype=np.int64)
+        self.stage.upload(w, slots, np.full(rows, k_max), rows)
+        b.accepted[:rows].fill_(w - 1)
+        pattern = torch.arange(rows * w, device=self.device).view(rows, w) % 7 + 1
+        b.verified[:rows].copy_(pattern)
+        b.base[self.null_row].fill_(0)
+        if self.hidden is not None:
+            self.hidden[: rows * w].fill_(0.5)
+
+    # ---- the prompt ------------------------------------------------------------------
+
+    def prefill_prompt(self, req_id, ids: list[int], hidden: torch.Tensor | None) -> int:
+        """The draft's KV for a new request's prompt, eagerly, in chunks of the builder's
+        token budget; returns the draft's KV length (EAGLE: one pair per prompt token
+        but the last)."""
+        toks = ids[self.shift :]
+        length = len(toks)
+        step = self.builder.limits.max_num_tokens
+        for s in range(0, length, step):
+            chunk = toks[s : s + step]
+            meta = self.builder.build(ScheduledBatch.from_requests([(req_id, chunk, s)]))
+            if self.kind is DraftKind.LLAMA:
+                self.model(meta.input_ids, meta, self.cache)
+            else:
+                self.model(meta.input_ids, hidden[s : s + len(chunk)], meta, self.cache)
+        return length
