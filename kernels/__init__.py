@@ -3,7 +3,7 @@
 This package imports torch and triton only, never the runtime."""
 
 from .activation import check_silu_and_mul_args, silu_and_mul
-from .guard import INTERPRET, check_tensors_runnable, runnable, validation_enabled
+from .guard import INTERPRET, check_tensors_runnable, runnable
 from .kv_store import check_store_kv_args, store_kv
 from .paged_attention import (
     AttentionLaunchConfig,
@@ -22,7 +22,7 @@ from .rejection import (
 from .rmsnorm import check_rms_norm_args, rms_norm
 from .rotary import apply_rotary, check_rotary_args
 from .slot_mapping import as_int, compute_slot_mapping, prepare_slot_mapping
-from .validation import set_validation, use_validation
+from .validation import set_validation, use_validation, validation_enabled
 
 # The public launchers refuse CPU tensors without the interpreter and bf16 under it,
 # with a message that says what to do (kernels/guard.py).

@@ -63,11 +63,5 @@ def runnable(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def validation_enabled(t: torch.Tensor) -> bool:
-    """Whether value checks that read device data on the host run for tensor `t`:
-    SPECDRAFT_VALIDATE=1/0 forces them on/off; by default they run for CPU tensors
-    (where a bad index corrupts the process) and not for CUDA ones (a read is a sync)."""
-    forced = os.environ.get("SPECDRAFT_VALIDATE")
-    if forced in ("0", "1"):
-        return forced == "1"
-    return t.device.type != "cuda"
+# One switch for value checks on device data, kept in kernels/validation.py.
+from .validation import validation_enabled  # noqa: E402,F401

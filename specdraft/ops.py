@@ -61,9 +61,8 @@ def backend_for(t: torch.Tensor) -> str:
     return "torch"
 
 
-def _check_only(name: str, *args, **kw) -> None:
-    # The launchers' argument checks without a launch, for the PyTorch path.
-    getattr(kernels, name)(*args, **kw)
+# On the PyTorch path each call first runs its kernel launcher's argument checks (nothing
+# is launched), so both paths refuse the same inputs with the same messages.
 
 
 def _impl(name: str, t: torch.Tensor):
@@ -75,7 +74,7 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
     impl = _impl("paged_attention", q)
     if impl is torch_ops.paged_attention:
         # Same argument checks as the kernel's launcher, nothing launched.
-        _check_only("check_paged_attention_args", 
+        kernels.check_paged_attention_args(
             q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, **kw
         )
     return impl(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, **kw)
@@ -84,28 +83,28 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table,
 def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
     impl = _impl("store_kv", k)
     if impl is torch_ops.store_kv:
-        _check_only("check_store_kv_args", k, v, k_cache, v_cache, slot_mapping)
+        kernels.check_store_kv_args(k, v, k_cache, v_cache, slot_mapping)
     impl(k, v, k_cache, v_cache, slot_mapping)
 
 
 def rms_norm(x, weight, eps, **kw):
     impl = _impl("rms_norm", x)
     if impl is torch_ops.rms_norm:
-        _check_only("check_rms_norm_args", x, weight, eps, **kw)
+        kernels.check_rms_norm_args(x, weight, eps, **kw)
     return impl(x, weight, eps, **kw)
 
 
 def apply_rotary(q, k, positions, cos_sin_cache) -> None:
     impl = _impl("apply_rotary", q)
     if impl is torch_ops.apply_rotary:
-        _check_only("check_rotary_args", q, k, positions, cos_sin_cache)
+        kernels.check_rotary_args(q, k, positions, cos_sin_cache)
     impl(q, k, positions, cos_sin_cache)
 
 
 def silu_and_mul(x, *, out=None):
     impl = _impl("silu_and_mul", x)
     if impl is torch_ops.silu_and_mul:
-        _check_only("check_silu_and_mul_args", x, out=out)
+        kernels.check_silu_and_mul_args(x, out=out)
     return impl(x, out=out)
 
 
