@@ -3,7 +3,11 @@ against transformers' plain greedy generate() on the same prompts, same run; bat
 32. Also: the bare decode-graph step rate (what generate() can at most reach), host time
 per decode step, kernel launches per step, startup (load + capture).
 
-    python -m bench.e2e --out results [--gguf PATH] [--new-tokens 128]
+    python -m bench.e2e --out results [--gguf PATH] [--new-tokens 128] [--random]
+
+--random: SmolLM2-135M's shapes with seeded random weights (no GGUF needed), prompts of
+random token ids as long as the chat prompts; the same weights go into transformers.
+Speed does not depend on the weights' values; the text does.
 """
 
 from __future__ import annotations
@@ -21,6 +25,67 @@ from specdraft.batch import ScheduledBatch
 from specdraft.cli import DEFAULT_PROMPTS
 from specdraft.demo import load_engine
 from specdraft.generate import timed_generate
+
+
+def smollm2_config():
+    """SmolLM2-135M-Instruct's shapes (as its GGUF metadata gives them)."""
+    from specdraft.models.config import DecoderConfig, RopeConfig
+
+    return DecoderConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        rope=RopeConfig(theta=100000.0),
+        tie_word_embeddings=True,
+        dtype=torch.bfloat16,
+    )
+
+
+class RandomSetup:
+    """Engine and transformers model over the same seeded random SmolLM2-shaped weights."""
+
+    def __init__(self):
+        from specdraft.models.tiny import random_weights
+
+        self.cfg = smollm2_config()
+        self.weights = random_weights(self.cfg, seed=0)
+
+    def engine(self, batch: int):
+        from specdraft.generate import Engine
+        from specdraft.loader import Checkpoint, load_causal_lm
+        from specdraft.runner import TargetRunner
+
+        t0 = time.perf_counter()
+        ckpt = Checkpoint.from_tensors(self.cfg.to_hf(), self.weights)
+        model = load_causal_lm(ckpt, dtype=torch.bfloat16, device="cuda", max_positions=1024)
+        runner = TargetRunner(
+            model, max_num_reqs=batch, max_num_tokens=max(512, batch), max_model_len=1024
+        )
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        runner.capture()
+        torch.cuda.synchronize()
+        return Engine(runner), t1 - t0, time.perf_counter() - t1
+
+    def prompts(self, batch: int) -> list[list[int]]:
+        g = torch.Generator().manual_seed(batch)
+        return [
+            torch.randint(100, 40000, (28 + i % 9,), generator=g).tolist() for i in range(batch)
+        ]
+
+    def hf_model(self):
+        import transformers
+
+        hf_cfg = transformers.AutoConfig.for_model(**self.cfg.to_hf())
+        model = transformers.LlamaForCausalLM(hf_cfg)
+        model.load_state_dict(self.weights, strict=False)
+        return model.to(torch.bfloat16).cuda().eval()
 
 
 def prompts_for(tokenizer, batch: int) -> list[list[int]]:
@@ -118,20 +183,9 @@ def host_us_per_step(engine, ids: list[list[int]], new_tokens: int) -> float:
     return 1e6 * statistics.median(samples[2:]) if len(samples) > 3 else float("nan")
 
 
-def hf_greedy_tok_s(path: str, ids: list[list[int]], new_tokens: int) -> float | None:
-    """transformers loading the same GGUF (bf16), plain greedy, left-padded batch."""
-    try:
-        import transformers
-    except ImportError:
-        return None
-    p = Path(path)
-    model = (
-        transformers.AutoModelForCausalLM.from_pretrained(
-            p.parent, gguf_file=p.name, torch_dtype=torch.bfloat16
-        )
-        .cuda()
-        .eval()
-    )
+def hf_greedy_tok_s(model, ids: list[list[int]], new_tokens: int) -> float:
+    """transformers' plain greedy generate() on the same prompts, left-padded batch;
+    every row runs new_tokens steps (no EOS)."""
     width = max(len(x) for x in ids)
     inp = torch.tensor([[0] * (width - len(x)) + x for x in ids], device="cuda")
     mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device="cuda")
@@ -151,28 +205,47 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--random", action="store_true", help="random SmolLM2-shaped weights")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.e2e needs a GPU")
         return 0
-    from specdraft.embedded import smollm2_gguf_path
+    hf_model = None
+    if args.random:
+        setup = RandomSetup()
+        if not args.no_hf:
+            hf_model = setup.hf_model()
+    else:
+        from specdraft.embedded import smollm2_gguf_path
 
-    path = str(
-        smollm2_gguf_path(wheel=args.gguf)
-        if args.gguf is None or args.gguf.endswith(".whl")
-        else args.gguf
-    )
+        path = str(
+            smollm2_gguf_path(wheel=args.gguf)
+            if args.gguf is None or args.gguf.endswith(".whl")
+            else args.gguf
+        )
+        if not args.no_hf:
+            import transformers
+
+            p = Path(path)
+            hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+                p.parent, gguf_file=p.name, torch_dtype=torch.bfloat16
+            )
+            hf_model = hf_model.cuda().eval()
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        engine, load_s, capture_s = load_engine(
-            path,
-            device="cuda",
-            dtype=torch.bfloat16,
-            max_num_reqs=batch,
-            max_model_len=1024,
-            graphs=True,
-        )
-        ids = prompts_for(engine.tokenizer, batch)
+        if args.random:
+            engine, load_s, capture_s = setup.engine(batch)
+            ids = setup.prompts(batch)
+        else:
+            engine, load_s, capture_s = load_engine(
+                path,
+                device="cuda",
+                dtype=torch.bfloat16,
+                max_num_reqs=batch,
+                max_model_len=1024,
+                graphs=True,
+            )
+            ids = prompts_for(engine.tokenizer, batch)
         engine.generate(ids[:1], max_new_tokens=4)  # warm-up
         # Every request runs new_tokens steps: stop ids off, so all rows stay busy.
         outs, secs = timed_generate(engine, ids, max_new_tokens=args.new_tokens, stop_token_ids=[])
@@ -181,7 +254,7 @@ def main(argv=None) -> int:
         step_us = bare_step_us(engine, batch)
         host_us = host_us_per_step(engine, ids, 32)
         launches = launches_per_step(engine, batch)
-        hf = None if args.no_hf else hf_greedy_tok_s(path, ids, args.new_tokens)
+        hf = None if hf_model is None else hf_greedy_tok_s(hf_model, ids, args.new_tokens)
         row = {
             "batch": batch,
             "tokens": n,
@@ -195,7 +268,7 @@ def main(argv=None) -> int:
             "capture_s": round(capture_s, 2),
             "hf_greedy_tok_s": None if hf is None else round(hf, 1),
             "ours_over_hf": None if hf is None else round(tok_s / hf, 2),
-            "text0": engine.tokenizer.decode(outs[0].token_ids, skip_special_tokens=True)[:80],
+            "weights": "random" if args.random else "GGUF",
         }
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -203,6 +276,7 @@ def main(argv=None) -> int:
         del engine
         torch.cuda.empty_cache()
     env = {
+        "model": "SmolLM2-135M shapes, " + ("random weights" if args.random else "GGUF Q4_1"),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
@@ -224,7 +298,8 @@ def main(argv=None) -> int:
         "ours_over_hf",
     ]
     lines = [
-        f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}",
+        f"{env['model']}, bf16; {env['gpu']}, torch {env['torch']}, triton "
+        f"{env['triton']}, {env['date']}",
         "",
         "| " + " | ".join(cols) + " |",
         "|" + "---|" * len(cols),
