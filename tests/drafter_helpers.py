@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+import numpy as np
+import pytest
 import torch
 
 from specdraft.drafter import Drafter
@@ -17,6 +19,7 @@ from specdraft.models.tiny import (
     random_weights,
     tiny_config,
 )
+from specdraft.sampling import SamplingParams, filtered_probs
 from tests.model_helpers import RefEagle
 
 KINDS = ("llama", "eagle", "eagle3")
@@ -151,7 +154,7 @@ class EngineSim:
     def _hid(self, n: int) -> torch.Tensor | None:
         if self.s.kind == "llama":
             return None
-        return torch.randn(n, self.s.hidden_in, generator=self.gen)
+        return torch.randn(n, self.s.hidden_in, generator=self.gen).to(self.d.dtype)
 
     def join(self, n: int | None = None, params=None, k=None):
         rid = f"r{self._next}"
@@ -160,7 +163,8 @@ class EngineSim:
         v = self.d.vocab_size
         toks = [self.rng.randrange(v) for _ in range(n)]
         hid = self._hid(n)
-        self.d.add_request(rid, toks, params, k, target_hidden=hid)
+        dev = None if hid is None else hid.to(self.d.device)
+        self.d.add_request(rid, toks, params, k, target_hidden=dev)
         first = self.rng.randrange(v)  # the target's first sampled token
         self.seqs[rid] = Seq(toks, hid, [first])
         return rid
@@ -170,7 +174,13 @@ class EngineSim:
         del self.seqs[rid]
 
     def inputs(self, rids, width: int):
-        """verified [B, width] (rows past a are junk), num_accepted [B], target_hidden."""
+        """verified [B, width] (rows past a are junk), num_accepted [B], target_hidden,
+        on the drafter's device."""
+        ver, acc, hid = self._inputs(rids, width)
+        dev = self.d.device
+        return ver.to(dev), acc.to(dev), None if hid is None else hid.to(dev, self.d.dtype)
+
+    def _inputs(self, rids, width: int):
         b = len(rids)
         ver = torch.randint(0, self.d.vocab_size, (b, width), generator=self.gen)
         acc = torch.zeros(b, dtype=torch.int64)
@@ -270,3 +280,100 @@ def same_state(a: dict, b: dict) -> bool:
         elif x != y:
             return False
     return True
+
+
+# ---- fixtures shared by the drafter tests ---------------------------------------------
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def setup(request):
+    return make_setup(request.param)
+
+
+@pytest.fixture
+def torch_layers(monkeypatch):
+    """Model layers on their PyTorch path (fast on the CPU), the round's own kernels
+    still through Triton (the interpreter): for the many-round tests."""
+    from specdraft import draft_loop as loop_module
+    from specdraft.kernels.draft_round import DraftRoundKernels
+    from specdraft.ops import use_backend
+
+    monkeypatch.setattr(loop_module, "draft_round_ops", lambda b, **kw: DraftRoundKernels(b, **kw))
+    with use_backend("torch"):
+        yield
+
+
+def drafter(setup, **kw) -> Drafter:
+    base = dict(max_num_reqs=4, k_max_options=(1, 3), max_model_len=160, max_prefill_tokens=16)
+    return Drafter(setup.model, **{**base, **kw})
+
+
+# ---- the draw distribution ------------------------------------------------------------
+
+
+def chi_limit(df: int) -> float:
+    return df + 10 * (2 * df) ** 0.5
+
+
+def chi_square(counts: np.ndarray, expected: np.ndarray) -> tuple[float, int]:
+    """Pearson's statistic with bins of expected count < 5 merged into one."""
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    return float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1
+
+
+def draw_counts(
+    rows: int,
+    rounds: int,
+    params: SamplingParams,
+    *,
+    k_max: int = 2,
+    device="cpu",
+    refresh: int = 200,
+    **kw,
+):
+    """A Llama draft whose attention output is zeroed, so that each step's distribution
+    depends on its input token only; `rows` requests with the same context and their own
+    seeds, fed the same verified token every round (every `refresh` rounds they are
+    replaced by new ones with new seeds, to stay inside the rotary table). Returns per
+    position the observed counts and the expected counts (the sum of the filtered
+    distributions the draws came from), the distribution after each token [V, V], and
+    the drafter."""
+    from dataclasses import replace
+
+    s = make_setup("llama")
+    model = s.model.to(device)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    d = Drafter(model, max_num_reqs=rows, k_max_options=(k_max,), max_model_len=refresh + 16, **kw)
+    v = d.vocab_size
+    # the distribution after each token, from the model itself (attention contributes 0)
+    with torch.no_grad():
+        from tests.model_helpers import PagedRunner
+
+        runner = PagedRunner(s.cfg, device, max_num_reqs=v, max_num_tokens=v, max_model_len=4)
+        meta = runner.step([(t, [t]) for t in range(v)])
+        _, logits = model(meta.input_ids, meta, runner.cache)
+        dist = filtered_probs(logits.float(), params).double().cpu().numpy()
+    counts = np.zeros((k_max, v))
+    expected = np.zeros((k_max, v))
+    ids = list(range(rows))
+    ver = torch.full((rows, 1), 9, dtype=torch.int64, device=device)
+    acc = torch.zeros(rows, dtype=torch.int64, device=device)
+    for n in range(rounds):
+        if n % refresh == 0:
+            for i in ids:
+                if i in d:
+                    d.remove_request(i)
+                d.add_request(i, [5, 6, 7], replace(params, seed=1000 + i + rows * n))
+        toks = d.propose(ids, ver, acc).tokens.cpu().numpy()
+        prev = np.full(rows, 9)
+        for j in range(k_max):
+            np.add.at(counts[j], toks[:, j], 1)
+            expected[j] += dist[prev].sum(0)
+            prev = toks[:, j]
+    return counts, expected, dist, d

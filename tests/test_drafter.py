@@ -1,30 +1,34 @@
-"""The draft round (specdraft/drafter.py): greedy rounds against transformers (Llama
-draft) and a float64 reference (EAGLE heads), committed draft KV against a from-scratch
-prefill over many rounds with requests joining and leaving, sampled rows' q and tokens,
-padding, the padded (graph) path against the unpadded eager one, the PyTorch path of the
-round kernels against Triton, bad input, running out of blocks, a transformers target
-driving propose(); on the GPU: replay against eager for every graph, no
-synchronisation, host time, memory over 10^4 replays, capture time, the 200k-draw
-distribution."""
+"""The draft round (specdraft/drafter.py) on the CPU: greedy rounds against transformers
+(Llama draft) and a float64 reference (EAGLE heads), committed draft KV against a
+from-scratch prefill over 32 rounds with requests joining and leaving, sampled rows' q
+and tokens, padding, the padded (graph) path against the unpadded eager one, the PyTorch
+path of the round kernels against Triton, a transformers target driving propose(),
+counters and the K_max table, a small chi-square of the draws. Bad input:
+tests/test_drafter_inputs.py; the GPU: tests/test_drafter_gpu.py."""
 
+# ruff: noqa: F811 (fixtures imported from tests/drafter_helpers.py are test arguments)
 from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 import torch
 
-from specdraft.drafter import Drafter, DraftOutOfBlocksError
+from specdraft.drafter import Drafter
 from specdraft.sampling import DRAFT_PROPOSAL, SamplingParams, filtered_probs, sample
-from tests.drafter_helpers import (
-    KINDS,
+
+# The fixtures `setup` and `torch_layers` come from tests/drafter_helpers.py.
+from tests.drafter_helpers import (  # noqa: F401
     EngineSim,
+    chi_limit,
+    chi_square,
+    drafter,
+    draw_counts,
     fresh_kv,
     kv_rows,
     make_setup,
-    same_state,
-    snapshot,
+    setup,
+    torch_layers,
 )
 from tests.test_cuda_graph import EagerBackend
 
@@ -32,29 +36,6 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.interpreter  # CPU tensors through the round's Triton kernels
 
 GREEDY = SamplingParams(temperature=0.0)
-
-
-@pytest.fixture(scope="module", params=KINDS)
-def setup(request):
-    return make_setup(request.param)
-
-
-@pytest.fixture
-def torch_layers(monkeypatch):
-    """Model layers on their PyTorch path (fast on the CPU), the round's own kernels
-    still through Triton (the interpreter): for the many-round tests."""
-    from specdraft import draft_loop as loop_module
-    from specdraft.kernels.draft_round import DraftRoundKernels
-    from specdraft.ops import use_backend
-
-    monkeypatch.setattr(loop_module, "draft_round_ops", lambda b, **kw: DraftRoundKernels(b, **kw))
-    with use_backend("torch"):
-        yield
-
-
-def drafter(setup, **kw) -> Drafter:
-    base = dict(max_num_reqs=4, k_max_options=(1, 3), max_model_len=160, max_prefill_tokens=16)
-    return Drafter(setup.model, **{**base, **kw})
 
 
 def check_round(sim: EngineSim, rids, tokens: torch.Tensor, ks) -> None:
@@ -203,240 +184,6 @@ def test_sampled_rows_q_and_tokens(setup):
         runs.append(rounds)
     for a, b in zip(*runs):
         assert torch.equal(a, b), "same seeds, same tokens"
-
-
-# ---- bad input, running out of blocks -------------------------------------------------
-
-
-def _good(sim, rids):
-    ver, acc, hid = sim.inputs(rids, sim.d.width)
-    return dict(req_ids=rids, verified_tokens=ver, num_accepted=acc, target_hidden=hid)
-
-
-def _with(**over):
-    """A propose() call with some arguments replaced (callables get the good value)."""
-
-    def call(d, good):
-        kw = dict(good)
-        for name, v in over.items():
-            kw[name] = v(kw[name]) if callable(v) else v
-        rids = kw.pop("req_ids")
-        ver, acc = kw.pop("verified_tokens"), kw.pop("num_accepted")
-        d.propose(rids, ver, acc, **kw)
-
-    return call
-
-
-EAGLE_ONLY, LLAMA_ONLY = {"eagle", "eagle3"}, {"llama"}
-PROPOSE_CASES = [
-    # (id, call, message, kinds it applies to)
-    ("unknown-id", _with(req_ids=["r0", "nope"]), "unknown req_id 'nope'", None),
-    ("duplicate-id", _with(req_ids=["r0", "r0"]), "'r0' twice", None),
-    ("no-ids", _with(req_ids=[]), "req_ids has 0 requests", None),
-    ("str-ids", _with(req_ids="r0"), "req_ids must be a sequence", None),
-    ("k-over-kmax", _with(k=[1, 5]), r"k\[1\] = 5 for request 'r1' is over K_max 3", None),
-    ("k-over-chosen-kmax", _with(k=[2, 1], k_max=1), r"k\[0\] = 2 .* over K_max 1", None),
-    ("k-negative", _with(k=[0, -1]), r"k\[1\] = -1", None),
-    ("k-length", _with(k=[1, 1, 1]), "k has 3 entries, expected one per request", None),
-    ("k-float", _with(k=[1.5, 1.0]), "k must hold integers", None),
-    (
-        "kmax-not-captured",
-        _with(k_max=2),
-        r"k_max 2 is not one of the captured options \[1, 3\]",
-        None,
-    ),
-    (
-        "verified-device",
-        _with(verified_tokens=lambda v: v.to("meta")),
-        "verified_tokens is on meta",
-        None,
-    ),
-    (
-        "verified-float",
-        _with(verified_tokens=lambda v: v.float()),
-        "verified_tokens has dtype torch.float32",
-        None,
-    ),
-    (
-        "verified-rows",
-        _with(verified_tokens=lambda v: v[:1]),
-        r"verified_tokens has shape \(1, 4\), expected \[2, \*\]",
-        None,
-    ),
-    (
-        "verified-too-wide",
-        _with(verified_tokens=lambda v: torch.cat([v, v], 1)),
-        r"verified_tokens has width 8, must be in \[1, W = 4\]",
-        None,
-    ),
-    (
-        "verified-out-of-vocab",
-        _with(verified_tokens=lambda v: v.index_fill(1, torch.tensor([0]), 999)),
-        r"verified_tokens\[0, 0\] = 999 .* outside the vocabulary \[0, 128\)",
-        None,
-    ),
-    (
-        "accepted-dtype",
-        _with(num_accepted=lambda a: a.float()),
-        "num_accepted has dtype torch.float32",
-        None,
-    ),
-    (
-        "accepted-shape",
-        _with(num_accepted=lambda a: a[:, None]),
-        r"num_accepted has shape \(2, 1\)",
-        None,
-    ),
-    (
-        "accepted-over-width",
-        _with(num_accepted=lambda a: a + 4),
-        r"num_accepted\[0\] = \d+ for request 'r0' must be in \[0, 3\]",
-        None,
-    ),
-    ("accepted-negative", _with(num_accepted=lambda a: a - 9), r"num_accepted\[0\] = -\d+", None),
-    (
-        "hidden-missing",
-        _with(target_hidden=None),
-        r"target_hidden \[2, 4, \d+\] is required",
-        EAGLE_ONLY,
-    ),
-    (
-        "hidden-width",
-        _with(target_hidden=lambda h: h[..., :-1]),
-        r"target_hidden has shape \(2, 4, \d+\), expected \[2, 4, \d+\]",
-        EAGLE_ONLY,
-    ),
-    (
-        "hidden-dtype",
-        _with(target_hidden=lambda h: h.double()),
-        "target_hidden has dtype torch.float64",
-        EAGLE_ONLY,
-    ),
-    (
-        "hidden-for-llama",
-        _with(target_hidden=torch.zeros(2, 4, 8)),
-        "target_hidden is for EAGLE heads",
-        LLAMA_ONLY,
-    ),
-]
-
-
-@pytest.mark.parametrize("case", PROPOSE_CASES, ids=[c[0] for c in PROPOSE_CASES])
-def test_bad_propose_input_changes_nothing(setup, torch_layers, case):
-    name, call, message, kinds = case
-    if kinds is not None and setup.kind not in kinds:
-        pytest.skip(f"{name} is for {sorted(kinds)}")
-    d = drafter(setup)
-    sim = EngineSim(setup, d, seed=8)
-    rids = [sim.join(5), sim.join(3)]
-    good = _good(sim, rids)
-    before = snapshot(d)
-    with pytest.raises(ValueError, match=message):
-        call(d, good)
-    assert same_state(before, snapshot(d)), f"{name}: state changed"
-    d.propose(**{"req_ids": rids, **{k: v for k, v in good.items() if k != "req_ids"}})
-
-
-def _hid(d, n):
-    """Valid target states for an n-token prompt (None for a Llama draft)."""
-    return None if d.hidden_in == 0 else torch.randn(n, d.hidden_in)
-
-
-ADD_CASES = [
-    ("duplicate", lambda d, s: d.add_request("r0", [1, 2]), "'r0' is already present"),
-    ("unhashable", lambda d, s: d.add_request(["x"], [1, 2]), "req_id must be hashable"),
-    ("empty", lambda d, s: d.add_request("x", []), "prompt_token_ids is empty"),
-    ("too-long", lambda d, s: d.add_request("x", [1] * 160), "has 160 tokens: at most"),
-    (
-        "out-of-vocab",
-        lambda d, s: d.add_request("x", [1, 128]),
-        r"prompt_token_ids\[1\] = 128 is outside the vocabulary \[0, 128\)",
-    ),
-    ("float-tokens", lambda d, s: d.add_request("x", [1.0, 2.0]), "must hold integers"),
-    (
-        "params-type",
-        lambda d, s: d.add_request("x", [1, 2], {"temperature": 0}, target_hidden=_hid(d, 2)),
-        "params must be a SamplingParams",
-    ),
-    (
-        "k-over",
-        lambda d, s: d.add_request("x", [1, 2], None, 4, target_hidden=_hid(d, 2)),
-        r"k must be in \[0, 3\]",
-    ),
-    (
-        "hidden",
-        lambda d, s: d.add_request("x", [1, 2], target_hidden=torch.zeros(3, 4)),
-        "target_hidden",
-    ),
-    ("unknown-remove", lambda d, s: d.remove_request("nope"), "unknown req_id 'nope'"),
-    ("reserve-over", lambda d, s: d.reserve("r0", 10**6), r"num_tokens must be in \[1, 160\]"),
-]
-
-
-@pytest.mark.parametrize("case", ADD_CASES, ids=[c[0] for c in ADD_CASES])
-def test_bad_request_input_changes_nothing(setup, case):
-    name, call, message = case
-    d = drafter(setup)
-    sim = EngineSim(setup, d, seed=9)
-    sim.join(4)
-    before = snapshot(d)
-    with pytest.raises((ValueError, TypeError), match=message):
-        call(d, sim)
-    assert same_state(before, snapshot(d)), f"{name}: state changed"
-
-
-def test_full_drafter_refuses_a_request(setup, torch_layers):
-    d = drafter(setup)
-    sim = EngineSim(setup, d, seed=9)
-    for _ in range(4):
-        sim.join(3)
-    before = snapshot(d)
-    with pytest.raises(ValueError, match="no free row slot for req_id 'x': 4 requests held"):
-        d.add_request("x", [1, 2], target_hidden=_hid(d, 2))
-    assert same_state(before, snapshot(d))
-
-
-def test_bad_construction():
-    s = make_setup("llama")
-    with pytest.raises(TypeError, match="model must be a LlamaForCausalLM, EagleHead or"):
-        Drafter(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="max_model_len 512 is over the model's rotary"):
-        Drafter(s.model, max_model_len=512)
-    with pytest.raises(ValueError, match="q_vocab must be 'target' or 'draft'"):
-        Drafter(s.model, q_vocab="both")
-    with pytest.raises(ValueError, match="graph_modes holds 'fast'"):
-        Drafter(s.model, graph_modes=("fast",))
-    with pytest.raises(ValueError, match=r"k_max_options\[i\] must be in \[1, 64\]"):
-        Drafter(s.model, k_max_options=(0, 3))
-    with pytest.raises(ValueError, match="cuda_graphs=True needs the model on a CUDA device"):
-        Drafter(s.model, cuda_graphs=True)
-
-
-def test_out_of_blocks_is_reported_before_any_write(setup, torch_layers):
-    """Blocks are allocated by upper bound before the round; when the cache is short
-    the round raises DraftOutOfBlocksError with nothing changed, and goes through once
-    a request has left."""
-    d = drafter(setup, num_blocks=4)  # the null block and 3 blocks of 16 tokens
-    sim = EngineSim(setup, d, seed=10)
-    rids = [sim.join(14), sim.join(14)]  # one block each; a round needs a second
-    good = _good(sim, rids)
-    before = snapshot(d)
-    with pytest.raises(
-        DraftOutOfBlocksError, match="needs 2 more KV blocks .* but 1 are free"
-    ) as err:
-        _with()(d, good)
-    assert (err.value.needed, err.value.free) == (2, 1)
-    assert same_state(before, snapshot(d))
-    _with(
-        req_ids=rids[:1],
-        verified_tokens=lambda v: v[:1],
-        num_accepted=lambda a: a[:1],
-        target_hidden=lambda h: None if h is None else h[:1],
-    )(d, good)
-    assert d.tables.num_free_blocks == 0
-    d.remove_request(rids[1])
-    assert d.tables.num_free_blocks == 1
-    assert not d.reserve(rids[0], 16 * 3 + 1)
 
 
 # ---- the round kernels: PyTorch path against Triton -----------------------------------
@@ -634,60 +381,6 @@ def test_counters_and_k_max_table(torch_layers):
     assert d.graph_rounds == 2
 
 
-def chi_limit(df: int) -> float:
-    return df + 10 * (2 * df) ** 0.5
-
-
-def chi_square(counts: np.ndarray, expected: np.ndarray) -> tuple[float, int]:
-    """Pearson's statistic with bins of expected count < 5 merged into one."""
-    small = expected < 5
-    obs = np.append(counts[~small], counts[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    return float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1
-
-
-def draw_counts(rows: int, rounds: int, params: SamplingParams, k_max: int = 2, device="cpu", **kw):
-    """A Llama draft whose attention output is zeroed, so that each step's distribution
-    depends on its input token only; `rows` requests with the same context and their own
-    seeds, fed the same verified token every round. Returns per position the observed
-    counts and the expected counts (the sum of the filtered distributions of the
-    draws), plus the drafter for inspection."""
-    from dataclasses import replace
-
-    s = make_setup("llama")
-    model = s.model.to(device)
-    with torch.no_grad():
-        for layer in model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-    d = Drafter(model, max_num_reqs=rows, k_max_options=(k_max,), max_model_len=rounds + 16, **kw)
-    v = d.vocab_size
-    for i in range(rows):
-        d.add_request(i, [5, 6, 7], replace(params, seed=1000 + i))
-    # the distribution after each token, from the model itself (attention contributes 0)
-    with torch.no_grad():
-        from tests.model_helpers import PagedRunner
-
-        runner = PagedRunner(s.cfg, device, max_num_reqs=v, max_num_tokens=v, max_model_len=4)
-        meta = runner.step([(t, [t]) for t in range(v)])
-        _, logits = model(meta.input_ids, meta, runner.cache)
-        dist = filtered_probs(logits.float(), params).double().cpu().numpy()
-    counts = np.zeros((k_max, v))
-    expected = np.zeros((k_max, v))
-    ids = list(range(rows))
-    ver = torch.full((rows, 1), 9, dtype=torch.int64, device=device)
-    acc = torch.zeros(rows, dtype=torch.int64, device=device)
-    for _ in range(rounds):
-        toks = d.propose(ids, ver, acc).tokens.cpu().numpy()
-        prev = np.full(rows, 9)
-        for j in range(k_max):
-            np.add.at(counts[j], toks[:, j], 1)
-            expected[j] += dist[prev].sum(0)
-            prev = toks[:, j]
-    return counts, expected, d
-
-
 @pytest.mark.parametrize(
     "params",
     [SamplingParams(1.0, top_k=5), SamplingParams(0.5, top_p=0.8)],
@@ -695,7 +388,11 @@ def draw_counts(rows: int, rounds: int, params: SamplingParams, k_max: int = 2, 
 )
 def test_cpu_draft_distribution(params, torch_layers):
     """A small version of the GPU's 200k-draw check: 640 draws per position."""
-    counts, expected, _ = draw_counts(16, 40, params)
+    counts, expected, dist, d = draw_counts(16, 40, params)
+    q = d.propose(list(range(16)), torch.full((16, 1), 9), torch.zeros(16, dtype=torch.int64)).q
+    torch.testing.assert_close(
+        q[:, 0], torch.from_numpy(dist[9]).float().expand(16, -1), atol=1e-6, rtol=1e-5
+    )
     for j in range(counts.shape[0]):
         stat, df = chi_square(counts[j], expected[j])
         assert stat <= chi_limit(df), f"position {j}: chi2 {stat:.1f} with {df} df"

@@ -1,0 +1,287 @@
+"""The draft round on the GPU (bf16, CUDA graphs): every captured graph against the eager
+round, bit for bit (captured largest first and shuffled; A, B, then A again); no host
+synchronisation in 100 rounds; the host enqueues 100 rounds before the GPU has run 10;
+10^4 rounds without memory growth; capture time; the 200k-draw distribution."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from specdraft.draft_buffers import SamplingMode
+from specdraft.drafter import Drafter
+from specdraft.models.tiny import (
+    eagle_config,
+    llama_68m_config,
+    random_causal_lm,
+    random_eagle3_head,
+    random_eagle_head,
+)
+from specdraft.sampling import SamplingParams
+from tests.drafter_helpers import KINDS, DraftSetup, EngineSim, chi_limit, chi_square, draw_counts
+from tests.drafter_helpers import tiny as tiny_cfg
+
+pytestmark = pytest.mark.gpu
+
+GREEDY = SamplingParams(temperature=0.0)
+MODE_PARAMS = {
+    SamplingMode.GREEDY: lambda i: GREEDY,
+    SamplingMode.SAMPLE: lambda i: SamplingParams(0.9, seed=100 + i),
+    SamplingMode.FILTER: lambda i: SamplingParams(0.8, top_k=40, top_p=0.9, seed=200 + i),
+}
+
+
+def gpu_setup(kind: str, dtype=torch.bfloat16) -> DraftSetup:
+    cfg = tiny_cfg(
+        hidden_size=128,
+        intermediate_size=256,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        vocab_size=1000,
+        max_position_embeddings=2048,
+        dtype=dtype,
+    )
+    if kind == "llama":
+        return DraftSetup(kind, random_causal_lm(cfg, seed=1, device="cuda"), cfg, {})
+    if kind == "eagle":
+        target = random_causal_lm(cfg, seed=2, device="cuda")
+        head_cfg = eagle_config(cfg)
+        return DraftSetup(kind, random_eagle_head(head_cfg, target, seed=3), head_cfg, {}, target)
+    head_cfg = eagle_config(cfg, draft_vocab_size=500)
+    return DraftSetup(kind, random_eagle3_head(head_cfg, seed=3, device="cuda"), head_cfg, {})
+
+
+def _poison(d: Drafter, seed: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    d.cache.data[:, :, 1:].normal_(generator=g)
+
+
+@pytest.mark.parametrize("order_seed", [None, 5], ids=["largest_first", "shuffled"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_replay_equals_eager_for_every_graph(kind, order_seed):
+    """Two drafters with the same history; one replays each round's graph, the other
+    runs the same round eagerly at the same padding. Tokens, q and the whole KV cache
+    agree bit for bit, for every (bucket, K_max, mode) graph, in shuffled order and once
+    more for the first graph after all the others."""
+    s = gpu_setup(kind)
+    kw = dict(
+        max_num_reqs=8,
+        k_max_options=(1, 3),
+        capture_sizes=[1, 2, 4, 8],
+        max_model_len=1024,
+        seed=0,
+        capture_now=False,
+    )
+    g, e = Drafter(s.model, **kw), Drafter(s.model, **kw)
+    g.capture(order_seed)
+    e.capture()
+    assert g.num_graphs == 4 * 2 * 3
+    assert torch.count_nonzero(g.cache.data[:, :, 0]) == 0, "capture wrote the null block"
+    for x in (g, e):
+        _poison(x, 7)
+    rng = random.Random(3)
+    descs = [(r, k, m) for r in (1, 2, 4, 8) for k in (1, 3) for m in SamplingMode]
+    rng.shuffle(descs)
+    sims = [EngineSim(s, x, seed=11) for x in (g, e)]
+    for n, (rows, k_max, mode) in enumerate(descs + descs[:1]):
+        b = rows - (rows > 1 and rng.random() < 0.5)  # padded half of the time
+        lens = [rng.randint(3, 40) for _ in range(b)]
+        rids = []
+        for sim in sims:  # the same requests for both drafters
+            for r in list(sim.seqs):
+                sim.leave(r)
+            rids.append([sim.join(n, MODE_PARAMS[mode](i)) for i, n in enumerate(lens)])
+        for _ in range(2):
+            before = g.graph_rounds
+            outs = []
+            for sim, x, rr, eager in zip(sims, (g, e), rids, (False, True)):
+                ver, acc, hid = sim.inputs(rr, x.width)
+                outs.append(x.propose(rr, ver, acc, target_hidden=hid, k_max=k_max, eager=eager))
+                sim.commit(rr)
+            assert g.graph_rounds == before + 1, f"({rows}, {k_max}, {mode}) was not replayed"
+            (tg, qg), (te, qe) = outs
+            assert torch.equal(tg, te), f"graph {n} ({rows}, {k_max}, {mode.name}): tokens"
+            assert (qg is None) == (qe is None) == (mode is SamplingMode.GREEDY)
+            if qg is not None:
+                assert torch.equal(qg, qe), f"graph {n} ({rows}, {k_max}, {mode.name}): q"
+                assert torch.isfinite(qg).all()
+            assert torch.equal(g.cache.data, e.cache.data), f"graph {n}: KV cache"
+    assert torch.count_nonzero(g.cache.data[:, :, 0]) == 0
+
+
+def _busy_drafter(kind: str, rows: int, k_max: int, rounds: int, **kw):
+    s = gpu_setup(kind)
+    d = Drafter(
+        s.model,
+        max_num_reqs=rows,
+        k_max_options=(k_max,),
+        capture_sizes=[rows],
+        max_model_len=2048,
+        **kw,
+    )
+    sim = EngineSim(s, d, seed=5)
+    modes = list(MODE_PARAMS.values())
+    rids = [sim.join(12, modes[i % 3](i)) for i in range(rows)]
+    for r in rids:
+        assert d.reserve(r, 12 + (rounds + 8) * d.width)  # no block growth in the loop
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = d.width
+    ins = [
+        (
+            torch.randint(0, d.vocab_size, (rows, w), device="cuda", generator=g),
+            torch.randint(0, w, (rows,), device="cuda", generator=g),
+            None
+            if d.hidden_in == 0
+            else torch.randn(rows, w, d.hidden_in, device="cuda", dtype=d.dtype, generator=g),
+        )
+        for _ in range(rounds)
+    ]
+    return d, rids, ins
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graph", "eager"])
+@pytest.mark.parametrize("kind", ["llama", "eagle3"])
+def test_gpu_100_rounds_never_synchronise(kind, eager):
+    d, rids, ins = _busy_drafter(kind, 6, 3, 102)
+    for ver, acc, hid in ins[:2]:  # warm-up
+        d.propose(rids, ver, acc, target_hidden=hid, eager=eager)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for ver, acc, hid in ins[2:]:
+            out = d.propose(rids, ver, acc, target_hidden=hid, eager=eager)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.isfinite(out.q).all() and out.tokens.min() >= 0
+    assert d.loop.stage.ring.waits == 0
+
+
+def test_gpu_host_enqueues_100_rounds_before_the_gpu_runs_10():
+    """Nothing in a round waits for the GPU: with a llama-68m-shaped draft at batch 32
+    and K = 5 (sampled), the host enqueues 100 rounds in less time than the GPU takes to
+    run 10 of them."""
+    model = random_causal_lm(llama_68m_config(), seed=0, device="cuda", max_positions=2048)
+    rows, rounds = 32, 115
+    d = Drafter(
+        model,
+        max_num_reqs=rows,
+        k_max_options=(5,),
+        capture_sizes=[rows],
+        graph_modes=("sample",),
+        max_model_len=2048,
+    )
+    rids = [f"r{i}" for i in range(rows)]
+    for i, r in enumerate(rids):
+        d.add_request(r, list(range(1, 65)), SamplingParams(0.8, seed=i))
+        assert d.reserve(r, 64 + (rounds + 2) * d.width)
+    ver = torch.randint(0, 32000, (rows, d.width), device="cuda")
+    acc = torch.randint(0, d.width, (rows,), device="cuda")
+    for _ in range(3):
+        d.propose(rids, ver, acc)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(100):
+        d.propose(rids, ver, acc)
+    host_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        d.propose(rids, ver, acc)
+    end.record()
+    end.synchronize()
+    gpu10_s = start.elapsed_time(end) / 1e3
+    print(
+        f"host: 100 rounds in {host_s * 1e3:.2f} ms ({host_s * 1e4:.1f} us each); "
+        f"GPU: 10 rounds in {gpu10_s * 1e3:.2f} ms"
+    )
+    assert host_s < gpu10_s
+    assert d.loop.stage.ring.waits == 0
+
+
+def test_gpu_10k_rounds_without_memory_growth():
+    d, rids, ins = _busy_drafter("eagle3", 4, 3, 4)
+
+    def cycle(n: int) -> None:
+        nonlocal rids
+        for i in range(n):
+            if i % 100 == 99:  # requests leave and new ones take their slots
+                for j, r in enumerate(rids):
+                    d.remove_request(r)
+                    hid = None if d.hidden_in == 0 else ins[0][2][j]
+                    d.add_request(
+                        r,
+                        list(range(1, d.width + 1)),
+                        MODE_PARAMS[SamplingMode(j % 3)](j),
+                        target_hidden=hid,
+                    )
+            ver, acc, hid = ins[i % len(ins)]
+            d.propose(rids, ver, acc, target_hidden=hid)
+
+    cycle(300)
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    cycle(10_000)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == allocated
+    assert torch.cuda.memory_reserved() == reserved
+    assert len(d.lengths._pending) <= 2 and len(d._views) <= 8
+
+
+def test_gpu_capture_time():
+    """Every round graph of a llama-68m-shaped draft for 64 requests with a K_max table
+    (9 buckets x 3 sampling modes) in at most 5 s, at most 0.2 s each, compile cache warm;
+    and every K_max in {1, 3, 5, 7} for every bucket at most 0.2 s per graph."""
+    model = random_causal_lm(llama_68m_config(), seed=0, device="cuda", max_positions=4096)
+    table = {1: 7, 8: 5, 32: 3, 64: 1}
+    kw = dict(max_num_reqs=64, max_model_len=4096)
+    Drafter(model, k_max_options=(1, 3, 5, 7), **kw).teardown()  # compiles every kernel
+    d = Drafter(model, k_max_options=table, **kw)
+    n = d.num_graphs
+    print(f"K_max table: {n} graphs in {d.capture_seconds:.2f} s")
+    assert n == 9 * 3
+    assert d.capture_seconds <= 5.0 and d.capture_seconds / n <= 0.2
+    d.teardown()
+    d = Drafter(model, k_max_options=(1, 3, 5, 7), **kw)
+    print(f"every K_max: {d.num_graphs} graphs in {d.capture_seconds:.2f} s")
+    assert d.capture_seconds / d.num_graphs <= 0.2
+    d.teardown()
+
+
+DIST_CASES = [
+    SamplingParams(0.5, top_k=1),
+    SamplingParams(0.5, top_k=5),
+    SamplingParams(1.0, top_k=1),
+    SamplingParams(1.0, top_k=5),
+    SamplingParams(1.0, top_p=0.8),
+    SamplingParams(0.5, top_p=0.8),
+]
+
+
+@pytest.mark.parametrize(
+    "params", DIST_CASES, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}"
+)
+def test_gpu_draft_distribution_200k(params):
+    """Per draft position, 204,800 draws (256 requests x 800 rounds) against the exact
+    filtered softmax: chi-square below df + 10 sqrt(2 df) with low-count bins merged;
+    q of position 0 equals that distribution."""
+    counts, expected, dist, d = draw_counts(
+        256, 800, params, k_max=3, device="cuda", capture_sizes=[256]
+    )
+    assert counts.sum(1).tolist() == [204_800] * 3
+    for j in range(3):
+        stat, df = chi_square(counts[j], expected[j])
+        assert stat <= chi_limit(df), f"position {j}: chi2 {stat:.1f} with {df} df"
+    ids = list(range(256))
+    q = d.propose(
+        ids,
+        torch.full((256, 1), 9, device="cuda"),
+        torch.zeros(256, dtype=torch.int64, device="cuda"),
+    ).q
+    ref = torch.from_numpy(dist[9]).float().cuda().expand(256, -1)
+    torch.testing.assert_close(q[:, 0], ref, atol=1e-5, rtol=1e-4)
