@@ -149,6 +149,7 @@ class TargetRunner:
         }
         self.steps = 0
         self.graph_steps = 0
+        self.advanced_steps = 0  # decode steps that uploaded nothing (execute_next)
         self._last: tuple[int, BatchExecutionDescriptor | None, bool] | None = None
 
     # ---- requests -------------------------------------------------------------------
@@ -227,6 +228,7 @@ class TargetRunner:
             desc = self._graphs[greedy].dispatch(r, r, uniform_token_count=1, max_query_len=1)
         meta = self.builder.advance()
         self._run(meta, desc, greedy)
+        self.advanced_steps += 1
         return r
 
     def _run(self, meta: AttentionMetadata, desc, greedy: bool) -> None:

@@ -83,9 +83,9 @@ def paged_attention(
     blocks = torch.where(blk_ok, blocks, 0)
     k = k_cache[blocks].reshape(num_reqs, nb * block_size, num_kv_heads, head_dim)[:, :l_max]
     v = v_cache[blocks].reshape(num_reqs, nb * block_size, num_kv_heads, head_dim)[:, :l_max]
-    k_pos = torch.arange(l_max)
+    k_pos = torch.arange(l_max, device=q.device)
     key_ok = blk_ok.repeat_interleave(block_size, dim=1)[:, :l_max] & (k_pos < seq[:, None])
-    j = torch.arange(n_max)
+    j = torch.arange(n_max, device=q.device)
     q_ok = (j < n[:, None]) & active[:, None]  # [R, n_max]
     tok = (starts[:, None] + j).clamp(max=num_tokens - 1)
     qr = q[tok].float().view(num_reqs, n_max, num_kv_heads, group, head_dim)
@@ -186,7 +186,7 @@ def prepare_slot_mapping(
             return
         qsl = query_start_loc[: num_reqs + 1].long().clamp(0, num_tokens)
         qsl = torch.maximum(qsl, torch.cummax(qsl, 0).values)  # monotone, as clamped
-        tok = torch.arange(num_tokens)
+        tok = torch.arange(num_tokens, device=out.device)
         # request of each token (searchsorted: repeat_interleave with tensor repeats is
         # milliseconds on the CPU); tokens outside every request are padding
         req_of = torch.searchsorted(qsl[1:], tok, right=True).clamp(max=max(num_reqs - 1, 0))
