@@ -81,7 +81,6 @@ def _draft_prepare_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
 ):
     r = tl.program_id(0)
@@ -158,14 +157,12 @@ def _draft_prepare_kernel(
         counted = real_all & (slot_all != null_row)
         k_all = tl.load(k_ptr + ri, mask=counted, other=0)
         k_all = tl.minimum(tl.maximum(k_all, 0), K_CAP)
-        kk = tl.arange(0, BLOCK_K)
-        per_pos = tl.sum((k_all[:, None] > kk[None, :]).to(tl.int64), axis=0)
         any_row = tl.sum(counted.to(tl.int64), axis=0)
         tl.store(counters_ptr, tl.load(counters_ptr) + tl.where(any_row > 0, 1, 0))
         tl.store(counters_ptr + 1, tl.load(counters_ptr + 1) + any_row)
-        mk = kk < K_CAP
-        old = tl.load(counters_ptr + 2 + kk, mask=mk, other=0)
-        tl.store(counters_ptr + 2 + kk, old + per_pos, mask=mk)
+        for jj in range(K_CAP):  # drafts proposed at position jj: rows with k > jj
+            n_j = tl.sum((k_all > jj).to(tl.int64), axis=0)
+            tl.store(counters_ptr + 2 + jj, tl.load(counters_ptr + 2 + jj) + n_j)
 
 
 @triton.jit
@@ -214,7 +211,7 @@ def _draft_epilogue_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    ri = tl.arange(0, BLOCK_R)
+    ri = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_batch = ri < num_rows
     slot = tl.load(slots_ptr + ri, mask=in_batch, other=-1)
     k = tl.load(k_ptr + ri, mask=in_batch, other=0)
@@ -399,10 +396,10 @@ class DraftRoundKernels:
             self.block_size,
             block_r,
             _pow2(self.width),
-            _pow2(self.k_cap),
             self._row_block,
         )
-        self._prepare(("prepare", num_rows), (num_rows,), args, {"num_warps": 1})
+        warps = 4 if block_r >= 256 else 1  # each program reduces over all rows
+        self._prepare(("prepare", num_rows), (num_rows,), args, {"num_warps": warps})
 
     def advance(self, num_rows: int, step: int, k_max: int) -> None:
         """Inputs of decode step `step` (1 .. k_max - 1) from the tokens of step - 1."""
@@ -440,6 +437,8 @@ class DraftRoundKernels:
     def epilogue(self, num_rows: int, k_max: int) -> None:
         if not 1 <= k_max <= self.k_cap:
             raise ValueError(f"k_max {k_max} must be in [1, {self.k_cap}]")
-        b, block_r = self.b, self._rows(num_rows)
+        self._rows(num_rows)
+        b, block_r = self.b, min(64, _pow2(num_rows))
         args = (b.slots, b.k, b.tokens, num_rows, k_max, block_r, _pow2(self.k_cap))
-        self._epilogue(("epilogue", num_rows, k_max), (1,), args, {"num_warps": 1})
+        grid = (triton.cdiv(num_rows, block_r),)
+        self._epilogue(("epilogue", num_rows, k_max), grid, args, {"num_warps": 1})

@@ -86,11 +86,11 @@ def make_round_buffers(
 
 class HostStage:
     """Pinned staging of a round's host inputs [width, slots..., k...] (int64), one
-    non-blocking copy into the packed device tensor. The ring is deep (64 rounds) so
+    non-blocking copy into the packed device tensor. The ring is deep (128 rounds) so
     that the host can run that many rounds ahead of the GPU before it waits for a
-    staging buffer's copy to have run."""
+    staging buffer's copy to have run (128 x 8 x (1 + 2 max_num_reqs) bytes pinned)."""
 
-    def __init__(self, packed: torch.Tensor, max_rows: int, depth: int = 64):
+    def __init__(self, packed: torch.Tensor, max_rows: int, depth: int = 128):
         self.packed, self.max_rows = packed, max_rows
         self.ring = PinnedRing(packed.numel(), torch.int64, packed.device, depth=depth)
         self._views = [b.numpy() for b in self.ring.buffers]

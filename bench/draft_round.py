@@ -1,0 +1,438 @@
+"""Draft-round benchmark (GPU only): one graph replay per round against K separately
+replayed step graphs and against the eager round.
+
+Drafts (random bf16 weights, specdraft.models.tiny): a llama-68m-shaped causal LM, an
+EAGLE-1 head for Llama-3-8B (hidden 4096, 32/8 heads, vocab 128256), an EAGLE-1 head
+shaped for SmolLM2-135M (hidden 576, 9/3 heads, head_dim 64, vocab 49152); batch 1, 8,
+64; K 1, 3, 5, 7; each request with --ctx tokens already in the draft's cache and a
+verified block of K + 1 rows with random accepted counts.
+
+Per (draft, batch, K): the round's graph replayed back to back (device time per round);
+the same round as K graphs (prefill step, K - 1 decode steps) replayed in sequence; each
+step graph alone; the eager round (propose(eager=True), host launches included); host
+time of propose() per round (the GPU running behind); graph launches per round (the
+profiler's cudaGraphLaunch count); capture seconds per graph; the floor (weights and
+K/V one round reads over the copy bandwidth measured in the same run). The bars of
+issue 11 are checked at the end, against SmolLM2-135M's own decode step (30 layers,
+batch 1, graph) measured in the same run.
+
+    python -m bench.draft_round [--out results] [--ctx 256] [--batches 1,8,64]
+        [--ks 1,3,5,7] [--cases ...] [--modes greedy] [--iters 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+CASES = ("llama-68m", "eagle-llama3-8b", "eagle-smollm2-135m")
+DEVICE = "cuda"
+
+
+def smollm2_config(**overrides):
+    from specdraft.models.tiny import tiny_config
+
+    base = dict(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        dtype=torch.bfloat16,
+    )
+    from specdraft.models.config import RopeConfig
+
+    base["rope"] = RopeConfig(theta=100000.0)
+    base.update(overrides)
+    return tiny_config(**base)
+
+
+def build(case: str, max_positions: int):
+    """The draft model (bf16, on the GPU) of a case."""
+    from specdraft.loader import Checkpoint, load_eagle_head
+    from specdraft.models.tiny import (
+        eagle_config,
+        llama3_8b_config,
+        llama_68m_config,
+        random_causal_lm,
+        random_eagle_weights,
+    )
+
+    if case == "llama-68m":
+        return random_causal_lm(
+            llama_68m_config(), seed=0, device=DEVICE, max_positions=max_positions
+        )
+    target = llama3_8b_config() if case == "eagle-llama3-8b" else smollm2_config()
+    cfg = eagle_config(target)
+    w = random_eagle_weights(cfg, seed=0, with_embed=True, device=DEVICE)
+    w["lm_head.weight"] = torch.randn(cfg.vocab_size, cfg.hidden_size, device=DEVICE) * 0.05
+    return load_eagle_head(
+        Checkpoint.from_tensors(cfg.to_hf(), w), device=DEVICE, max_positions=max_positions
+    )
+
+
+def events_us(fn, iters: int, warmup: int = 3) -> float:
+    """Device time per call of fn(), calls issued back to back between two events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def capture(fn) -> torch.cuda.CUDAGraph:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+class Bench:
+    """One drafter (batch B, every K) with its requests and inputs."""
+
+    def __init__(self, model, batch: int, ks: list[int], ctx: int, modes, room: int):
+        from specdraft.drafter import Drafter
+        from specdraft.sampling import SamplingParams
+
+        self.d = d = Drafter(
+            model,
+            max_num_reqs=batch,
+            k_max_options=ks,
+            capture_sizes=[batch],
+            graph_modes=modes,
+            max_model_len=ctx + room,
+            seed=0,
+        )
+        self.batch, self.ctx = batch, ctx
+        self.rids = [f"r{i}" for i in range(batch)]
+        g = torch.Generator(device=DEVICE).manual_seed(0)
+        params_of = {
+            "greedy": lambda i: None,
+            "sample": lambda i: SamplingParams(0.8, seed=i),
+            "filter": lambda i: SamplingParams(0.8, top_k=50, top_p=0.9, seed=i),
+        }[modes[0]]
+        for i, r in enumerate(self.rids):
+            hid = None
+            if d.hidden_in:
+                hid = torch.randn(ctx, d.hidden_in, device=DEVICE, dtype=d.dtype, generator=g)
+            params = params_of(i)
+            d.add_request(
+                r,
+                torch.randint(0, d.vocab_size, (ctx,), generator=g, device=DEVICE).tolist(),
+                params,
+                target_hidden=hid,
+            )
+            assert d.reserve(r, ctx + room)
+        self.slots = torch.tensor([d.tables.row_of(r) for r in self.rids], device=DEVICE)
+        w = d.width
+        self.ver = torch.randint(0, d.vocab_size, (batch, w), device=DEVICE, generator=g)
+        self.hid = None
+        if d.hidden_in:
+            self.hid = torch.randn(batch, w, d.hidden_in, device=DEVICE, dtype=d.dtype, generator=g)
+
+    def inputs(self, k: int):
+        acc = torch.randint(0, k + 1, (self.batch,), device=DEVICE)
+        return self.ver[:, : k + 1], acc, None if self.hid is None else self.hid[:, : k + 1]
+
+    def reset(self) -> None:
+        """Every request back to ctx committed tokens (device and host), so that every
+        variant is timed over the same context lengths."""
+        d = self.d
+        d.buffers.base.index_fill_(0, self.slots, self.ctx - d.loop.shift)
+        for r in self.rids:
+            d.lengths.set_exact(d.tables.row_of(r), self.ctx - d.loop.shift)
+
+    def propose(self, k: int, **kw):
+        ver, acc, hid = self._inp
+        return self.d.propose(self.rids, ver, acc, target_hidden=hid, k_max=k, **kw)
+
+    def measure(self, k: int, mode, iters: int) -> dict:
+        from specdraft.draft_loop import RoundState
+
+        d, b = self.d, self.batch
+        self._inp = self.inputs(k)
+        self.reset()
+        self.propose(k)  # fills the round's input buffers
+        manager = d._managers[(k, mode)]
+        desc = manager.dispatch(b, b * d.width, uniform_token_count=d.width, max_query_len=d.width)
+        graph = manager._graphs[desc]
+        self.reset()
+        round_us = events_us(graph.replay, iters)
+
+        # The same round as K graphs: prefill step, then one graph per decode step.
+        loop, carry = d.loop, None
+        if d.hidden_in:
+            carry = torch.zeros(b, d.model.cfg.hidden_size, device=DEVICE, dtype=d.dtype)
+        state = {}
+
+        def prefill():
+            st = loop.start(b, k, mode)
+            if carry is not None:
+                carry.copy_(st.hidden)
+            if k == 1:
+                loop.finish(st)
+            state["st"] = st
+
+        def decode(step):
+            st = state["st"]
+            params = None if st.params is None else loop.sampling.select(d.buffers.param[:b])
+            st2 = RoundState(b, k, mode, st.tokens, st.q, params, carry)
+            loop.step(st2, step)
+            if carry is not None:
+                carry.copy_(st2.hidden)
+            if step == k - 1:
+                loop.finish(st2)
+
+        self.reset()
+        with torch.no_grad():
+            graphs = [capture(prefill)] + [capture(lambda s=s: decode(s)) for s in range(1, k)]
+        # The K graphs must compute the round: same tokens from the same state.
+        tokens = d.buffers.tokens[: b * k]
+        self.reset()
+        graph.replay()
+        one = tokens.clone()
+        self.reset()
+        for g in graphs:
+            g.replay()
+        steps_match = bool(torch.equal(one, tokens))
+        self.reset()
+        steps_us = events_us(lambda: [g.replay() for g in graphs], iters)
+        self.reset()
+        prefill_us = events_us(graphs[0].replay, iters)
+        decode_us = events_us(graphs[1].replay, iters) if k > 1 else 0.0
+        graphs.clear()  # free their pools
+        self.reset()
+        eager_us = events_us(lambda: self.propose(k, eager=True), max(5, iters // 3))
+
+        # host time of propose() with the GPU running behind (no wait inside)
+        self.reset()
+        torch.cuda.synchronize()
+        host = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            self.propose(k)
+            host.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+        self.reset()
+        launches = graph_launches(lambda: self.propose(k), 5)
+        return dict(
+            round_us=round_us,
+            steps_us=steps_us,
+            eager_us=eager_us,
+            prefill_us=prefill_us,
+            decode_us=decode_us,
+            host_us=statistics.median(host),
+            launches=launches,
+            steps_match=steps_match,
+        )
+
+
+def graph_launches(fn, rounds: int) -> dict:
+    """cudaGraphLaunch calls per round, and other CUDA launches/copies the host issues."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(rounds):
+            fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    per = {
+        "graph": sum(n == "cudaGraphLaunch" for n in names) / rounds,
+        "kernel": sum(
+            n in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx") for n in names
+        )
+        / rounds,
+        "memcpy": sum(n.startswith("cudaMemcpy") for n in names) / rounds,
+    }
+    return per
+
+
+def floor_us(model, batch: int, k: int, ctx: int, copy_bw: float, q_bytes: int) -> float:
+    """Bytes one round must move at least: the weights once per forward (K forwards),
+    the context's K/V once per forward, q if sampled; over the copy bandwidth."""
+    from bench.models import weight_bytes
+
+    cfg = model.cfg
+    kv = batch * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    return (k * (weight_bytes(model, batch) + kv) + q_bytes) / (copy_bw * 1e12) * 1e6
+
+
+@torch.inference_mode()
+def smollm2_decode_us(ctx: int) -> float:
+    """SmolLM2-135M's own decode step (random weights) at batch 1, under graph replay."""
+    from bench.common import time_graph_us
+    from specdraft.models.tiny import random_causal_lm
+    from tests.model_helpers import PagedRunner
+
+    cfg = smollm2_config()
+    model = random_causal_lm(cfg, seed=0, device=DEVICE, max_positions=ctx + 64)
+    runner = PagedRunner(cfg, DEVICE, max_num_reqs=1, max_num_tokens=16, max_model_len=ctx + 64)
+    runner.tables.add_request(0, ctx + 1)
+    runner.lens[0] = ctx
+    meta = runner.step([(0, [7])])
+    return time_graph_us([lambda: model(meta.input_ids, meta, runner.cache)])
+
+
+COLUMNS = [
+    ("model", "draft"),
+    ("batch", "batch"),
+    ("k", "K"),
+    ("mode", "mode"),
+    ("round_us", "round (1 replay) µs"),
+    ("steps_us", "K step graphs µs"),
+    ("eager_us", "eager µs"),
+    ("prefill_us", "prefill step µs"),
+    ("decode_us", "decode step µs"),
+    ("round_over_steps_bar", "round / (prefill + (K-1) decode)"),
+    ("host_us", "host µs / round"),
+    ("graph_launches", "graph launches / round"),
+    ("capture_s_per_graph", "capture s / graph"),
+    ("floor_us", "floor µs"),
+    ("round_over_floor", "round / floor"),
+    ("steps_match", "K graphs = round"),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("results"))
+    ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--ks", default="1,3,5,7")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--modes", default="greedy", help="greedy, sample or filter")
+    ap.add_argument("--iters", type=int, default=30)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(
+            "bench.draft_round needs an NVIDIA GPU; tests/test_drafter.py checks the round "
+            "on the CPU"
+        )
+        return 2
+    from bench.common import copy_bandwidth_tbps, environment, markdown_table, save_results
+    from specdraft.draft_buffers import MODE_NAMES
+
+    env = environment()
+    copy_bw = copy_bandwidth_tbps()["best"]
+    env["copy_tbps"] = copy_bw
+    print(f"{env['gpu']}: copy {copy_bw:.2f} TB/s; torch {env['torch']}", flush=True)
+    ks = [int(x) for x in args.ks.split(",")]
+    room = (args.iters * 8 + 64) * (max(ks) + 1)
+    rows = []
+    for case in args.cases.split(","):
+        model = build(case, args.ctx + room)
+        for mode_name in args.modes.split(","):
+            mode = MODE_NAMES[mode_name]
+            for batch in (int(x) for x in args.batches.split(",")):
+                bench = Bench(model, batch, ks, args.ctx, (mode_name,), room)
+                cap = bench.d.capture_seconds / max(bench.d.num_graphs, 1)
+                for k in ks:
+                    r = bench.measure(k, mode, args.iters)
+                    q_bytes = 0 if mode_name == "greedy" else batch * k * bench.d.loop.q_vocab * 4
+                    fl = floor_us(model, batch, k, args.ctx, copy_bw, q_bytes)
+                    bar = 1.05 * (r["prefill_us"] + (k - 1) * r["decode_us"])
+                    row = dict(
+                        model=case,
+                        batch=batch,
+                        k=k,
+                        mode=mode_name,
+                        **r,
+                        graph_launches=r["launches"]["graph"],
+                        round_over_steps_bar=r["round_us"] / bar * 1.05,
+                        capture_s_per_graph=cap,
+                        floor_us=fl,
+                        round_over_floor=r["round_us"] / fl,
+                    )
+                    rows.append(row)
+                    print(
+                        {k2: round(v, 2) if isinstance(v, float) else v for k2, v in row.items()},
+                        flush=True,
+                    )
+                bench.d.teardown()
+                del bench
+                torch.cuda.empty_cache()
+        del model
+        torch.cuda.empty_cache()
+
+    smol_us = smollm2_decode_us(args.ctx)
+    bars = check_bars(rows, smol_us)
+    table = markdown_table(rows, COLUMNS)
+    head = (
+        f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; "
+        f"ctx {args.ctx}; copy {copy_bw:.2f} TB/s; SmolLM2-135M decode step (batch 1, "
+        f"graph) {smol_us:.1f} µs."
+    )
+    text = head + "\n\n" + table + "\n\n" + "\n".join(f"- {b}" for b in bars)
+    print(text)
+    save_results(
+        args.out,
+        "draft_round",
+        {"env": env, "smollm2_decode_us": smol_us, "rows": rows, "bars": bars},
+        text,
+    )
+    return 0
+
+
+def check_bars(rows: list[dict], smol_us: float) -> list[str]:
+    """Issue 11's bars, each with its measured worst case."""
+    out = []
+    worst = max(rows, key=lambda r: abs(r["graph_launches"] - 1))
+    out.append(
+        f"one graph launch per round: {'met' if worst['graph_launches'] == 1 else 'MISSED'}"
+        f" (worst {worst['graph_launches']:.2f}: {worst['model']} b{worst['batch']} "
+        f"K{worst['k']})"
+    )
+    worst = max(rows, key=lambda r: r["round_over_steps_bar"])
+    ok = worst["round_over_steps_bar"] <= 1.05
+    out.append(
+        f"round <= 1.05 x (prefill + (K-1) decode step graphs): "
+        f"{'met' if ok else 'MISSED'} (worst {worst['round_over_steps_bar']:.3f}: "
+        f"{worst['model']} b{worst['batch']} K{worst['k']})"
+    )
+    smol = [
+        r for r in rows if r["model"] == "eagle-smollm2-135m" and r["batch"] == 1 and r["k"] == 3
+    ]
+    for r in smol:
+        ratio = r["round_us"] / smol_us
+        out.append(
+            f"SmolLM2-shaped EAGLE round (b1, K3, {r['mode']}) / SmolLM2 decode step: "
+            f"{ratio:.3f} ({'met' if ratio <= 0.2 else 'MISSED'}; bar 0.2)"
+        )
+    worst = max(rows, key=lambda r: r["host_us"])
+    out.append(
+        f"host <= 30 µs per round: {'met' if worst['host_us'] <= 30 else 'MISSED'} "
+        f"(worst {worst['host_us']:.1f} µs: {worst['model']} b{worst['batch']} "
+        f"K{worst['k']})"
+    )
+    worst = max(rows, key=lambda r: r["capture_s_per_graph"])
+    out.append(
+        f"capture <= 0.2 s per graph: "
+        f"{'met' if worst['capture_s_per_graph'] <= 0.2 else 'MISSED'} "
+        f"(worst {worst['capture_s_per_graph']:.3f} s)"
+    )
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
