@@ -186,17 +186,22 @@ class Engine:
             if n > 0:
                 sched.append((req, n))
                 budget -= n
+        rows, params = [], []
         while self.waiting and len(self.running) < max_reqs and budget > 0:
             req = self.waiting[0]
             if req.pending:  # preempted with a token still in flight: wait for it
                 break
             if not self._admit(req):
                 break
+            rows.append(self.runner.tables.row_of(req.index))
+            params.append(req.params)
             self.waiting.popleft()
             self.running.append(req)
             n = min(len(req.tokens), budget)
             sched.append((req, n))
             budget -= n
+        if rows:  # every admitted request's sampling row in one copy
+            self.runner.sampling.write_rows(rows, params)
         return sched
 
     def _admit(self, req: _Request) -> bool:
@@ -205,7 +210,6 @@ class Engine:
         if tables.num_free_blocks < need or len(tables) >= tables.max_num_reqs:
             return False
         tables.add_request(req.index, 1)
-        self.runner.set_sampling(tables.row_of(req.index), req.params)
         return True
 
     def _reserve(self, sched: list[tuple[_Request, int]]) -> list[tuple[_Request, int]]:

@@ -195,7 +195,12 @@ def test_bad_sampling_params(params, words):
 def test_gpu_graphs_equal_eager_and_transformers(hf_tokens):
     """fp32 on the GPU: decode graphs replayed by generate() give transformers' greedy
     tokens, and the launch path of every step runs under sync-debug "error"."""
-    model = random_causal_lm(CFG, seed=0, dtype=torch.float32, device="cuda")
+    # The CPU-seeded weights transformers got, moved to the GPU (a CUDA generator would
+    # draw other weights).
+    from specdraft.loader import Checkpoint, load_causal_lm
+
+    ckpt = Checkpoint.from_tensors(CFG.to_hf(), random_weights(CFG, seed=0))
+    model = load_causal_lm(ckpt, dtype=torch.float32, device="cuda")
     runner = TargetRunner(
         model,
         max_num_reqs=4,
