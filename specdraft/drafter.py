@@ -55,7 +55,14 @@ from .block_table import OutOfBlocksError
 from .config import CacheConfig, LimitsConfig, _check_int
 from .cuda_graph import CudaGraphBackend, CUDAGraphMode, SpeculatorCudaGraphManager
 from .draft_buffers import MODE_NAMES, LengthBook, SamplingMode
-from .draft_inputs import DraftKind, ProposeInputs, check_prompt, check_propose_inputs, draft_kind
+from .draft_inputs import (
+    DraftInputTypeError,
+    DraftKind,
+    ProposeInputs,
+    check_prompt,
+    check_propose_inputs,
+    draft_kind,
+)
 from .draft_loop import DraftLoop
 from .kv_cache import KVCache, num_blocks_for_budget
 from .sampling import SamplingParams, SeedSource
@@ -311,7 +318,9 @@ class Drafter:
         ids, hidden = check_prompt(self, req_id, prompt_token_ids, target_hidden)
         params = GREEDY if params is None else params
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+            raise DraftInputTypeError(
+                f"params must be a SamplingParams, got {type(params).__name__}"
+            )
         k = self.k_cap if k is None else _check_int("k", k, 0, self.k_cap)
         length = len(ids) - self.loop.shift  # the draft's KV length after the prefill
         self.lengths.poll()

@@ -399,3 +399,80 @@ def test_cpu_draft_distribution(params, torch_layers):
     for j in range(counts.shape[0]):
         stat, df = chi_square(counts[j], expected[j])
         assert stat <= chi_limit(df), f"position {j}: chi2 {stat:.1f} with {df} df"
+
+
+def test_reused_slot_carries_nothing_over(setup, torch_layers):
+    """With one slot, a request that follows another in it (different parameters, k,
+    length) drafts exactly what it drafts in a fresh drafter; zero-copy inputs written
+    into input_views() give the same round as copied ones."""
+    old = SamplingParams(1.2, top_k=7, seed=3)
+    new = SamplingParams(0.7, seed=4)
+    used = drafter(setup, max_num_reqs=1)
+    sim = EngineSim(setup, used, seed=13)
+    r = sim.join(11, old, 1)
+    for _ in range(3):
+        ver, acc, hid = sim.inputs([r], used.width)
+        used.propose([r], ver, acc, target_hidden=hid)
+        sim.commit([r])
+    sim.leave(r)
+    fresh = drafter(setup, max_num_reqs=1)
+    sims = [EngineSim(setup, x, seed=14) for x in (used, fresh)]
+    outs = []
+    for s, x in zip(sims, (used, fresh)):
+        rid = s.join(5, new, 3)
+        assert x.tables.row_of(rid) == 0
+        ver, acc, hid = s.inputs([rid], x.width)
+        if x is used:  # the engine writes straight into the drafter's input buffers
+            v, a, h = x.input_views(1, x.width)
+            v.copy_(ver), a.copy_(acc)
+            if h is not None:
+                h.copy_(hid)
+            ver, acc, hid = v, a, h
+        outs.append(x.propose([rid], ver, acc, target_hidden=hid))
+    assert torch.equal(outs[0].tokens, outs[1].tokens) and (outs[0].tokens >= 0).all()
+    assert torch.equal(outs[0].q, outs[1].q)
+
+
+@torch.no_grad()
+def test_sampled_rounds_through_the_rejection_sampler(torch_layers):
+    """propose()'s outputs feed specdraft.rejection as they are, and its outputs feed the
+    next propose(): with a draft that has the target's weights, q equals the verifier's
+    p for every draft, so nearly every sampled draft is accepted."""
+    from specdraft.rejection import RejectionSampler
+    from specdraft.sampling import TARGET_SAMPLE, SamplingTensors
+
+    s = make_setup("llama")
+    target = _hf_llama(s.cfg, s.weights)
+    d = drafter(s, k_max_options=(3,))
+    params = [
+        SamplingParams(0.8, seed=1),
+        SamplingParams(1.0, top_k=20, seed=2),
+        SamplingParams(0.7, top_p=0.9, seed=3),
+    ]
+    rows = SamplingTensors.from_params(params, "cpu")
+    rej = RejectionSampler(3, 3, d.vocab_size, "cpu")
+    rng = random.Random(6)
+    seqs = []
+    for i, p in enumerate(params):
+        prompt = [rng.randrange(d.vocab_size) for _ in range(5 + 3 * i)]
+        d.add_request(i, prompt, p)
+        logits = target(torch.tensor([prompt])).logits[0, -1:]
+        first = sample(logits, [p], torch.tensor([len(prompt)]), TARGET_SAMPLE)
+        seqs.append(prompt + first.tolist())
+    ver = torch.tensor([[q[-1], -1, -1, -1] for q in seqs])
+    acc = torch.zeros(3, dtype=torch.int32)
+    drafted = accepted = 0
+    for _ in range(8):
+        prop = d.propose([0, 1, 2], ver, acc)
+        logits = []
+        for b, q in enumerate(seqs):
+            drafts = prop.tokens[b].clamp(min=0).tolist()
+            full = target(torch.tensor([q + drafts])).logits[0]
+            logits.append(full[len(q) - 1 : len(q) + 3])
+        pos = torch.tensor([len(q) for q in seqs])
+        out = rej(torch.cat(logits), prop.tokens, prop.q, rows, pos)
+        for b in range(3):
+            seqs[b] += out.tokens[b, : int(out.num_emitted[b])].tolist()
+        drafted, accepted = drafted + 9, accepted + int(out.num_accepted.sum())
+        ver, acc = out.tokens, out.num_accepted
+    assert accepted / drafted >= 0.9, f"acceptance {accepted}/{drafted}"
