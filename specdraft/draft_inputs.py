@@ -78,8 +78,8 @@ def _host_ints(name: str, values: object) -> np.ndarray:
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
             raise ValueError(
-                f"{name} is on {values.device}: pass host ints (the drafter sizes KV blocks "
-                "from them before the round, and a device read would wait for the GPU)"
+                f"{name} is on {values.device}: pass host ints (the drafter needs them on the "
+                "host before the round, and reading a device tensor would wait for the GPU)"
             )
         if values.dtype.is_floating_point or values.dtype == torch.bool:
             raise DraftInputTypeError(f"{name} must hold integers, got dtype {values.dtype}")

@@ -162,22 +162,22 @@ def test_gpu_100_rounds_never_synchronise(kind, eager):
 
 
 def test_gpu_host_enqueues_100_rounds_before_the_gpu_runs_10():
-    """Nothing in a round waits for the GPU: with a llama-68m-shaped draft at batch 32
-    and K = 5 (sampled), the host enqueues 100 rounds in less time than the GPU takes to
-    run 10 of them."""
+    """Nothing in a round waits for the GPU: with a llama-68m-shaped draft at batch 64
+    and K = 7 (sampled with top-k), the host enqueues 100 rounds in less time than the
+    GPU takes to run 10 of them."""
     model = random_causal_lm(llama_68m_config(), seed=0, device="cuda", max_positions=2048)
-    rows, rounds = 32, 115
+    rows, rounds = 64, 115
     d = Drafter(
         model,
         max_num_reqs=rows,
-        k_max_options=(5,),
+        k_max_options=(7,),
         capture_sizes=[rows],
-        graph_modes=("sample",),
+        graph_modes=("filter",),
         max_model_len=2048,
     )
     rids = [f"r{i}" for i in range(rows)]
     for i, r in enumerate(rids):
-        d.add_request(r, list(range(1, 65)), SamplingParams(0.8, seed=i))
+        d.add_request(r, list(range(1, 65)), SamplingParams(0.8, top_k=50, seed=i))
         assert d.reserve(r, 64 + (rounds + 2) * d.width)
     ver = torch.randint(0, 32000, (rows, d.width), device="cuda")
     acc = torch.randint(0, d.width, (rows,), device="cuda")
