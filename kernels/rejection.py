@@ -24,8 +24,8 @@ single keys. The k-th largest value (with multiplicity) and the top-p cut (the l
 value v with mass(z >= v) >= top_p * mass) are found by narrowing a key interval (lo, hi]
 known to hold the answer: each pass over the row counts candidates and sums their mass
 per key bucket (NSPLIT power-of-two buckets) and keeps the bucket holding the answer,
-while it also compacts the candidates into a small scratch row; once they fit (CAP) they
-are sorted and the answer read off exactly. The top-p interval starts at the value
+while it also compacts the candidates into a small scratch row; once they fit (CAP) the
+answer is read off exactly by comparing them pairwise. The top-p interval starts at the value
 below which every token is certainly cut (e(z) < (1 - top_p) * mass / V), so a typical
 row resolves in one compaction pass. Sums are float32 in a different order from
 torch's cumsum: a token whose preceding mass is within float rounding of top_p * mass
@@ -185,6 +185,7 @@ def _select(
     floor_key, klo, khi, target_cnt, frac, hist_first,
     MASS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
     NSPLIT: tl.constexpr, LOG2_NSPLIT: tl.constexpr, MAX_PASSES: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):  # fmt: skip
     """Per row, the threshold value and the kept mass (module docstring). Candidates are
     survivors (key >= floor_key) with key in (klo, khi]; count mode finds the
@@ -233,24 +234,33 @@ def _select(
             if MASS:
                 # The total is summed in this first pass, in the same order as the rest.
                 target_m = tl.where(it == 0, frac * (above_m + inside + below), target_m)
-            # Candidates that fit: sort and read the answer off.
+            # Candidates that fit: the answer is the largest candidate v whose count or
+            # mass of values >= v (plus what lies above the interval) reaches the
+            # target; pairwise in CHUNK slices, no sort (ties count whole by >=).
             small = live & (n <= CAP)
             tl.debug_barrier()  # compaction stores are visible to every thread
             valid = small[:, None] & (slots[None, :] < n[:, None])
-            s = tl.sort(tl.load(cbase + slots[None, :], mask=valid, other=float("-inf")), dim=1,
-                        descending=True)  # fmt: skip
-            es = tl.where(valid, tl.exp(s - m[:, None]), 0.0)
-            if MASS:
-                hit = valid & (above_m[:, None] + tl.cumsum(es, axis=1) >= target_m[:, None])
-            else:
-                need = target_cnt - above_c
-                hit = valid & (slots[None, :] >= need[:, None] - 1)
-            v_hit = tl.max(tl.where(hit, s, float("-inf")), axis=1)
-            any_hit = tl.max(hit.to(tl.int32), axis=1) > 0
+            vals = tl.load(cbase + slots[None, :], mask=valid, other=float("-inf"))
+            ev = tl.where(valid, tl.exp(vals - m[:, None]), 0.0)
+            v_hit = tl.full([ROWS], float("-inf"), tl.float32)
+            any_hit = tl.zeros([ROWS], tl.int32)
+            for c0 in tl.static_range(0, CAP, CHUNK):
+                ci = c0 + tl.arange(0, CHUNK)
+                vi_ok = small[:, None] & (ci[None, :] < n[:, None])
+                vi = tl.load(cbase + ci[None, :], mask=vi_ok, other=float("-inf"))
+                ge = valid[:, None, :] & (vals[:, None, :] >= vi[:, :, None])
+                if MASS:
+                    got = tl.sum(tl.where(ge, ev[:, None, :], 0.0), axis=2)
+                    hit = vi_ok & (above_m[:, None] + got >= target_m[:, None])
+                else:
+                    got = tl.sum(ge.to(tl.int32), axis=2)
+                    hit = vi_ok & (above_c[:, None] + got >= target_cnt[:, None])
+                v_hit = tl.maximum(v_hit, tl.max(tl.where(hit, vi, float("-inf")), axis=1))
+                any_hit = tl.maximum(any_hit, tl.max(hit.to(tl.int32), axis=1))
             # Float rounding can leave the target unreached: keep every candidate.
-            v_last = tl.min(tl.where(valid, s, float("inf")), axis=1)
-            v = tl.where(any_hit, v_hit, v_last)
-            kept_s = above_m + tl.sum(tl.where(valid & (s >= v[:, None]), es, 0.0), axis=1)
+            v_last = tl.min(tl.where(valid, vals, float("inf")), axis=1)
+            v = tl.where(any_hit > 0, v_hit, v_last)
+            kept_s = above_m + tl.sum(tl.where(valid & (vals >= v[:, None]), ev, 0.0), axis=1)
             thr = tl.where(small, v, thr)
             kept = tl.where(small, kept_s, kept)
             done = done | small
@@ -293,7 +303,7 @@ def _threshold_kernel(
     num_rows, V, K1, NB,
     ROWS: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
     NSPLIT: tl.constexpr, LOG2_NSPLIT: tl.constexpr, MAX_PASSES: tl.constexpr,
-    FILTER: tl.constexpr,
+    CHUNK: tl.constexpr, FILTER: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rmask = rows < num_rows
@@ -319,8 +329,9 @@ def _threshold_kernel(
         all_keys = tl.full([ROWS], KEY_NEG_INF, tl.int64)
         if tl.sum(use_k.to(tl.int32), axis=0) > 0:
             # t_k is at least the k-th largest block maximum (k blocks reach it).
-            srt = tl.sort(pm, dim=1, descending=True)
-            kth = tl.max(tl.where(blocks[None, :] == k[:, None] - 1, srt, float("-inf")), axis=1)
+            ge = pm[:, None, :] >= pm[:, :, None]  # pairwise: no tl.sort (slow interpreted)
+            reach = tl.sum(ge.to(tl.int32), axis=2) >= k[:, None]
+            kth = tl.max(tl.where(pmask & reach, pm, float("-inf")), axis=1)
             zmin = tl.min(tl.load(pmin_ptr + rows[:, None] * NB + blocks[None, :], mask=pmask,
                                   other=float("inf")), axis=1)  # fmt: skip
             lb = tl.where(k <= NB, kth, zmin)
@@ -328,7 +339,7 @@ def _threshold_kernel(
             thr_k, kept_k = _select(
                 logits_ptr, stride_lm, cand_ptr, stride_c, rows, use_k, t, m, V,
                 all_keys, _key(lb) - 1, key_m, k, 0.0, tight == 0,
-                False, ROWS, BLOCK, CAP, NSPLIT, LOG2_NSPLIT, MAX_PASSES,
+                False, ROWS, BLOCK, CAP, NSPLIT, LOG2_NSPLIT, MAX_PASSES, CHUNK,
             )  # fmt: skip
             thr = tl.where(use_k, thr_k, thr)
             kept = tl.where(use_k, kept_k, kept)
@@ -341,7 +352,7 @@ def _threshold_kernel(
             thr_p, kept_p = _select(
                 logits_ptr, stride_lm, cand_ptr, stride_c, rows, use_p, t, m, V,
                 floor_key, klo, key_m, k, p, False,
-                True, ROWS, BLOCK, CAP, NSPLIT, LOG2_NSPLIT, MAX_PASSES,
+                True, ROWS, BLOCK, CAP, NSPLIT, LOG2_NSPLIT, MAX_PASSES, CHUNK,
             )  # fmt: skip
             thr = tl.where(use_p, thr_p, thr)
             kept = tl.where(use_p, kept_p, kept)
@@ -523,7 +534,7 @@ def _finalize_kernel(
 @dataclass(frozen=True)
 class RejectionConfig:
     """Tile sizes (all powers of two). block_v / rows_p: partials tile; block_t / rows_t:
-    threshold chunk; cap: candidates resolved by sorting; nsplit: key buckets per
+    threshold chunk; cap: candidates resolved pairwise; nsplit: key buckets per
     narrowing pass; block_r / rows_r: race tile; rows_w: requests per finalize program."""
 
     block_v: int
@@ -551,24 +562,27 @@ def choose_rejection_config(
     vocab: int, num_reqs: int, k_max: int, *, cap: int | None = None
 ) -> RejectionConfig:
     """Tiles of about `tile` elements: one row per program at large vocabularies, many
-    rows per program at small ones (and under the interpreter, whose cost is per op)."""
-    tile = 16384 if INTERPRET else 4096
+    rows per program at small ones. The interpreter pays per op, not per element: it
+    gets tiles 16x larger."""
+    tile = 1 << 16 if INTERPRET else 4096
     rows = num_reqs * (k_max + 1)
     block_v = min(_p2(vocab), 1024)
     block_t = min(_p2(vocab), 16 if INTERPRET else 1024)
     block_r = min(_p2(vocab), 2048)
     kp = _p2(k_max + 1)
     nb = _p2(-(-vocab // block_v))
+    # The threshold search holds [rows, block, nsplit] one-hot tiles on the GPU.
+    tile_t = tile if INTERPRET else tile // 8
     return RejectionConfig(
         block_v=block_v,
         rows_p=max(1, min(tile // block_v, _p2(rows))),
         block_t=block_t,
-        rows_t=max(1, min(tile // 8 // block_t, _p2(rows))),
-        cap=_p2(cap) if cap is not None else min(1024, _p2(vocab)),
+        rows_t=max(1, min(tile_t // block_t, _p2(rows))),
+        cap=_p2(cap) if cap is not None else min(256, _p2(vocab)),
         nsplit=8,
         block_r=block_r,
         rows_r=max(1, min(tile // block_r, _p2(num_reqs))),
-        rows_w=max(1, min(tile // (kp * nb), _p2(num_reqs), 64)),
+        rows_w=max(1, min(tile // (kp * nb), _p2(num_reqs), 1024 if INTERPRET else 64)),
     )
 
 
@@ -792,7 +806,7 @@ def rejection_sample(
             (target_logits, lm, greedy, temperature, top_k, top_p, ws.part_max, ws.part_sum,
              ws.part_min, ws.row_max, ws.row_thr, ws.row_sum, ws.cand, ws.cand.stride(0),
              rows, v, k + 1, nb, cfg.rows_t, _p2(nb), cfg.block_t, cfg.cap, cfg.nsplit,
-             cfg.nsplit.bit_length() - 1, cfg.max_passes, bool(any_filter)),
+             cfg.nsplit.bit_length() - 1, cfg.max_passes, min(cfg.cap, 32), bool(any_filter)),
             8 if cfg.block_t >= 1024 else 4,
         )  # fmt: skip
         _RESAMPLE(

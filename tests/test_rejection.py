@@ -16,16 +16,22 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from specdraft.kernels import rejection as kr
+from specdraft.rejection import RejectionSampler, rejection_sample_torch
 from specdraft.sampling import (
     ACCEPT,
     BONUS,
+    DRAFT_PROPOSAL,
     RESIDUAL,
     SamplingParams,
     SamplingTensors,
     filtered_probs,
     keyed_uniform,
+    sample,
 )
 
 SP = SamplingParams
@@ -49,7 +55,13 @@ def ref_filtered64(logits, greedy, temp, top_k, top_p) -> torch.Tensor:
     e = torch.where(keep, (z - z.amax(1, keepdim=True)).exp(), 0.0)
     probs = e / e.sum(1, keepdim=True)
     use_p = (~greedy) & (top_p.double() < 1)
-    before = (probs[:, None, :] * (z[:, None, :] > z[:, :, None])).sum(-1)
+    # Mass strictly before each value: the exclusive cumsum in descending order, read at
+    # the first index of the value's tie group.
+    s, order = z.sort(dim=1, descending=True, stable=True)
+    ps = probs.gather(1, order)
+    excl = ps.cumsum(1) - ps
+    first = torch.searchsorted(-s, -s, side="left")
+    before = torch.empty_like(probs).scatter_(1, order, excl.gather(1, first))
     keep &= ~use_p[:, None] | (before < top_p.double()[:, None])
     e = torch.where(keep, e, 0.0)
     probs = e / e.sum(1, keepdim=True)
@@ -189,9 +201,6 @@ KINDS = [SP(0.0), SP(1.0), SP(0.7, top_k=5), SP(1.3, top_p=0.8), SP(0.5, top_k=9
 
 
 # ------------------------------------------------------------------------ keyed draws
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 
 @triton.jit
@@ -340,3 +349,446 @@ def test_threshold_matches_sampling(v, tiles):
         assert torch.equal(keep[i] & (z[i] > -math.inf), want[i] > 0), (i, params[i])
         assert torch.equal(want[i] > 0, ref[i] > 0), (i, params[i])
     torch.testing.assert_close(p, want, atol=1e-6, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------- losslessness
+
+
+def lossless_trials(n, k_max, target, draft, pair, *, v=16, seed=0, device="cpu",
+                    greedy_every=0, draft_stream=DRAFT_PROPOSAL, runner="kernel",
+                    accept_rule=None):  # fmt: skip
+    """n context-free requests: every target row is the logits `lt`, every draft row
+    `ld` (-lt or an independent draw). Drafts come from specdraft.sampling.sample on
+    the draft's stream, with per-request k in [0, k_max] (mostly k_max). Returns the
+    outputs, k per request, the exact float64 target p and the draft's q."""
+    g = torch.Generator().manual_seed(seed)
+    lt = torch.randn(v, generator=g)
+    ld = -lt if pair == "negated" else torch.randn(v, generator=g)
+    seeds = torch.randint(0, 2**62, (n,), generator=g)
+    pos = torch.randint(0, 2**40, (n,), generator=g)
+    greedy = torch.zeros(n, dtype=torch.bool)
+    if greedy_every:
+        greedy[::greedy_every] = True
+    st = SamplingTensors(n, "cpu")
+    st.greedy.copy_(greedy)
+    st.temperature.copy_(torch.where(greedy, 0.0, target.temperature))
+    st.top_k.fill_(target.top_k)
+    st.top_p.fill_(target.top_p)
+    st.seed.copy_(seeds)
+    st._host_greedy[:] = greedy.numpy()
+    st._host_filter[:] = target.uses_filter
+    # The draft's proposals: one request seed for all of its streams, as in the runtime.
+    dst = SamplingTensors.from_params([SP(draft.temperature, draft.top_k, draft.top_p, 0)], "cpu")
+    dst = dst.select(torch.zeros(n * k_max, dtype=torch.int64))
+    dst.seed = seeds.repeat_interleave(k_max)
+    dpos = (pos[:, None] + torch.arange(k_max)).reshape(-1)
+    drafts = sample(ld.expand(n * k_max, v), dst, dpos, draft_stream).view(n, k_max)
+    kk = torch.where(
+        torch.rand(n, generator=g) < 0.6, k_max, torch.randint(0, k_max + 1, (n,), generator=g)
+    )
+    drafts[torch.arange(k_max)[None, :] >= kk[:, None]] = -1
+    q = filtered_probs(ld[None], draft)[0]
+    row = [torch.tensor([x], dtype=d) for x, d in ((False, torch.bool),
+           (target.temperature, torch.float32), (target.top_k, torch.int32),
+           (target.top_p, torch.float32))]  # fmt: skip
+    p = ref_filtered64(lt[None], *row)[0]
+    logits = lt.expand(n * (k_max + 1), v)
+    qs = q.expand(n, k_max, v)
+    if runner == "kernel":
+        cfg = kr.choose_rejection_config(v, n, k_max)
+        batch = Batch(logits.to(device), drafts.to(device), qs.to(device), _on(st, device),
+                      pos.to(device), cfg)  # fmt: skip
+        tokens, nacc, nemit = (t.cpu() for t in batch.run())
+    else:
+        pfull = torch.where(greedy[:, None], F.one_hot(lt.argmax(), v).double(), p)
+        pfull = pfull[:, None, :].expand(n, k_max + 1, v)
+        tokens, nacc, nemit = ref_rejection(logits, drafts, qs, st, pos, p=pfull,
+                                            accept_rule=accept_rule)  # fmt: skip
+    return tokens, nacc, nemit, kk, greedy, lt, p, q.double()
+
+
+def _on(st, device):
+    if torch.device(device).type == "cpu":
+        return st
+    out = SamplingTensors(0, device)
+    for name in SamplingTensors._FIELDS:
+        setattr(out, name, getattr(st, name).to(device))
+    out._host_greedy, out._host_filter = st._host_greedy, st._host_filter
+    return out
+
+
+def lossless_stats(tokens, nacc, nemit, kk, greedy, lt, p, q):
+    """Per output position: (chi-square, df, limit) of the sampled requests' tokens
+    against p; the z-score of draft 0's acceptance rate against sum(min(p, q))."""
+    v = p.shape[0]
+    assert bool((tokens[greedy] == torch.where(tokens[greedy] >= 0, lt.argmax(), -1)).all())
+    sampled = ~greedy
+    rows = []
+    for j in range(tokens.shape[1]):
+        sel = sampled & (nemit > j)
+        if int(sel.sum()) < 200:
+            continue
+        counts = np.bincount(tokens[sel, j].numpy(), minlength=v)
+        stat, df = chi_square(counts, p.numpy())
+        rows.append((j, stat, df, chi_limit(df)))
+    alpha = float(torch.minimum(p, q).sum())
+    had = sampled & (kk >= 1)
+    m = int(had.sum())
+    hits = int((nacc[had] >= 1).sum())
+    z = (hits - m * alpha) / math.sqrt(max(m * alpha * (1 - alpha), 1e-12))
+    return rows, z, alpha
+
+
+LOSSLESS_CASES = [
+    (pair, SP(t, **filt), draft)
+    for pair in ("negated", "random")
+    for t in (0.5, 1.0)
+    for filt, draft in (({"top_k": 6}, SP(1.0)), ({"top_p": 0.9}, SP(0.8, top_k=10)))
+]
+
+
+def _assert_lossless(out, label):
+    rows, z, alpha = lossless_stats(*out)
+    assert rows, label
+    for j, stat, df, limit in rows:
+        assert stat < limit, f"{label}: position {j} chi-square {stat:.1f} >= {limit:.1f} (df {df})"
+    assert abs(z) < 5, f"{label}: acceptance of draft 0 z = {z:.2f} (alpha {alpha:.4f})"
+    return rows, z
+
+
+@interp
+@pytest.mark.parametrize("pair, target, draft", LOSSLESS_CASES)
+def test_lossless_cpu(pair, target, draft):
+    """20k requests per case through the kernels (interpreter); the chi-square limit is
+    the same as the GPU's 200k test, so the CPU test has less power, not a looser bar."""
+    case = LOSSLESS_CASES.index((pair, target, draft))
+    out = lossless_trials(20000, 3, target, draft, pair, seed=case)
+    _assert_lossless(out, f"{pair} {target}")
+    # The same requests through the float64 reference: the same tokens, but for float
+    # rounding at a decision boundary (about 1e-7 per decision).
+    ref = lossless_trials(20000, 3, target, draft, pair, seed=case, runner="reference")
+    assert int((out[0] != ref[0]).any(1).sum()) <= 2
+
+
+@interp
+def test_lossless_mixed_modes_cpu():
+    """A quarter greedy (they emit the argmax at every position), the rest sampled with
+    both filters; the draft filters too, so q has zeros."""
+    out = lossless_trials(12000, 4, SP(0.7, top_k=8, top_p=0.9), SP(1.2, top_k=5), "random",
+                          seed=5, greedy_every=4)  # fmt: skip
+    _assert_lossless(out, "mixed")
+
+
+def test_lossless_test_detects_wrong_rules():
+    """The same statistics reject, through the float64 reference with 20k requests, a
+    sampler that accepts with min(1, sqrt(p/q)) and one whose draft proposals share the
+    residual stream (coupled draws); the correct reference passes."""
+    sqrt_rule = lambda px, qx, u: u < (px / qx).sqrt()  # noqa: E731
+    worst = lambda rows: max(stat / limit for _, stat, _, limit in rows)  # noqa: E731
+    wrong = lossless_trials(20000, 3, SP(1.0), SP(1.0), "random", runner="reference",
+                            accept_rule=sqrt_rule)  # fmt: skip
+    rows, z, _ = lossless_stats(*wrong)
+    assert worst(rows) > 10 and abs(z) > 5, (rows, z)
+    target = SP(1.0, top_k=6)
+    coupled = lossless_trials(20000, 3, target, SP(1.0), "random", runner="reference",
+                              draft_stream=RESIDUAL)  # fmt: skip
+    assert worst(lossless_stats(*coupled)[0]) > 2
+    for t in (SP(1.0), target):
+        _assert_lossless(lossless_trials(20000, 3, t, SP(1.0), "random", runner="reference"), "ref")
+
+
+# ------------------------------------------------- counters, padding, out-of-vocabulary
+
+
+@interp
+def test_counters_accumulate_and_padding_writes_nothing():
+    b, k, v = 10, 4, 16
+    logits, drafts, q, st, pos = random_case(b, k, v, KINDS, gen=torch.Generator().manual_seed(3))
+    pos[[2, 7]] = -1  # padded requests
+    batch = Batch(logits, drafts, q, st, pos)
+    tokens, nacc, nemit = batch.run()
+    real = pos >= 0
+    assert bool((tokens[~real] == -1).all()) and bool((nacc[~real] == 0).all())
+    assert bool((nemit[~real] == 0).all()) and bool((nemit[real] == nacc[real] + 1).all())
+    rt, rn, _ = ref_rejection(logits, drafts, q, st, pos)
+    assert torch.equal(tokens[real], rt[real])
+    kk = (drafts != -1).sum(1)
+    j = torch.arange(k)
+    want_p = ((j[None, :] < kk[:, None]) & real[:, None]).sum(0)
+    want_a = ((j[None, :] < rn[:, None]) & real[:, None]).sum(0)
+    assert torch.equal(batch.prop, want_p) and torch.equal(batch.accd, want_a)
+    batch.run()  # counters add up across calls, outputs are rewritten whole
+    assert torch.equal(batch.prop, 2 * want_p) and torch.equal(batch.accd, 2 * want_a)
+    assert torch.equal(batch.tokens[real], rt[real])
+
+
+@interp
+def test_out_of_vocab_drafts_without_validation(monkeypatch):
+    """With validation off nothing reads outside the tensors: an id outside the
+    vocabulary is never accepted (the walk stops there) and the emitted token is valid."""
+    monkeypatch.setenv("SPECDRAFT_VALIDATE", "0")
+    b, k, v = 6, 3, 16
+    logits, drafts, q, st, pos = random_case(b, k, v, KINDS, gen=torch.Generator().manual_seed(4))
+    drafts[:, 0] = logits.view(b, k + 1, v)[:, 0].argmax(-1)  # greedy rows accept draft 0
+    drafts[:, 1] = torch.tensor([v, -5, v + 1000, 2**40, v, -2])
+    drafts[:, 2] = -1
+    tokens, nacc, nemit = Batch(logits, drafts, q, st, pos).run()
+    assert bool((nacc <= 1).all())
+    emitted = tokens[torch.arange(b), nacc.long()]
+    assert bool(((emitted >= 0) & (emitted < v)).all())
+
+
+# ------------------------------------------------------------------------- bad input
+
+
+def _bad_cases(b, k, v):
+    """(label, function of the argument list that breaks it, exception, words)."""
+
+    def put(i, value):
+        def f(a):
+            a[i] = value(a[i]) if callable(value) else value
+
+        return f
+
+    names = ["logits", "drafts", "q", "greedy", "temp", "topk", "topp", "seed", "pos", "tokens",
+             "nacc", "nemit", "prop", "accd", "ws"]  # fmt: skip
+    idx = {n: i for i, n in enumerate(names)}
+
+    def at(name, value):
+        return put(idx[name], value)
+
+    def draft_val(j, val):
+        def f(a):
+            a[1] = a[1].clone()
+            a[1][1, j] = val
+
+        return f
+
+    return [
+        ("drafts float", at("drafts", lambda t: t.float()), TypeError, ["draft_tokens", "float32"]),
+        ("k > K_max", at("drafts", lambda t: torch.cat([t, t[:, :1]], 1)), ValueError,
+         ["target_logits", "rows", "K_max"]),
+        ("q vocab", at("q", lambda t: torch.zeros(b, k, v + 1)), ValueError,
+         ["draft_probs", "vocabulary", str(v + 1)]),
+        ("q K", at("q", lambda t: t[:, :-1]), ValueError, ["draft_probs", f"{(b, k, v)}"]),
+        ("q dtype", at("q", lambda t: t.half()), TypeError, ["draft_probs", "float16"]),
+        ("draft id = V", draft_val(0, v), ValueError, ["draft_tokens[1, 0]", str(v), "vocabulary"]),
+        ("draft id < -1", draft_val(1, -3), ValueError, ["draft_tokens[1, 1]", "-3"]),
+        ("hole in padding", lambda a: (draft_val(0, -1)(a), draft_val(1, 3)(a)), ValueError,
+         ["draft_tokens[1, 1]", "follows a -1"]),
+        ("logits int", at("logits", lambda t: t.long()), TypeError, ["target_logits", "int64"]),
+        ("logits strided", at("logits", lambda t: t.t().contiguous().t()), ValueError,
+         ["target_logits", "contiguous"]),
+        ("positions int32", at("pos", lambda t: t.int()), TypeError, ["positions", "int32"]),
+        ("greedy int", at("greedy", lambda t: t.long()), TypeError, ["greedy", "int64"]),
+        ("seed short", at("seed", lambda t: t[:-1]), ValueError, ["seed", f"({b},)"]),
+        ("temperature device", at("temp", lambda t: t.to("meta")), ValueError,
+         ["temperature", "meta"]),
+        ("tokens shape", at("tokens", lambda t: t[:, :-1]), ValueError, ["out_tokens", f"{k + 1}"]),
+        ("counter shape", at("prop", lambda t: torch.zeros(k + 1, dtype=torch.int64)), ValueError,
+         ["proposed_counts"]),
+        ("workspace vocab", at("ws", lambda w: kr.RejectionWorkspace.allocate(b, k, v + 3, "cpu")),
+         ValueError, ["workspace", str(v + 3)]),
+        ("workspace type", at("ws", "nope"), TypeError, ["workspace", "str"]),
+        ("bf16 interpreted", at("logits", lambda t: t.bfloat16()), TypeError, ["bfloat16"]),
+    ]  # fmt: skip
+
+
+def _state(batch):
+    ws = batch.ws
+    bufs = [*batch.outs(), ws.part_max, ws.part_arg, ws.part_sum, ws.row_thr, ws.race_idx]
+    return [t.clone() for t in bufs]
+
+
+@interp
+@pytest.mark.parametrize("case", range(19))
+def test_bad_input_raises_and_writes_nothing(case):
+    b, k, v = 4, 3, 16
+    logits, drafts, q, st, pos = random_case(b, k, v, KINDS, gen=torch.Generator().manual_seed(6))
+    drafts[1] = torch.tensor([1, 2, 3])
+    batch = Batch(logits, drafts, q, st, pos)
+    batch.run()  # every buffer holds a real result
+    before = _state(batch)
+    label, breaks, exc, words = _bad_cases(b, k, v)[case]
+    args = [*batch.args, *batch.outs(), batch.ws]
+    breaks(args)
+    from specdraft import kernels
+
+    with pytest.raises(exc) as info:
+        kernels.rejection_sample(*args)
+    for w in words:
+        assert w in str(info.value), (label, w, str(info.value))
+    assert all(torch.equal(x, y) for x, y in zip(before, _state(batch))), label
+
+
+@interp
+def test_bad_streams_and_sampler_limits():
+    b, k, v = 3, 2, 16
+    logits, drafts, q, st, pos = random_case(b, k, v, KINDS, gen=torch.Generator().manual_seed(7))
+    batch = Batch(logits, drafts, q, st, pos)
+    with pytest.raises(ValueError, match="streams"):
+        batch.run(streams=(2, 2, 4))
+    rs = RejectionSampler(b, k, v, "cpu")
+    with pytest.raises(ValueError, match="k_max 2"):
+        rs(torch.zeros(b * 4, v), torch.zeros(b, 3, dtype=torch.int64), None, st, pos)
+    with pytest.raises(ValueError, match="max_num_reqs 3"):
+        rs(torch.zeros(16, v), torch.zeros(4, 3, dtype=torch.int64)[:, :k], None, st, pos)
+    with pytest.raises(ValueError, match="q.*None.*sampled"):
+        rs(logits, drafts, None, st, pos)
+    with pytest.raises(TypeError, match="SamplingTensors"):
+        rs(logits, drafts, q, [SP()] * b, pos)
+    for name, value in (("max_num_reqs", 0), ("k_max", -1), ("vocab_size", 2.5)):
+        kw = {"max_num_reqs": 2, "k_max": 2, "vocab_size": 8, name: value}
+        with pytest.raises((ValueError, TypeError), match=name):
+            RejectionSampler(device="cpu", **kw)
+    assert torch.equal(rs.proposed_counts, torch.zeros(k, dtype=torch.int64))
+
+
+# ------------------------------------------------------------------ the runtime wrapper
+
+
+@interp
+@pytest.mark.parametrize("k_call", [0, 2, 4])
+def test_sampler_triton_and_torch_paths_agree(k_call):
+    """RejectionSampler sized for 9 requests x K 4 serves a smaller call (views of its
+    buffers, params narrowed from a larger SamplingTensors); the PyTorch path gives the
+    same tokens and counters."""
+    from specdraft import ops
+
+    b, v = 7, 16
+    logits, drafts, q, st, pos = random_case(
+        b, k_call, v, KINDS, gen=torch.Generator().manual_seed(8)
+    )
+    big = make_params(b + 3, KINDS)
+    rs = RejectionSampler(9, 4, v, "cpu")
+    out = rs(logits, drafts, q, big, pos)
+    rt, rn, re = ref_rejection(logits, drafts, q, big.narrow(0, b), pos)
+    assert torch.equal(out.tokens, rt) and torch.equal(out.num_accepted, rn)
+    assert torch.equal(out.num_emitted, re)
+    assert out.tokens.data_ptr() == rs.tokens.data_ptr()
+    counts = rs.counters_to_host().clone()
+    tokens = out.tokens.clone()
+    with ops.use_backend("torch"):
+        rs2 = RejectionSampler(9, 4, v, "cpu")
+        out2 = rs2(logits, drafts, q, big, pos)
+    assert torch.equal(out2.tokens, tokens) and torch.equal(rs2.counters_to_host(), counts)
+    # Greedy-only: q None.
+    gst = make_params(b, [SP(0.0)])
+    out3 = rs(logits, drafts, None, gst, pos)
+    assert torch.equal(out3.tokens, ref_rejection(logits, drafts, None, gst, pos)[0])
+
+
+def test_torch_path_matches_reference():
+    """rejection_sample_torch alone (no interpreter needed)."""
+    b, k, v = 12, 3, 16
+    logits, drafts, q, st, pos = random_case(b, k, v, KINDS, gen=torch.Generator().manual_seed(9))
+    pos[4] = -1
+    outs = (torch.empty(b, k + 1, dtype=torch.int64), torch.empty(b, dtype=torch.int32),
+            torch.empty(b, dtype=torch.int32), torch.zeros(k, dtype=torch.int64),
+            torch.zeros(k, dtype=torch.int64))  # fmt: skip
+    rejection_sample_torch(logits, drafts, q, st.greedy, st.temperature, st.top_k, st.top_p,
+                           st.seed, pos, *outs)  # fmt: skip
+    rt, rn, re = ref_rejection(logits, drafts, q, st, pos)
+    real = pos >= 0
+    assert torch.equal(outs[0][real], rt[real]) and bool((outs[0][4] == -1).all())
+    assert torch.equal(outs[1][real], rn[real]) and int(outs[2][4]) == 0
+
+
+# ------------------------------------------------------------------------------- GPU
+
+
+def _gpu_case(b, k, v, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(b * (k + 1), v, generator=g) * 3).bfloat16()
+    q = torch.softmax(torch.randn(b, k, v, generator=g) * 3, -1)
+    am = logits.float().view(b, k + 1, v)[:, :k].argmax(-1)
+    drafts = torch.where(
+        torch.rand(b, k, generator=g) < 0.7,
+        am,
+        torch.multinomial(q.view(-1, v), 1, generator=g).view(b, k),
+    )
+    kk = torch.randint(0, k + 1, (b,), generator=g)
+    drafts[torch.arange(k)[None, :] >= kk[:, None]] = -1
+    kinds = [*KINDS, SP(1.0, top_p=0.95), SP(0.8, top_k=50, top_p=0.9), SP(1.0, top_k=2000)]
+    st = make_params(b, kinds)
+    pos = torch.randint(0, 2**40, (b,), generator=g)
+    return logits, drafts, q, st, pos
+
+
+@gpu
+@pytest.mark.parametrize("v", [49152, 128256])
+def test_gpu_bf16_large_vocab_matches_reference(v):
+    b, k = 16, 5
+    logits, drafts, q, st, pos = _gpu_case(b, k, v, seed=v)
+    batch = Batch(logits.cuda(), drafts.cuda(), q.cuda(), _on(st, "cuda"), pos.cuda())
+    tokens, nacc, nemit = (t.cpu() for t in batch.run())
+    rt, rn, re = ref_rejection(logits.float(), drafts, q, st, pos)
+    # bf16 rows are full of exact ties (handled exactly); only a top-p cut within float
+    # rounding of top_p * mass may differ: allow one request in 16.
+    assert int((tokens != rt).any(1).sum()) <= 1
+    # The kept sets against sampling.filtered_probs on the same device.
+    rep = torch.arange(b).repeat_interleave(k + 1).cuda()
+    want = filtered_probs(logits.cuda(), _on(st, "cuda").select(rep)) > 0
+    stv = _on(st, "cuda").select(rep)
+    z = logits.cuda().float() / torch.where(stv.greedy, 1.0, stv.temperature)[:, None]
+    keep = (z >= batch.ws.row_thr[:, None]) & (z > -math.inf)
+    sampled = ~stv.greedy
+    assert int((keep != want)[sampled].any(1).sum()) <= 1
+
+
+def _graph_sampler(b, k, v, seed):
+    logits, drafts, q, st, pos = _gpu_case(b, k, v, seed)
+    return [t.cuda() for t in (logits, drafts, q)], _on(st, "cuda"), pos.cuda()
+
+
+@gpu
+def test_gpu_graph_replay_equals_eager_and_no_sync():
+    b, k, v = 64, 5, 49152
+    (logits, drafts, q), st, pos = _graph_sampler(b, k, v, 1)
+    rs = RejectionSampler(b, k, v, "cuda")
+    eager = RejectionSampler(b, k, v, "cuda")
+    rs(logits, drafts, q, st, pos)  # compile outside the capture
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rs(logits, drafts, q, st, pos)  # no host sync on the hot path
+        rs.counters_to_host()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    rs.reset_counters()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        out = rs(logits, drafts, q, st, pos)
+    torch.cuda.current_stream().wait_stream(s)
+    rs.reset_counters()
+    for seed in (2, 3):
+        (l2, d2, q2), st2, p2 = _graph_sampler(b, k, v, seed)
+        for dst, src in ((logits, l2), (drafts, d2), (q, q2), (pos, p2)):
+            dst.copy_(src)
+        for name in SamplingTensors._FIELDS:
+            getattr(st, name).copy_(getattr(st2, name))
+        graph.replay()
+        want = eager(logits, drafts, q, st, pos)
+        torch.cuda.synchronize()
+        assert torch.equal(out.tokens, want.tokens)
+        assert torch.equal(out.num_accepted, want.num_accepted)
+        assert torch.equal(out.num_emitted, want.num_emitted)
+    assert torch.equal(rs.proposed_counts, eager.proposed_counts)
+    assert torch.equal(rs.accepted_counts, eager.accepted_counts)
+
+
+@gpu
+@pytest.mark.parametrize("pair, target, draft", LOSSLESS_CASES)
+def test_gpu_lossless_200k(pair, target, draft):
+    case = LOSSLESS_CASES.index((pair, target, draft))
+    out = lossless_trials(200000, 3, target, draft, pair, seed=100 + case, device="cuda")
+    _assert_lossless(out, f"{pair} {target}")
+
+
+@gpu
+def test_gpu_lossless_mixed_modes_200k():
+    out = lossless_trials(200000, 4, SP(0.7, top_k=8, top_p=0.9), SP(1.2, top_k=5), "random",
+                          seed=105, greedy_every=4, device="cuda")  # fmt: skip
+    _assert_lossless(out, "mixed")
