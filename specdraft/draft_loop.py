@@ -95,16 +95,16 @@ class DraftLoop:
         self.hidden = None
         if kind is not DraftKind.LLAMA:
             self.hidden = torch.zeros(r * width, hidden_in, dtype=self.dtype, device=self.device)
-        # q, flat, viewed as [rows, k_max, V] per round. With q over the target
-        # vocabulary of an EAGLE-3 head with a reduced vocabulary, columns outside the
-        # draft vocabulary are never written (column = flat index mod V in every view):
-        # zero once.
-        reduced = kind is DraftKind.EAGLE3 and self.draft_vocab != self.vocab_size
-        self.scatter_q = reduced and q_vocab == "target"
-        self.q_vocab = self.draft_vocab if reduced and not self.scatter_q else self.vocab_size
+        # An EAGLE-3 head samples in its own vocabulary; d2t maps to target ids. q is
+        # flat, viewed as [rows, k_max, V] per round; over the target vocabulary, the
+        # columns outside the draft vocabulary are never written (column = flat index
+        # mod V in every view): zero once.
+        mapped = kind is DraftKind.EAGLE3
+        self.scatter_q = mapped and q_vocab == "target"
+        self.q_vocab = self.draft_vocab if mapped and not self.scatter_q else self.vocab_size
         ids = torch.arange(self.draft_vocab, device=self.device)
-        self.q_token_ids = model.draft_to_target(ids) if reduced else ids
-        self.map_tokens = reduced
+        self.q_token_ids = model.draft_to_target(ids) if mapped else ids
+        self.map_tokens = mapped
         self.q = torch.zeros(r * k_cap * self.q_vocab, dtype=torch.float32, device=self.device)
         self._meta: dict[tuple[str, int], AttentionMetadata] = {}
 

@@ -476,3 +476,21 @@ def test_sampled_rounds_through_the_rejection_sampler(torch_layers):
         drafted, accepted = drafted + 9, accepted + int(out.num_accepted.sum())
         ver, acc = out.tokens, out.num_accepted
     assert accepted / drafted >= 0.9, f"acceptance {accepted}/{drafted}"
+
+
+def test_eagle3_q_over_draft_or_target_vocabulary(torch_layers):
+    """q_vocab="draft" gives q over the draft vocabulary, column d standing for target id
+    q_token_ids[d]; "target" the same numbers scattered there, zeros elsewhere."""
+    s = make_setup("eagle3")
+    outs = []
+    for q_vocab in ("target", "draft"):
+        d = drafter(s, q_vocab=q_vocab)
+        sim = EngineSim(s, d, seed=15)
+        rids = [sim.join(6, SamplingParams(0.9, top_k=30, seed=i)) for i in range(2)]
+        ver, acc, hid = sim.inputs(rids, d.width)
+        outs.append((d, d.propose(rids, ver, acc, target_hidden=hid)))
+    (dt, pt), (dd, pd) = outs
+    assert pt.q.shape[-1] == dt.vocab_size == 128 and pd.q.shape[-1] == 80
+    assert torch.equal(pt.tokens, pd.tokens)
+    assert torch.equal(pt.q[:, :, dd.q_token_ids], pd.q)
+    assert torch.isin(pt.tokens, dd.q_token_ids).all(), "drafts are target ids of the draft vocab"
