@@ -208,6 +208,9 @@ class Drafter:
         self._arange = np.arange(max_num_reqs, dtype=np.int64)
         self.rounds = self.graph_rounds = 0
         self._views: dict[tuple, Proposal] = {}
+        # (data pointer, strides) of input_views(): inputs written there are not copied
+        self._own = [(t.data_ptr(), t.stride()) for t in self.input_views(1) if t is not None]
+        self._own += [(0, ())] * (3 - len(self._own))
 
         sizes = sorted(
             {_check_int("capture_sizes[i]", s, 1) for s in (capture_sizes or _DEFAULT_BUCKETS)}
@@ -409,14 +412,15 @@ class Drafter:
         self.tables.commit()
         rows = desc.num_reqs if desc is not None else b
         self.loop.stage.upload(w, slots, inp.k, rows)
-        bufs = self.buffers
-        if not _is_view_of(verified_tokens, bufs.verified):
+        bufs, own = self.buffers, self._own
+        if not _is_view_of(verified_tokens, own[0]):
             bufs.verified[:b, :w].copy_(verified_tokens, non_blocking=True)
-        if not _is_view_of(num_accepted, bufs.accepted):
+        if not _is_view_of(num_accepted, own[1]):
             bufs.accepted[:b].copy_(num_accepted, non_blocking=True)
-        hid = self.loop.hidden
-        if target_hidden is not None and not _is_view_of(target_hidden, hid):
-            hid.view(-1, self.width, self.hidden_in)[:b, :w].copy_(target_hidden, non_blocking=True)
+        if target_hidden is not None and not _is_view_of(target_hidden, own[2]):
+            self.loop.hidden.view(-1, self.width, self.hidden_in)[:b, :w].copy_(
+                target_hidden, non_blocking=True
+            )
         if desc is not None and not eager:
             tokens, q = self._managers[(kk, run_mode)].replay(desc)
             self.graph_rounds += 1
@@ -484,13 +488,10 @@ class Drafter:
             m.teardown()
 
 
-def _is_view_of(src: torch.Tensor, buf: torch.Tensor) -> bool:
-    """Whether src is input_views()' view of buf (so the engine wrote in place)."""
-    if src.data_ptr() != buf.data_ptr():
-        return False
-    if buf.dim() == 2 and src.dim() == 3:  # target_hidden: [B, W_in, h] over [R * W, h]
-        return src.stride(1) == buf.stride(0) and src.stride(2) == 1
-    return src.stride() == buf.stride()
+def _is_view_of(src: torch.Tensor, own: tuple[int, tuple[int, ...]]) -> bool:
+    """Whether src starts at the (data pointer, strides) of one of input_views()' views,
+    i.e. the engine wrote its input in place."""
+    return src.data_ptr() == own[0] and src.stride() == own[1]
 
 
 class _CaptureInputs:
