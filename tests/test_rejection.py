@@ -748,6 +748,7 @@ def test_gpu_graph_replay_equals_eager_and_no_sync():
     rs = RejectionSampler(b, k, v, "cuda")
     eager = RejectionSampler(b, k, v, "cuda")
     rs(logits, drafts, q, st, pos)  # compile outside the capture
+    rs.counters_to_host()  # allocates its pinned buffer once
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
