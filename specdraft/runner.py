@@ -29,6 +29,7 @@ from .input_buffers import InputBuffers
 from .kv_cache import KVCache, num_blocks_for_budget
 from .models.llama import LlamaForCausalLM
 from .sampling import TARGET_SAMPLE, SamplingParams, SamplingTensors, logprobs, sample
+from .staging import PinnedRing
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +239,61 @@ class TargetRunner:
             self._graphs[greedy].replay(desc)
             self.graph_steps += 1
         self.steps += 1
+
+    # ---- verification (speculative decoding) ----------------------------------------
+
+    def _verify_buffers(self, k_max: int) -> None:
+        """Persistent inputs of the verification step, sized once for k_max."""
+        if getattr(self, "_vk", None) == k_max:
+            return
+        dev, r = self.device, self.limits.max_num_reqs + 1
+        self._vk = k_max
+        self.committed = torch.zeros(r, dtype=torch.int64, device=dev)
+        self.verify_rows = torch.full((r,), self.tables.null_row, dtype=torch.int64, device=dev)
+        self.verify_first = torch.zeros(r, dtype=torch.int64, device=dev)
+        self.verify_drafts = torch.full((r, k_max), -1, dtype=torch.int64, device=dev)
+        self._arange_w = torch.arange(k_max + 1, device=dev)
+        self._rows_ring = PinnedRing(r, torch.int64, dev)
+
+    def execute_verify(self, num_reqs: int, k: int, *, rows: list[int]) -> torch.Tensor:
+        """The target over k + 1 rows per request: row 0 the request's last emitted token
+        (verify_first), rows 1..k its drafts (verify_drafts; -1 drafts become token 0 at
+        slot -1, writing nothing). Positions and lengths come from `committed` on the
+        device: row j of request b sits at committed[row_b] + j. `rows`: the requests'
+        block-table rows (host ints, uploaded here). Returns logits [num_reqs * (k + 1),
+        V]; KV for the rejected rows is dropped later by length alone."""
+        w, r = k + 1, num_reqs
+        t = r * w
+        if t > self.limits.max_num_tokens:
+            raise ValueError(
+                f"verification needs {t} tokens ({r} requests x {w}), over max_num_tokens "
+                f"{self.limits.max_num_tokens}"
+            )
+        buf = self.buffers
+        slot, host = self._rows_ring.acquire()
+        host[:r] = torch.as_tensor(rows, dtype=torch.int64)
+        self._rows_ring.copy_to(slot, self.verify_rows, r)
+        vrows = self.verify_rows[:r]
+        base = self.committed.index_select(0, vrows)  # [r]
+        pos = base[:, None] + self._arange_w[:w]  # [r, w]
+        drafts = self.verify_drafts[:r, :k]
+        ids = torch.cat([self.verify_first[:r, None], drafts.clamp(min=0)], dim=1)
+        buf.input_ids[:t].copy_(ids.view(-1))
+        buf.positions[:t].copy_(pos.view(-1))
+        buf.seq_lens[:r].copy_(base + w)
+        buf.query_start_loc[: r + 1].copy_(torch.arange(0, t + 1, w, device=self.device))
+        buf.row_slots[:r].copy_(vrows)
+        buf.last_token_idx[:r].copy_(torch.arange(w - 1, t, w, device=self.device))
+        self.tables.commit()
+        self.builder._slot_mapping(r, t)
+        valid = torch.cat([torch.ones_like(drafts[:, :1], dtype=torch.bool), drafts >= 0], 1)
+        slots = buf.slot_mapping[:t]
+        slots.copy_(torch.where(valid.view(-1), slots, -1))
+        self.builder._last = None  # the buffers no longer hold a built batch
+        meta = self.builder._metadata(r, t, w, t, r)
+        _, logits = self.model(buf.input_ids[:t], meta, self.cache, all_logits=True)
+        self.steps += 1
+        return logits
 
     def readback(self, num_reqs: int, *, with_logprobs: bool) -> Readback:
         """Start copying this step's tokens to pinned host memory; read them a step

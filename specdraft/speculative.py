@@ -1,0 +1,287 @@
+"""Speculative generate(): a draft proposes, the target verifies, a rejection sampler
+decides, and the output is distributed exactly as the target's own sampling.
+
+One step of a group of requests, all on the device:
+
+1. `Drafter.propose` over the tokens verified by the previous step (the rejection
+   sampler's tokens [B, K + 1] and num_accepted, passed straight back; in the first
+   step the target's first sampled token with num_accepted 0);
+2. the target runs K + 1 rows per request (`TargetRunner.execute_verify`): the last
+   emitted token, then the drafts; positions come from the target's committed length
+   held on the device;
+3. `RejectionSampler`: accepted drafts, then the correction or bonus token;
+4. committed length += num_accepted + 1 (on the device); the rejected rows' KV is left
+   where it is and overwritten later: rollback is by length alone.
+
+The host reads each step's tokens through pinned memory one step later (stop ids,
+max_new_tokens, streaming) and allocates KV blocks by an upper bound before each step
+(known length + 2 (K + 1): one step in flight, one being launched), so it never waits for
+the step it has just launched. Requests run in groups of at most max_num_reqs; a finished
+request leaves the batch at the next step (its outputs in flight are discarded).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .batch import ScheduledBatch
+from .drafter import Drafter
+from .generate import GenerationOutput
+from .rejection import RejectionSampler
+from .runner import TargetRunner
+from .sampling import SamplingParams, SeedSource
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Req:
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    stop_ids: frozenset[int]
+    output: list[int] = field(default_factory=list)
+    finished: str | None = None
+
+
+@dataclass
+class SpecStats:
+    """What the host read back: steps, drafts proposed and accepted per position."""
+
+    steps: int = 0
+    proposed: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_length(self) -> float:
+        """1 + accepted drafts per verification step and request."""
+        rounds = self.proposed[0] if self.proposed else 0
+        return 1.0 + sum(self.accepted) / rounds if rounds else float("nan")
+
+
+class SpeculativeEngine:
+    """A target runner, a drafter over the same vocabulary and a rejection sampler."""
+
+    def __init__(
+        self,
+        runner: TargetRunner,
+        drafter: Drafter,
+        *,
+        k: int = 3,
+        tokenizer=None,
+        seed: int | None = None,
+    ):
+        if not isinstance(runner, TargetRunner):
+            raise TypeError(f"runner must be a TargetRunner, got {type(runner).__name__}")
+        if not isinstance(drafter, Drafter):
+            raise TypeError(f"drafter must be a Drafter, got {type(drafter).__name__}")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= drafter.k_cap:
+            raise ValueError(
+                f"k must be an int in [1, {drafter.k_cap}] (the drafter's K_max), got {k!r}"
+            )
+        vocab = runner.model.cfg.vocab_size
+        if drafter.vocab_size != vocab:
+            raise ValueError(
+                f"the drafter proposes over {drafter.vocab_size} tokens, the target has {vocab}"
+            )
+        self.runner, self.drafter, self.k, self.tokenizer = runner, drafter, k, tokenizer
+        self.vocab_size = vocab
+        self.seeds = SeedSource(seed)
+        self.rejection = RejectionSampler(runner.limits.max_num_reqs, k, vocab, runner.device)
+        runner._verify_buffers(k)
+        self.stats = SpecStats(proposed=[0] * k, accepted=[0] * k)
+        self._count = 0
+
+    # ---- generate -------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        *,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        max_new_tokens: int = 64,
+        stop_token_ids: Sequence[int] | None = None,
+        stream: Callable[[int, str], None] | None = None,
+    ) -> list[GenerationOutput]:
+        """Like Engine.generate, speculating k tokens per step. Greedy output equals the
+        target's own greedy decoding; sampled output is distributed as the target's."""
+        from .generate import Engine
+
+        # The same checks as target-only generate (an Engine shares the runner's limits),
+        # with room for the two steps in flight past the last token.
+        check = Engine(self.runner, self.tokenizer)
+        if params is None or isinstance(params, SamplingParams):
+            per = [params] * len(prompts)
+        else:
+            per = list(params)
+            if len(per) != len(prompts):
+                raise ValueError(f"params has {len(per)} entries for {len(prompts)} prompts")
+        reqs = []
+        slack = 2 * (self.k + 1)
+        for p, sp in zip(prompts, per):
+            check.add_request(
+                p, params=sp, max_new_tokens=max_new_tokens + slack, stop_token_ids=stop_token_ids
+            )
+            c = check.waiting.pop()
+            reqs.append(_Req(len(reqs), c.prompt, c.params, max_new_tokens, c.stop_ids))
+        size = self.runner.limits.max_num_reqs
+        for i in range(0, len(reqs), size):
+            self._run_group(reqs[i : i + size], stream)
+        out = []
+        for r in reqs:
+            text = (
+                None
+                if self.tokenizer is None
+                else self.tokenizer.decode(r.output, skip_special_tokens=True)
+            )
+            out.append(GenerationOutput(r.prompt, r.output, text, r.finished or "length"))
+        return out
+
+    # ---- one group ------------------------------------------------------------------
+
+    def _run_group(self, group: list[_Req], stream) -> None:
+        runner, drafter, k, w = self.runner, self.drafter, self.k, self.k + 1
+        tables = runner.tables
+        ids = [self._new_id() for _ in group]
+        rows = []
+        for req, rid in zip(group, ids):
+            req.params = self.seeds.resolve(req.params)
+            tables.add_request(rid, len(req.prompt) + 2 * w)
+            rows.append(tables.row_of(rid))
+            drafter.add_request(rid, req.prompt, req.params, k)
+        runner.sampling.write_rows(rows, [r.params for r in group])
+        greedy = all(r.params.greedy for r in group)
+        self._prefill(group, ids, greedy)
+        dev = runner.device
+        rows_t = torch.tensor(rows, dtype=torch.int64).to(dev)
+        first = runner.last_token.index_select(0, rows_t)  # the target's first tokens
+        runner.committed.index_copy_(
+            0, rows_t, torch.tensor([len(r.prompt) for r in group], dtype=torch.int64).to(dev)
+        )
+        verified = torch.zeros(len(group), w, dtype=torch.int64, device=dev)
+        verified[:, 0] = first
+        accepted = torch.zeros(len(group), dtype=torch.int32, device=dev)
+        pending = self._readback_first(first)
+        active = list(range(len(group)))  # positions in `group` of the batch rows
+        while active:
+            batch = [group[i] for i in active]
+            batch_ids = [ids[i] for i in active]
+            batch_rows = [rows[i] for i in active]
+            for req, rid in zip(batch, batch_ids):  # blocks by upper bound, then launch
+                known = len(req.prompt) + len(req.output)
+                if not tables.grow(rid, known + 2 * w):
+                    raise RuntimeError(
+                        f"the target's KV cache is out of blocks for request {req.index}"
+                    )
+            proposal = drafter.propose(batch_ids, verified, accepted, k=[k] * len(batch), k_max=k)
+            b = len(batch)
+            runner.verify_first[:b].copy_(verified[torch.arange(b, device=dev), accepted.long()])
+            runner.verify_drafts[:b, :k].copy_(proposal.tokens)
+            logits = runner.execute_verify(b, k, rows=batch_rows)
+            vrows = runner.verify_rows[:b]
+            params = runner.sampling.select(vrows)
+            positions = runner.committed.index_select(0, vrows) + 1
+            out = self.rejection(logits, proposal.tokens, proposal.q, params, positions)
+            runner.committed.index_add_(0, vrows, out.num_accepted.long() + 1)
+            prev, pending = pending, (*self._readback(out, b), list(active))
+            self._process(group, *prev, stream)
+            # next step: the requests still running, their verified rows gathered
+            keep = [j for j, i in enumerate(active) if not group[i].finished]
+            if len(keep) != len(active):
+                for i in active:
+                    if group[i].finished:
+                        self._drop(ids[i])
+                idx = torch.tensor(keep, dtype=torch.int64).to(dev)
+                verified = out.tokens.index_select(0, idx).clone()
+                accepted = out.num_accepted.index_select(0, idx).clone()
+                active = [active[j] for j in keep]
+            else:
+                verified, accepted = out.tokens.clone(), out.num_accepted.clone()
+        if pending is not None:
+            self._process(group, *pending, stream)
+        self.rejection_counters()
+
+    def _prefill(self, group: list[_Req], ids: list[int], greedy: bool) -> None:
+        """The prompts through the target in chunks under the token budget; the last
+        chunk of each prompt samples the request's first token (runner.last_token)."""
+        budget = self.runner.limits.max_num_tokens
+        done = [0] * len(group)
+        while any(d < len(r.prompt) for d, r in zip(done, group)):
+            sched, used = [], 0
+            for i, r in enumerate(group):
+                n = min(len(r.prompt) - done[i], budget - used)
+                if n > 0:
+                    sched.append((ids[i], r.prompt[done[i] : done[i] + n], done[i]))
+                    done[i] += n
+                    used += n
+            self.runner.execute(ScheduledBatch.from_requests(sched), greedy=greedy)
+
+    def _readback_first(self, first: torch.Tensor):
+        toks = torch.empty((first.shape[0], 1), dtype=torch.int64, pin_memory=first.is_cuda)
+        toks.copy_(first[:, None], non_blocking=True)
+        counts = torch.ones(first.shape[0], dtype=torch.int32)
+        return self._event(), (toks, counts), list(range(first.shape[0]))
+
+    def _readback(self, out, b: int):
+        pin = out.tokens.is_cuda
+        toks = torch.empty(tuple(out.tokens.shape), dtype=torch.int64, pin_memory=pin)
+        counts = torch.empty(b, dtype=torch.int32, pin_memory=pin)
+        toks.copy_(out.tokens, non_blocking=True)
+        counts.copy_(out.num_emitted, non_blocking=True)
+        return self._event(), (toks, counts)
+
+    def _event(self):
+        if self.runner.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+
+    def _process(self, group, event, payload, active, stream) -> None:
+        """Tokens of a step read one step late: append, stop at a stop id or at
+        max_new_tokens (truncating inside the accepted block)."""
+        if event is not None:
+            event.synchronize()
+        toks, counts = payload
+        toks, counts = toks.tolist(), counts.tolist()
+        self.stats.steps += 1
+        for j, i in enumerate(active):
+            req = group[i]
+            if req.finished:
+                continue
+            for t in toks[j][: counts[j]]:
+                req.output.append(t)
+                piece = str(t) if stream is not None and self.tokenizer is None else None
+                if t in req.stop_ids:
+                    req.finished = "stop"
+                elif len(req.output) >= req.max_new_tokens:
+                    req.finished = "length"
+                if stream is not None and self.tokenizer is not None:
+                    piece = self.tokenizer.decode([t], skip_special_tokens=True)
+                if stream is not None and piece:
+                    stream(req.index, piece)
+                if req.finished:
+                    break
+
+    def rejection_counters(self) -> None:
+        """Fold the sampler's device counters into stats (a sync: call between groups)."""
+        host = self.rejection.counters_to_host()
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        for j in range(self.k):
+            self.stats.proposed[j] += int(host[0, j])
+            self.stats.accepted[j] += int(host[1, j])
+        self.rejection.reset_counters()
+
+    def _drop(self, rid: int) -> None:
+        self.runner.tables.remove_request(rid)
+        self.drafter.remove_request(rid)
+
+    def _new_id(self) -> int:
+        self._count += 1
+        return self._count
