@@ -187,12 +187,16 @@ def _select(
     logits_ptr, stride_lm, cand_ptr, stride_c, rows, active, t, m, V,
     floor_key, klo, khi, target_cnt, frac, hist_first,
     MASS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
-    NSPLIT: tl.constexpr, LOG2_NSPLIT: tl.constexpr, MAX_PASSES: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CAPB: tl.constexpr, NSPLIT: tl.constexpr, LOG2_NSPLIT: tl.constexpr,
+    MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     """Per row, the threshold value and the kept mass (module docstring). Candidates are
     survivors (key >= floor_key) with key in (klo, khi]; count mode finds the
-    target_cnt-th largest value, mass mode the top-p cut with target frac * mass."""
+    target_cnt-th largest value, mass mode the top-p cut with target frac * mass.
+
+    Scratch row: [0, CAP) the candidates being resolved, [CAP, CAP + CAPB) the first
+    pass's candidates. When those fit (CAPB), later passes read them instead of the
+    vocabulary row: a wide band of a few thousand tokens costs one pass over the row."""
     cols = tl.arange(0, BLOCK)
     slots = tl.arange(0, CAP)
     dvec = tl.arange(0, NSPLIT)
@@ -203,9 +207,14 @@ def _select(
     above_m = tl.zeros([ROWS], tl.float32)
     target_m = tl.zeros([ROWS], tl.float32)
     cbase = cand_ptr + rows[:, None] * stride_c
+    nbig = tl.zeros([ROWS], tl.int32)
+    use_big = tl.full([], 0, tl.int32)
     for it in range(MAX_PASSES):
         if tl.sum((done == 0).to(tl.int32), axis=0) > 0:
             live = done == 0
+            first = it == 0
+            out0 = tl.where(first, CAP, 0)  # the first pass fills the big region
+            length = tl.where(use_big > 0, tl.max(tl.where(live, nbig, 0), axis=0), V)
             hist = (it > 0) | hist_first
             shift = tl.maximum(_nbits(khi - klo - 1) - LOG2_NSPLIT, 0)
             gc = tl.zeros([ROWS, NSPLIT], tl.int32)
@@ -214,10 +223,14 @@ def _select(
             inside = tl.zeros([ROWS], tl.float32)
             below = tl.zeros([ROWS], tl.float32)
             tl.debug_barrier()  # the previous pass's scratch reads are finished
-            for v0 in range(0, V, BLOCK):
+            for v0 in range(0, length, BLOCK):
                 offs = v0 + cols
-                mask = live[:, None] & (offs < V)[None, :]
-                z = _load_z(logits_ptr, stride_lm, rows, offs, mask, t)
+                if use_big > 0:
+                    mask = live[:, None] & (offs[None, :] < nbig[:, None])
+                    z = tl.load(cbase + CAP + offs[None, :], mask=mask, other=float("-inf"))
+                else:
+                    mask = live[:, None] & (offs < V)[None, :]
+                    z = _load_z(logits_ptr, stride_lm, rows, offs, mask, t)
                 key = _key(z)
                 surv = mask & (key >= floor_key[:, None])
                 cand = surv & (key > klo[:, None]) & (key <= khi[:, None])
@@ -231,9 +244,10 @@ def _select(
                     gc += tl.sum(ge.to(tl.int32), axis=1)
                     gm += tl.sum(tl.where(ge, e[:, :, None], 0.0), axis=1)
                 ci = cand.to(tl.int32)
-                if tl.min(n, axis=0) <= CAP:  # once every row overflowed, only count
+                cap = tl.where(first, CAPB, CAP)
+                if tl.min(n, axis=0) <= cap:  # once every row overflowed, only count
                     idx = n[:, None] + tl.cumsum(ci, axis=1) - 1
-                    tl.store(cbase + idx, z, mask=cand & (idx < CAP))
+                    tl.store(cbase + out0 + idx, z, mask=cand & (idx < cap))
                 n += tl.sum(ci, axis=1)
             if MASS:
                 # The total is summed in this first pass, in the same order as the rest.
@@ -244,14 +258,14 @@ def _select(
             small = live & (n <= CAP)
             tl.debug_barrier()  # compaction stores are visible to every thread
             valid = small[:, None] & (slots[None, :] < n[:, None])
-            vals = tl.load(cbase + slots[None, :], mask=valid, other=float("-inf"))
+            vals = tl.load(cbase + out0 + slots[None, :], mask=valid, other=float("-inf"))
             ev = tl.where(valid, tl.exp(vals - m[:, None]), 0.0)
             v_hit = tl.full([ROWS], float("-inf"), tl.float32)
             any_hit = tl.zeros([ROWS], tl.int32)
             for c0 in tl.static_range(0, CAP, CHUNK):
                 ci = c0 + tl.arange(0, CHUNK)
                 vi_ok = small[:, None] & (ci[None, :] < n[:, None])
-                vi = tl.load(cbase + ci[None, :], mask=vi_ok, other=float("-inf"))
+                vi = tl.load(cbase + out0 + ci[None, :], mask=vi_ok, other=float("-inf"))
                 ge = valid[:, None, :] & (vals[:, None, :] >= vi[:, :, None])
                 if MASS:
                     got = tl.sum(tl.where(ge, ev[:, None, :], 0.0), axis=2)
@@ -293,6 +307,10 @@ def _select(
             khi = tl.where(narrow, new_hi, khi)
             above_c = tl.where(narrow, above_c + c_nx, above_c)
             above_m = tl.where(narrow, above_m + m_nx, above_m)
+            # Rows left after the first pass: read its candidates if they all fit.
+            left = tl.max(tl.where(done, 0, n), axis=0)
+            use_big = tl.where(first, (left <= CAPB).to(tl.int32), use_big)
+            nbig = tl.where(first, n, nbig)
     # Unreachable with MAX_PASSES from the launcher (the key width shrinks NSPLIT-fold
     # per pass); keep the interval's top value rather than garbage.
     thr = tl.where(done, thr, _value(khi))
@@ -306,8 +324,8 @@ def _threshold_kernel(
     pmax_ptr, psum_ptr, pmin_ptr, rmax_ptr, rthr_ptr, rsum_ptr, cand_ptr, stride_c,
     num_rows, V, K1, NB,
     ROWS: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
-    NSPLIT: tl.constexpr, LOG2_NSPLIT: tl.constexpr, MAX_PASSES: tl.constexpr,
-    CHUNK: tl.constexpr, FILTER: tl.constexpr,
+    CAPB: tl.constexpr, NSPLIT: tl.constexpr, LOG2_NSPLIT: tl.constexpr,
+    MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FILTER: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rmask = rows < num_rows
@@ -343,7 +361,7 @@ def _threshold_kernel(
             thr_k, kept_k = _select(
                 logits_ptr, stride_lm, cand_ptr, stride_c, rows, use_k, t, m, V,
                 all_keys, _key(lb) - 1, key_m, k, 0.0, tight == 0,
-                False, ROWS, BLOCK, CAP, NSPLIT, LOG2_NSPLIT, MAX_PASSES, CHUNK,
+                False, ROWS, BLOCK, CAP, CAPB, NSPLIT, LOG2_NSPLIT, MAX_PASSES, CHUNK,
             )  # fmt: skip
             thr = tl.where(use_k, thr_k, thr)
             kept = tl.where(use_k, kept_k, kept)
@@ -356,7 +374,7 @@ def _threshold_kernel(
             thr_p, kept_p = _select(
                 logits_ptr, stride_lm, cand_ptr, stride_c, rows, use_p, t, m, V,
                 floor_key, klo, key_m, k, p, False,
-                True, ROWS, BLOCK, CAP, NSPLIT, LOG2_NSPLIT, MAX_PASSES, CHUNK,
+                True, ROWS, BLOCK, CAP, CAPB, NSPLIT, LOG2_NSPLIT, MAX_PASSES, CHUNK,
             )  # fmt: skip
             thr = tl.where(use_p, thr_p, thr)
             kept = tl.where(use_p, kept_p, kept)
@@ -538,7 +556,8 @@ def _finalize_kernel(
 @dataclass(frozen=True)
 class RejectionConfig:
     """Tile sizes (all powers of two). block_v / rows_p: partials tile; block_t / rows_t:
-    threshold chunk; cap: candidates resolved pairwise; nsplit: key buckets per
+    threshold chunk; cap: candidates resolved pairwise; cap_big: first-pass candidates
+    that later passes read instead of the row; nsplit: key buckets per
     narrowing pass; block_r / rows_r: race tile; rows_w: requests per finalize program."""
 
     block_v: int
@@ -546,6 +565,7 @@ class RejectionConfig:
     block_t: int
     rows_t: int
     cap: int
+    cap_big: int
     nsplit: int
     block_r: int
     rows_r: int
@@ -583,6 +603,7 @@ def choose_rejection_config(
         block_t=block_t,
         rows_t=max(1, min(tile_t // block_t, _p2(rows))),
         cap=_p2(cap) if cap is not None else min(256, _p2(vocab)),
+        cap_big=min(4096, _p2(vocab)),
         nsplit=8,
         block_r=block_r,
         rows_r=max(1, min(tile // block_r, _p2(num_reqs))),
@@ -605,7 +626,7 @@ class RejectionWorkspace:
     row_max: torch.Tensor  # [rows] float32
     row_thr: torch.Tensor  # [rows] float32
     row_sum: torch.Tensor  # [rows] float32
-    cand: torch.Tensor  # [rows, cap] float32
+    cand: torch.Tensor  # [rows, cap + cap_big] float32
     race_val: torch.Tensor  # [reqs, nb2] float32
     race_idx: torch.Tensor  # [reqs, nb2] int32
 
@@ -623,7 +644,7 @@ class RejectionWorkspace:
             torch.empty(rows, nb, **f32), torch.empty(rows, nb, **i32),
             torch.empty(rows, nb, **f32), torch.empty(rows, nb, **f32),
             torch.empty(rows, **f32), torch.empty(rows, **f32), torch.empty(rows, **f32),
-            torch.empty(rows, cfg.cap, **f32),
+            torch.empty(rows, cfg.cap + cfg.cap_big, **f32),
             torch.empty(num_reqs, nb2, **f32), torch.empty(num_reqs, nb2, **i32),
         )  # fmt: skip
 
@@ -809,7 +830,7 @@ def rejection_sample(
             (triton.cdiv(rows, cfg.rows_t),),
             (target_logits, lm, greedy, temperature, top_k, top_p, ws.part_max, ws.part_sum,
              ws.part_min, ws.row_max, ws.row_thr, ws.row_sum, ws.cand, ws.cand.stride(0),
-             rows, v, k + 1, nb, cfg.rows_t, _p2(nb), cfg.block_t, cfg.cap, cfg.nsplit,
+             rows, v, k + 1, nb, cfg.rows_t, _p2(nb), cfg.block_t, cfg.cap, cfg.cap_big, cfg.nsplit,
              cfg.nsplit.bit_length() - 1, cfg.max_passes, min(cfg.cap, 32), bool(any_filter)),
             8 if cfg.block_t >= 1024 else 4,
         )  # fmt: skip

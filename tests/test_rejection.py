@@ -190,11 +190,29 @@ def random_case(b, k, v, kinds, *, dtype=torch.float32, ties=False, device="cpu"
 
 
 SMALL_TILES = kr.RejectionConfig(
-    block_v=4, rows_p=4, block_t=4, rows_t=2, cap=2, nsplit=2, block_r=4, rows_r=2, rows_w=2
+    block_v=4,
+    rows_p=4,
+    block_t=4,
+    rows_t=2,
+    cap=2,
+    cap_big=8,
+    nsplit=2,
+    block_r=4,
+    rows_r=2,
+    rows_w=2,
 )
 # Many narrowing passes over a wider vocabulary at a bearable interpreter cost.
 NARROW_TILES = kr.RejectionConfig(
-    block_v=64, rows_p=8, block_t=64, rows_t=8, cap=4, nsplit=4, block_r=64, rows_r=4, rows_w=4
+    block_v=64,
+    rows_p=8,
+    block_t=64,
+    rows_t=8,
+    cap=4,
+    cap_big=32,
+    nsplit=4,
+    block_r=64,
+    rows_r=4,
+    rows_w=4,
 )
 KINDS = [SP(0.0), SP(1.0), SP(0.7, top_k=5), SP(1.3, top_p=0.8), SP(0.5, top_k=9, top_p=0.6),
          SP(2.0, top_k=1), SP(1.0, top_p=0.05), SP(1.0, top_k=40)]  # fmt: skip
