@@ -151,7 +151,7 @@ def _load_z(logits_ptr, stride_lm, rows, offs, mask, t):
 @triton.jit
 def _partials_kernel(
     logits_ptr, stride_lm, greedy_ptr, temp_ptr,
-    pmax_ptr, parg_ptr, psum_ptr, pmin_ptr,
+    pmax_ptr, parg_ptr, psum_ptr, pmin_ptr, pmax2_ptr,
     num_rows, V, K1, NB,
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SAMPLED: tl.constexpr,
 ):  # fmt: skip
@@ -177,6 +177,10 @@ def _partials_kernel(
         ref = tl.where(bmax == float("-inf"), 0.0, bmax)
         tl.store(psum_ptr + out, tl.sum(tl.exp(z - ref[:, None]), axis=1), mask=rmask)
         tl.store(pmin_ptr + out, tl.min(tl.where(mask, z, float("inf")), axis=1), mask=rmask)
+        # The second largest (the max again if tied): bounds the mass below a value.
+        cols = tl.arange(0, BLOCK_V)
+        z2 = tl.where(cols[None, :] == barg[:, None], float("-inf"), z)
+        tl.store(pmax2_ptr + out, tl.max(z2, axis=1), mask=rmask)
 
 
 # ------------------------------------------------------------------------ 2. threshold
@@ -319,10 +323,43 @@ def _select(
 
 
 @triton.jit
+def _band_floor(pm, ps, pmax2_ptr, rows, blocks, pmask, m, total, kept, p, z_lo, V, NB, BV):
+    """Raise the top-p band's floor by bisection on a bound of the mass below a value L
+    from the block partials: a block whose max is < L counts whole; one whose second
+    largest is < L <= its max counts all but its max; else at most min(the mass beyond
+    its top two, (block size - 2) * e(L)). Where the bound stays under (1 - top_p) *
+    the kept mass, less rounding slack, every token below L is cut. A peaked row (most
+    of each block's mass in its top one or two tokens) gets a floor just under its top
+    tokens: at V 49152, ~100 candidates instead of ~15000 for the V-wide bound."""
+    pm2 = tl.load(pmax2_ptr + rows[:, None] * NB + blocks[None, :], mask=pmask,
+                  other=float("-inf"))  # fmt: skip
+    top1 = tl.where(pm == float("-inf"), 0.0, tl.exp(pm - m[:, None]))
+    top2 = tl.where(pm2 == float("-inf"), 0.0, tl.exp(pm2 - m[:, None]))
+    mass = ps * top1
+    but_max = tl.maximum(mass - top1, 0.0)
+    rest = tl.maximum(mass - top1 - top2, 0.0)
+    others = tl.maximum(tl.minimum(BV, V - blocks * BV) - 2, 0).to(tl.float32)[None, :]
+    # 0.1% and 1e-5 of the row's mass: far above float32 rounding of these sums.
+    budget = 0.999 * (1.0 - p) * kept - 1e-5 * total
+    lo = z_lo
+    hi = m
+    for _ in tl.static_range(20):
+        mid = 0.5 * (lo + hi)
+        below = tl.where(pm < mid[:, None], mass, 0.0)
+        below += tl.where((pm >= mid[:, None]) & (pm2 < mid[:, None]), but_max, 0.0)
+        cap = tl.minimum(rest, others * tl.exp(mid - m)[:, None])
+        below += tl.where(pm2 >= mid[:, None], cap, 0.0)
+        ok = tl.sum(tl.where(pmask, below, 0.0), axis=1) <= budget
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
+    return lo
+
+
+@triton.jit
 def _threshold_kernel(
     logits_ptr, stride_lm, greedy_ptr, temp_ptr, topk_ptr, topp_ptr,
-    pmax_ptr, psum_ptr, pmin_ptr, rmax_ptr, rthr_ptr, rsum_ptr, cand_ptr, stride_c,
-    num_rows, V, K1, NB,
+    pmax_ptr, psum_ptr, pmin_ptr, pmax2_ptr, rmax_ptr, rthr_ptr, rsum_ptr, cand_ptr, stride_c,
+    num_rows, V, K1, NB, BV,
     ROWS: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
     CAPB: tl.constexpr, NSPLIT: tl.constexpr, LOG2_NSPLIT: tl.constexpr,
     MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FILTER: tl.constexpr,
@@ -370,6 +407,8 @@ def _threshold_kernel(
             # Tokens with e < (1 - top_p) * mass / V together hold under (1 - top_p) of
             # the mass, so the cut is above them (one e of margin for rounding).
             z_lo = m + tl.log(tl.where(use_p, (1.0 - p) * kept / V, 1.0)) - 1.0
+            z_lo = _band_floor(pm, ps, pmax2_ptr, rows, blocks, pmask, m, total, kept, p, z_lo,
+                               V, NB, BV)  # fmt: skip
             klo = tl.maximum(_key(tl.where(z_lo == 0.0, 0.0, z_lo)), floor_key) - 1
             thr_p, kept_p = _select(
                 logits_ptr, stride_lm, cand_ptr, stride_c, rows, use_p, t, m, V,
@@ -623,6 +662,7 @@ class RejectionWorkspace:
     part_arg: torch.Tensor  # [rows, nb] int32
     part_sum: torch.Tensor  # [rows, nb] float32
     part_min: torch.Tensor  # [rows, nb] float32
+    part_max2: torch.Tensor  # [rows, nb] float32: second largest
     row_max: torch.Tensor  # [rows] float32
     row_thr: torch.Tensor  # [rows] float32
     row_sum: torch.Tensor  # [rows] float32
@@ -643,6 +683,7 @@ class RejectionWorkspace:
             cfg, vocab,
             torch.empty(rows, nb, **f32), torch.empty(rows, nb, **i32),
             torch.empty(rows, nb, **f32), torch.empty(rows, nb, **f32),
+            torch.empty(rows, nb, **f32),
             torch.empty(rows, **f32), torch.empty(rows, **f32), torch.empty(rows, **f32),
             torch.empty(rows, cfg.cap + cfg.cap_big, **f32),
             torch.empty(num_reqs, nb2, **f32), torch.empty(num_reqs, nb2, **i32),
@@ -822,16 +863,17 @@ def rejection_sample(
     _PARTIALS(
         (triton.cdiv(rows, cfg.rows_p), triton.cdiv(v, cfg.block_v)),
         (target_logits, lm, greedy, temperature, ws.part_max, ws.part_arg, ws.part_sum,
-         ws.part_min, rows, v, k + 1, nb, cfg.rows_p, cfg.block_v, sampled),
+         ws.part_min, ws.part_max2, rows, v, k + 1, nb, cfg.rows_p, cfg.block_v, sampled),
         4,
     )  # fmt: skip
     if sampled:
         _THRESHOLD(
             (triton.cdiv(rows, cfg.rows_t),),
             (target_logits, lm, greedy, temperature, top_k, top_p, ws.part_max, ws.part_sum,
-             ws.part_min, ws.row_max, ws.row_thr, ws.row_sum, ws.cand, ws.cand.stride(0),
-             rows, v, k + 1, nb, cfg.rows_t, _p2(nb), cfg.block_t, cfg.cap, cfg.cap_big, cfg.nsplit,
-             cfg.nsplit.bit_length() - 1, cfg.max_passes, min(cfg.cap, 32), bool(any_filter)),
+             ws.part_min, ws.part_max2, ws.row_max, ws.row_thr, ws.row_sum, ws.cand,
+             ws.cand.stride(0), rows, v, k + 1, nb, cfg.block_v, cfg.rows_t, _p2(nb),
+             cfg.block_t, cfg.cap, cfg.cap_big, cfg.nsplit, cfg.nsplit.bit_length() - 1,
+             cfg.max_passes, min(cfg.cap, 32), bool(any_filter)),
             8 if cfg.block_t >= 1024 else 4,
         )  # fmt: skip
         _RESAMPLE(

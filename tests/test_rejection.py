@@ -342,6 +342,15 @@ def _filter_rows(v, g):
             x[torch.rand(v, generator=g) < 0.3] = -math.inf  # masked vocabulary
         rows.append(x.tolist())
         params.append(sp)
+    for i, sp in enumerate([SP(1.0, top_p=0.9), SP(1.0, top_p=0.99), SP(0.8, top_k=9, top_p=0.9),
+                            SP(1.0, top_p=0.5)] * 2):  # fmt: skip
+        # Peaked: one lifted token per few positions over a flat background (the band
+        # floor from the block partials rises to just under the lifted tokens).
+        x = torch.randn(v, generator=g)
+        lift = torch.arange(0, v, 5 + i)
+        x[lift] += 6 + 3 * torch.rand(len(lift), generator=g)
+        rows.append(x.tolist())
+        params.append(sp)
     rows.append([2.0] * v)  # one tie group: every filter keeps all
     params.append(SP(1.0, top_k=3, top_p=0.2))
     return torch.tensor(rows), params
