@@ -1,0 +1,193 @@
+"""Speculative generate(): greedy output equals target-only decoding, and sampled output
+is distributed exactly as the target's own sampling (a joint distribution of three
+tokens enumerated in float64), which a planted rollback bug breaks."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from specdraft import ops
+from specdraft.drafter import Drafter
+from specdraft.generate import Engine
+from specdraft.models.tiny import random_causal_lm, random_weights, tiny_config
+from specdraft.runner import TargetRunner
+from specdraft.sampling import SamplingParams
+from specdraft.speculative import SpeculativeEngine
+
+CFG = tiny_config()
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(10, 33))]
+
+
+def spec_engine(target, draft, *, k=3, max_num_reqs=4, **kw):
+    args = dict(
+        max_num_reqs=max_num_reqs,
+        max_num_tokens=256,
+        max_model_len=128,
+        num_blocks=max_num_reqs * 8 + 1,
+    )
+    args.update(kw)
+    runner = TargetRunner(target, **args)
+    drafter = Drafter(
+        draft,
+        max_num_reqs=max_num_reqs,
+        k_max_options=(k,),
+        max_model_len=128,
+        num_blocks=max_num_reqs * 8 + 1,
+    )
+    return SpeculativeEngine(runner, drafter, k=k)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = random_causal_lm(CFG, seed=0, dtype=torch.float32)
+    same = random_causal_lm(CFG, seed=0, dtype=torch.float32)
+    other = random_causal_lm(tiny_config(num_layers=1), seed=3, dtype=torch.float32)
+    return target, same, other
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_equals_target_only(models, k):
+    target, same, other = models
+    with ops.use_backend("torch"):
+        ref = Engine(
+            TargetRunner(
+                target, max_num_reqs=4, max_num_tokens=64, max_model_len=128, num_blocks=40
+            )
+        ).generate(PROMPTS, max_new_tokens=12)
+        want = [o.token_ids for o in ref]
+        for draft, accepts in ((same, True), (other, False)):
+            se = spec_engine(target, draft, k=k)
+            out = se.generate(PROMPTS, max_new_tokens=12)
+            assert [o.token_ids for o in out] == want
+            rate = sum(se.stats.accepted) / max(1, sum(se.stats.proposed))
+            assert (rate == 1.0) if accepts else (rate < 0.5)
+
+
+def test_stop_id_inside_an_accepted_block_truncates(models):
+    target, same, _ = models
+    with ops.use_backend("torch"):
+        ref = Engine(
+            TargetRunner(
+                target, max_num_reqs=4, max_num_tokens=64, max_model_len=128, num_blocks=40
+            )
+        ).generate(PROMPTS, max_new_tokens=12)
+        stop = ref[0].token_ids[5]
+        out = spec_engine(target, same, k=3).generate(
+            PROMPTS, max_new_tokens=12, stop_token_ids=[stop]
+        )
+    first = ref[0].token_ids
+    assert out[0].token_ids == first[: first.index(stop) + 1]
+    assert out[0].finish_reason == "stop"
+
+
+# ---- losslessness over a joint distribution -------------------------------------------
+
+SMALL = tiny_config(
+    vocab_size=6,
+    num_layers=1,
+    hidden_size=32,
+    intermediate_size=48,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+)
+PROMPT = [1, 4, 2]
+TEMP = 1.0
+
+
+def exact_joint(weights) -> dict[tuple[int, ...], float]:
+    """P(t1, t2, t3 | PROMPT) of the target at TEMP, in float64 through transformers."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaForCausalLM(transformers.AutoConfig.for_model(**SMALL.to_hf()))
+    hf.load_state_dict(weights, strict=False)
+    hf = hf.double().eval()
+    v = SMALL.vocab_size
+    seqs = torch.tensor([PROMPT + list(t) for t in itertools.product(range(v), repeat=2)])
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(seqs).logits / TEMP, dim=-1)  # [v*v, L, v]
+    n = len(PROMPT)
+    joint = {}
+    for i, (a, b) in enumerate(itertools.product(range(v), repeat=2)):
+        base = logp[i, n - 1, a] + logp[i, n, b]
+        for c in range(v):
+            joint[(a, b, c)] = math.exp(float(base + logp[i, n + 1, c]))
+    return joint
+
+
+def chi_square(counts: dict, probs: dict, n: int) -> tuple[float, int]:
+    """Chi-square with bins of expected count < 5 merged into one."""
+    stat, df, rest_obs, rest_exp = 0.0, -1, 0, 0.0
+    for key, p in probs.items():
+        e, o = n * p, counts.get(key, 0)
+        if e < 5:
+            rest_obs, rest_exp = rest_obs + o, rest_exp + e
+            continue
+        stat += (o - e) ** 2 / e
+        df += 1
+    if rest_exp > 0:
+        stat += (rest_obs - rest_exp) ** 2 / rest_exp
+        df += 1
+    return stat, df
+
+
+def sample_joint(target, draft, n: int, *, planted_bug: bool = False):
+    se = spec_engine(target, draft, k=1, max_num_reqs=64)
+    if planted_bug:  # one KV row too many kept after every verification
+        inner = se.rejection
+
+        class Buggy:
+            def __call__(self, *a, **kw):
+                out = inner(*a, **kw)
+                rows = se.runner.verify_rows[: out.tokens.shape[0]]
+                se.runner.committed.index_add_(0, rows, torch.ones_like(rows))
+                return out
+
+            def __getattr__(self, name):
+                return getattr(inner, name)
+
+        se.rejection = Buggy()
+    params = [SamplingParams(temperature=TEMP, seed=1000 + i) for i in range(n)]
+    out = se.generate([PROMPT] * n, params=params, max_new_tokens=3)
+    counts: dict = {}
+    for o in out:
+        key = tuple(o.token_ids[:3])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    wt, wd = random_weights(SMALL, seed=7), random_weights(SMALL, seed=8)
+    # Sharp attention, so that one stale KV row changes the next token's distribution
+    # enough for the planted-bug test to see it.
+    for name in list(wt):
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            wt[name] = wt[name] * 4
+    from specdraft.loader import Checkpoint, load_causal_lm
+
+    target = load_causal_lm(Checkpoint.from_tensors(SMALL.to_hf(), wt), dtype=torch.float32)
+    draft = load_causal_lm(Checkpoint.from_tensors(SMALL.to_hf(), wd), dtype=torch.float32)
+    return target, draft, exact_joint(wt)
+
+
+N = 3000
+
+
+def test_sampled_output_is_the_targets_distribution(small_pair):
+    target, draft, joint = small_pair
+    with ops.use_backend("torch"):
+        counts = sample_joint(target, draft, N)
+    stat, df = chi_square(counts, joint, N)
+    assert stat < df + 10 * math.sqrt(2 * df), (stat, df)
+
+
+def test_planted_rollback_bug_is_caught(small_pair):
+    target, draft, joint = small_pair
+    with ops.use_backend("torch"):
+        counts = sample_joint(target, draft, N, planted_bug=True)
+    stat, df = chi_square(counts, joint, N)
+    assert stat > df + 10 * math.sqrt(2 * df), (stat, df)
