@@ -7,8 +7,8 @@ min(1, p_j(x_j) / q_j(x_j)); the first rejected position r emits a token drawn f
 max(p_r - q_r, 0), and a request whose k drafts all pass emits a bonus token from p_k.
 Greedy requests accept while x_j == argmax(row j) and emit the argmax at r.
 
-1. partials (rows x vocab blocks): per block max, first argmax, sum exp(z - max), min,
-   with z = logits / T. Nothing [B, K, V]-sized is written.
+1. partials (rows x vocab blocks): per block max, first argmax, sum exp(z - max), min and
+   second max, with z = logits / T. Nothing [B, K, V]-sized is written.
 2. threshold (row tiles): row max and sum from the partials; for rows using top-k / top-p
    the smallest kept value, found exactly (below), and the kept mass.
 3. resample (request tiles x vocab blocks): each program repeats its requests' walk
@@ -22,14 +22,18 @@ Top-k / top-p thresholds. Keys are the int32 images of z's float32 bits ordered 
 values (-0 folded into +0), so "kept iff z >= thr" is a key comparison and tie groups are
 single keys. The k-th largest value (with multiplicity) and the top-p cut (the largest
 value v with mass(z >= v) >= top_p * mass) are found by narrowing a key interval (lo, hi]
-known to hold the answer: each pass over the row counts candidates and sums their mass
-per key bucket (NSPLIT power-of-two buckets) and keeps the bucket holding the answer,
-while it also compacts the candidates into a small scratch row; once they fit (CAP) the
-answer is read off exactly by comparing them pairwise. The top-p interval starts at the value
-below which every token is certainly cut (e(z) < (1 - top_p) * mass / V), so a typical
-row resolves in one compaction pass. Sums are float32 in a different order from
-torch's cumsum: a token whose preceding mass is within float rounding of top_p * mass
-may fall the other way (the rules and ties are the same).
+known to hold the answer. A pass over the row compacts the interval's candidates into a
+scratch row; once they fit (CAP) the answer is read off exactly by comparing them
+pairwise. Otherwise the pass also counted them and summed their mass per key bucket
+(NSPLIT power-of-two buckets) and the next pass keeps the bucket holding the answer,
+reading the first pass's candidates (up to CAP_BIG) instead of the row when they fit.
+Starting intervals: top-k from the k-th largest block maximum; top-p from a floor below
+which every token is provably cut, from the block partials (max, second max, sum; see
+_band_floor), so that a peaked row resolves in one pass over the row. Sums are float32
+in a different order from torch's cumsum: a token whose preceding mass is within float
+rounding of top_p * mass may fall the other way (the rules and ties are the same).
+Cost: a flat row (N(0, 3^2) logits at V 49152: ~16k tokens in the top-p band) takes a few
+passes; see bench/rejection.py.
 
 Random draws are specdraft.sampling's keyed uniforms, bit for bit: SplitMix64 over
 (seed, position, stream, counter) in uint64. Acceptance: counter 0 at the draft's

@@ -37,6 +37,8 @@ from specdraft.sampling import (
 SP = SamplingParams
 gpu = pytest.mark.gpu
 interp = pytest.mark.interpreter
+# The same checks through the interpreter (CPU) and compiled (GPU, tl.exp approximate).
+DEVICES = [pytest.param("cpu", marks=interp), pytest.param("cuda", marks=gpu)]
 
 # ------------------------------------------------------------------------ references
 
@@ -233,15 +235,16 @@ def _draws_kernel(
     tl.store(e_ptr + i * V + offs, kr._exponential(u), mask=offs < V)
 
 
-@interp
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("stream", [ACCEPT, RESIDUAL, BONUS])
-def test_uniforms_bit_equal_to_keyed_uniform(stream):
+def test_uniforms_bit_equal_to_keyed_uniform(stream, device):
     seed = torch.tensor([0, 1, 2**63 - 1, 2**62 + 12345, 987654321], dtype=torch.int64)
     pos = torch.tensor([0, 2**40 + 3, 17, 2**31, 5], dtype=torch.int64)
     v = 37
-    u = torch.empty(5, v)
-    e = torch.empty(5, v)
-    _draws_kernel[(5,)](seed, pos, u, e, v, kr._stream_mul(int(stream)), 64)
+    u = torch.empty(5, v, device=device)
+    e = torch.empty(5, v, device=device)
+    _draws_kernel[(5,)](seed.to(device), pos.to(device), u, e, v, kr._stream_mul(int(stream)), 64)
+    u, e = u.cpu(), e.cpu()
     ref = keyed_uniform(seed[:, None], pos[:, None], stream, v)[:, 0]
     assert torch.equal(u.view(torch.int32), ref.view(torch.int32))
     # E = -log1p(-u) to float32 rounding (the race's winners depend on it).
@@ -276,25 +279,27 @@ def _cpu(st):
     return out
 
 
-@interp
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("b, k, v", [(6, 1, 16), (13, 3, 16), (5, 5, 42), (3, 0, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tiles", ["default", "small"])
-def test_greedy_matches_reference(b, k, v, dtype, tiles):
+def test_greedy_matches_reference(b, k, v, dtype, tiles, device):
     g = torch.Generator().manual_seed(b * 100 + k)
-    logits, drafts, _, _, pos = random_case(b, k, v, [SP(0.0)], dtype=dtype, ties=True, gen=g)
-    st = make_params(b, [SP(0.0)])
+    logits, drafts, _, _, pos = random_case(
+        b, k, v, [SP(0.0)], dtype=dtype, ties=True, gen=g, device=device
+    )
+    st = make_params(b, [SP(0.0)], device)
     cfg = SMALL_TILES if tiles == "small" else None
     _check_against_reference(logits, drafts, None, st, pos, cfg)
 
 
-@interp
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("b, k, v", [(8, 3, 16), (9, 2, 23), (4, 5, 64)])
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("tiles", ["default", "small"])
-def test_probabilistic_matches_reference(b, k, v, ties, tiles):
+def test_probabilistic_matches_reference(b, k, v, ties, tiles, device):
     g = torch.Generator().manual_seed(b * 1000 + k * 10 + ties)
-    logits, drafts, q, st, pos = random_case(b, k, v, KINDS, ties=ties, gen=g)
+    logits, drafts, q, st, pos = random_case(b, k, v, KINDS, ties=ties, gen=g, device=device)
     cfg = SMALL_TILES if tiles == "small" else None
     _check_against_reference(logits, drafts, q, st, pos, cfg)
 
@@ -305,9 +310,10 @@ def test_probabilistic_matches_reference(b, k, v, ties, tiles):
 def _kernel_probs(logits, st, config=None):
     """The kernel's p per row (K = 0: one row per request), from its workspace."""
     n, v = logits.shape
-    drafts = torch.empty(n, 0, dtype=torch.int64)
-    q = torch.empty(n, 0, v)
-    batch = Batch(logits, drafts, q, st, torch.arange(n), config)
+    dev = logits.device
+    drafts = torch.empty(n, 0, dtype=torch.int64, device=dev)
+    q = torch.empty(n, 0, v, device=dev)
+    batch = Batch(logits, drafts, q, st, torch.arange(n, device=dev), config)
     batch.run()
     ws = batch.ws
     z = logits.float() / torch.where(st.greedy, 1.0, st.temperature)[:, None]
@@ -356,9 +362,9 @@ def _filter_rows(v, g):
     return torch.tensor(rows), params
 
 
-@interp
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("v, tiles", [(16, "default"), (16, "small"), (203, "narrow")])
-def test_threshold_matches_sampling(v, tiles):
+def test_threshold_matches_sampling(v, tiles, device):
     """Kept set exactly filtered_probs' (ties, boundaries, -inf, k >= V), probabilities
     equal to float32 rounding. Small scratch (2 or 4 candidates) makes the narrowing
     passes run, many times at v = 203, and tie groups larger than the scratch end
@@ -366,12 +372,12 @@ def test_threshold_matches_sampling(v, tiles):
     g = torch.Generator().manual_seed(v)
     logits, params = _filter_rows(v, g)
     st = SamplingTensors.from_params(
-        [SP(p.temperature, p.top_k, p.top_p, seed=1) for p in params], "cpu"
+        [SP(p.temperature, p.top_k, p.top_p, seed=1) for p in params], device
     )
     cfg = {"default": None, "small": SMALL_TILES, "narrow": NARROW_TILES}[tiles]
-    p, keep, z = _kernel_probs(logits, st, cfg)
-    want = filtered_probs(logits, st)
-    ref = ref_filtered64(logits, st.greedy, st.temperature, st.top_k, st.top_p)
+    p, keep, z = (t.cpu() for t in _kernel_probs(logits.to(device), st, cfg))
+    want = filtered_probs(logits, _cpu(st))
+    ref = ref_filtered64(logits, *(getattr(_cpu(st), f) for f in SamplingTensors._FIELDS[:4]))
     for i in range(len(params)):
         assert torch.equal(keep[i] & (z[i] > -math.inf), want[i] > 0), (i, params[i])
         assert torch.equal(want[i] > 0, ref[i] > 0), (i, params[i])
@@ -527,13 +533,14 @@ def test_lossless_test_detects_wrong_rules():
 # ------------------------------------------------- counters, padding, out-of-vocabulary
 
 
-@interp
-def test_counters_accumulate_and_padding_writes_nothing():
+@pytest.mark.parametrize("device", DEVICES)
+def test_counters_accumulate_and_padding_writes_nothing(device):
     b, k, v = 10, 4, 16
     logits, drafts, q, st, pos = random_case(b, k, v, KINDS, gen=torch.Generator().manual_seed(3))
     pos[[2, 7]] = -1  # padded requests
-    batch = Batch(logits, drafts, q, st, pos)
-    tokens, nacc, nemit = batch.run()
+    batch = Batch(logits.to(device), drafts.to(device), q.to(device), _on(st, device),
+                  pos.to(device))  # fmt: skip
+    tokens, nacc, nemit = (t.cpu() for t in batch.run())
     real = pos >= 0
     assert bool((tokens[~real] == -1).all()) and bool((nacc[~real] == 0).all())
     assert bool((nemit[~real] == 0).all()) and bool((nemit[real] == nacc[real] + 1).all())
@@ -543,14 +550,15 @@ def test_counters_accumulate_and_padding_writes_nothing():
     j = torch.arange(k)
     want_p = ((j[None, :] < kk[:, None]) & real[:, None]).sum(0)
     want_a = ((j[None, :] < rn[:, None]) & real[:, None]).sum(0)
-    assert torch.equal(batch.prop, want_p) and torch.equal(batch.accd, want_a)
+    assert torch.equal(batch.prop.cpu(), want_p) and torch.equal(batch.accd.cpu(), want_a)
     batch.run()  # counters add up across calls, outputs are rewritten whole
-    assert torch.equal(batch.prop, 2 * want_p) and torch.equal(batch.accd, 2 * want_a)
-    assert torch.equal(batch.tokens[real], rt[real])
+    assert torch.equal(batch.prop.cpu(), 2 * want_p)
+    assert torch.equal(batch.accd.cpu(), 2 * want_a)
+    assert torch.equal(batch.tokens.cpu()[real], rt[real])
 
 
-@interp
-def test_out_of_vocab_drafts_without_validation(monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_out_of_vocab_drafts_without_validation(monkeypatch, device):
     """With validation off nothing reads outside the tensors: an id outside the
     vocabulary is never accepted (the walk stops there) and the emitted token is valid."""
     monkeypatch.setenv("SPECDRAFT_VALIDATE", "0")
@@ -559,7 +567,9 @@ def test_out_of_vocab_drafts_without_validation(monkeypatch):
     drafts[:, 0] = logits.view(b, k + 1, v)[:, 0].argmax(-1)  # greedy rows accept draft 0
     drafts[:, 1] = torch.tensor([v, -5, v + 1000, 2**40, v, -2])
     drafts[:, 2] = -1
-    tokens, nacc, nemit = Batch(logits, drafts, q, st, pos).run()
+    batch = Batch(logits.to(device), drafts.to(device), q.to(device), _on(st, device),
+                  pos.to(device))  # fmt: skip
+    tokens, nacc, nemit = (t.cpu() for t in batch.run())
     assert bool((nacc <= 1).all())
     emitted = tokens[torch.arange(b), nacc.long()]
     assert bool(((emitted >= 0) & (emitted < v)).all())
@@ -568,7 +578,7 @@ def test_out_of_vocab_drafts_without_validation(monkeypatch):
 # ------------------------------------------------------------------------- bad input
 
 
-def _bad_cases(b, k, v):
+def _bad_cases(b, k, v, device):
     """(label, function of the argument list that breaks it, exception, words)."""
 
     def put(i, value):
@@ -595,7 +605,7 @@ def _bad_cases(b, k, v):
         ("drafts float", at("drafts", lambda t: t.float()), TypeError, ["draft_tokens", "float32"]),
         ("k > K_max", at("drafts", lambda t: torch.cat([t, t[:, :1]], 1)), ValueError,
          ["target_logits", "rows", "K_max"]),
-        ("q vocab", at("q", lambda t: torch.zeros(b, k, v + 1)), ValueError,
+        ("q vocab", at("q", lambda t: t.new_zeros(b, k, v + 1)), ValueError,
          ["draft_probs", "vocabulary", str(v + 1)]),
         ("q K", at("q", lambda t: t[:, :-1]), ValueError, ["draft_probs", f"{(b, k, v)}"]),
         ("q dtype", at("q", lambda t: t.half()), TypeError, ["draft_probs", "float16"]),
@@ -612,9 +622,9 @@ def _bad_cases(b, k, v):
         ("temperature device", at("temp", lambda t: t.to("meta")), ValueError,
          ["temperature", "meta"]),
         ("tokens shape", at("tokens", lambda t: t[:, :-1]), ValueError, ["out_tokens", f"{k + 1}"]),
-        ("counter shape", at("prop", lambda t: torch.zeros(k + 1, dtype=torch.int64)), ValueError,
+        ("counter shape", at("prop", lambda t: t.new_zeros(k + 1)), ValueError,
          ["proposed_counts"]),
-        ("workspace vocab", at("ws", lambda w: kr.RejectionWorkspace.allocate(b, k, v + 3, "cpu")),
+        ("workspace vocab", at("ws", lambda w: kr.RejectionWorkspace.allocate(b, k, v + 3, device)),
          ValueError, ["workspace", str(v + 3)]),
         ("workspace type", at("ws", "nope"), TypeError, ["workspace", "str"]),
         ("bf16 interpreted", at("logits", lambda t: t.bfloat16()), TypeError, ["bfloat16"]),
@@ -627,16 +637,20 @@ def _state(batch):
     return [t.clone() for t in bufs]
 
 
-@interp
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", range(19))
-def test_bad_input_raises_and_writes_nothing(case):
+def test_bad_input_raises_and_writes_nothing(case, device, monkeypatch):
+    monkeypatch.setenv("SPECDRAFT_VALIDATE", "1")  # draft-id values: on for CUDA too
     b, k, v = 4, 3, 16
     logits, drafts, q, st, pos = random_case(b, k, v, KINDS, gen=torch.Generator().manual_seed(6))
     drafts[1] = torch.tensor([1, 2, 3])
-    batch = Batch(logits, drafts, q, st, pos)
+    batch = Batch(logits.to(device), drafts.to(device), q.to(device), _on(st, device),
+                  pos.to(device))  # fmt: skip
     batch.run()  # every buffer holds a real result
     before = _state(batch)
-    label, breaks, exc, words = _bad_cases(b, k, v)[case]
+    label, breaks, exc, words = _bad_cases(b, k, v, device)[case]
+    if label == "bf16 interpreted" and device == "cuda":
+        pytest.skip("bf16 runs on the GPU")
     args = [*batch.args, *batch.outs(), batch.ws]
     breaks(args)
     from specdraft import kernels
@@ -674,35 +688,41 @@ def test_bad_streams_and_sampler_limits():
 # ------------------------------------------------------------------ the runtime wrapper
 
 
-@interp
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("k_call", [0, 2, 4])
-def test_sampler_triton_and_torch_paths_agree(k_call):
+def test_sampler_triton_and_torch_paths_agree(k_call, device):
     """RejectionSampler sized for 9 requests x K 4 serves a smaller call (views of its
     buffers, params narrowed from a larger SamplingTensors); the PyTorch path gives the
     same tokens and counters."""
     from specdraft import ops
 
     b, v = 7, 16
-    logits, drafts, q, st, pos = random_case(
-        b, k_call, v, KINDS, gen=torch.Generator().manual_seed(8)
-    )
-    big = make_params(b + 3, KINDS)
-    rs = RejectionSampler(9, 4, v, "cpu")
+    cpu = random_case(b, k_call, v, KINDS, gen=torch.Generator().manual_seed(8))
+    logits, drafts, q, _, pos = (x.to(device) for x in cpu[:3] + (cpu[3].seed, cpu[4]))
+    big = make_params(b + 3, KINDS, device)
+    rs = RejectionSampler(9, 4, v, device)
     out = rs(logits, drafts, q, big, pos)
-    rt, rn, re = ref_rejection(logits, drafts, q, big.narrow(0, b), pos)
-    assert torch.equal(out.tokens, rt) and torch.equal(out.num_accepted, rn)
-    assert torch.equal(out.num_emitted, re)
+    rt, rn, re = ref_rejection(*cpu[:3], _cpu(big.narrow(0, b)), cpu[4])
+    assert torch.equal(out.tokens.cpu(), rt) and torch.equal(out.num_accepted.cpu(), rn)
+    assert torch.equal(out.num_emitted.cpu(), re)
     assert out.tokens.data_ptr() == rs.tokens.data_ptr()
-    counts = rs.counters_to_host().clone()
-    tokens = out.tokens.clone()
+    host = rs.counters_to_host()  # filled in stream order: wait before reading
+    if device == "cuda":
+        torch.cuda.synchronize()
+    counts, tokens = host.clone(), out.tokens.clone()
     with ops.use_backend("torch"):
-        rs2 = RejectionSampler(9, 4, v, "cpu")
+        rs2 = RejectionSampler(9, 4, v, device)
         out2 = rs2(logits, drafts, q, big, pos)
-    assert torch.equal(out2.tokens, tokens) and torch.equal(rs2.counters_to_host(), counts)
+        assert torch.equal(out2.tokens, tokens)
+        host2 = rs2.counters_to_host()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(host2, counts)
     # Greedy-only: q None.
-    gst = make_params(b, [SP(0.0)])
+    gst = make_params(b, [SP(0.0)], device)
     out3 = rs(logits, drafts, None, gst, pos)
-    assert torch.equal(out3.tokens, ref_rejection(logits, drafts, None, gst, pos)[0])
+    want = ref_rejection(*cpu[:2], None, _cpu(gst), cpu[4])[0]
+    assert torch.equal(out3.tokens.cpu(), want)
 
 
 def test_torch_path_matches_reference():
