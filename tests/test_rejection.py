@@ -247,9 +247,9 @@ def test_uniforms_bit_equal_to_keyed_uniform(stream, device):
     u, e = u.cpu(), e.cpu()
     ref = keyed_uniform(seed[:, None], pos[:, None], stream, v)[:, 0]
     assert torch.equal(u.view(torch.int32), ref.view(torch.int32))
-    # E = -log1p(-u) to float32 rounding (the race's winners depend on it).
+    # E = -log1p(-u) to float32 rounding, 2 ulps (libdevice log1pf: 1 ulp).
     ref_e = -torch.log1p(-ref.double())
-    assert ((e.double() - ref_e).abs() / ref_e).max() < 1.2e-7
+    assert ((e.double() - ref_e).abs() / ref_e).max() < 2.5e-7
     # Counter 0 is the acceptance draw (one per key).
     one = keyed_uniform(seed, pos, stream)
     assert torch.equal(u[:, 0].view(torch.int32), one.view(torch.int32))
