@@ -4,7 +4,8 @@ the embedded model, attention), then short tables.
 
     python -m bench.suite [--out results] [--quick] [--sweep] [--no-flex] [--only a,b]
 
---only picks parts: tests, host, capture, models, e2e, attention (default: all).
+--only picks parts: tests, host, capture, models, e2e, draft, rejection, attention
+(default: all).
 
 Exit status is non-zero when a test or a benchmark fails."""
 
@@ -61,7 +62,7 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--skip-tests", action="store_true")
-    ap.add_argument("--only", default="tests,host,capture,models,e2e,attention")
+    ap.add_argument("--only", default="tests,host,capture,models,e2e,draft,rejection,attention")
     args = ap.parse_args()
     parts = set(args.only.split(","))
     if args.skip_tests:
@@ -89,15 +90,23 @@ def main() -> int:
         from bench import e2e
 
         codes.append(e2e.main(out))
+    if "draft" in parts:
+        from bench import draft_round
+
+        codes.append(draft_round.main(out))
+    if "rejection" in parts:
+        from bench import rejection
+
+        codes.append(rejection.main(out))
     if "attention" in parts:
         from bench import attention
 
         bench_argv = out + ["--quick"] * args.quick + ["--sweep"] * args.sweep
         bench_argv += ["--no-flex"] * args.no_flex
         codes.append(attention.main(bench_argv))
-    for name in ("models", "capture", "e2e"):
+    for name in ("models", "capture", "e2e", "draft_round", "rejection"):
         md = args.out / f"{name}.md"
-        if md.exists() and name in parts:
+        if md.exists():
             print("\n" + md.read_text().strip())
     print(f"\n{host_line}\ntests: {summary}")
     return next((c for c in codes if c), 0)
