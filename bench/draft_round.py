@@ -35,26 +35,9 @@ DEVICE = "cuda"
 
 
 def smollm2_config(**overrides):
-    from specdraft.models.tiny import tiny_config
+    from specdraft.models.tiny import smollm2_135m_config
 
-    base = dict(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-        dtype=torch.bfloat16,
-    )
-    from specdraft.models.config import RopeConfig
-
-    base["rope"] = RopeConfig(theta=100000.0)
-    base.update(overrides)
-    return tiny_config(**base)
+    return smollm2_135m_config(**overrides)
 
 
 def build(case: str, max_positions: int):

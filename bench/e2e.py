@@ -27,33 +27,13 @@ from specdraft.demo import load_engine
 from specdraft.generate import timed_generate
 
 
-def smollm2_config():
-    """SmolLM2-135M-Instruct's shapes (as its GGUF metadata gives them)."""
-    from specdraft.models.config import DecoderConfig, RopeConfig
-
-    return DecoderConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=8192,
-        rope=RopeConfig(theta=100000.0),
-        tie_word_embeddings=True,
-        dtype=torch.bfloat16,
-    )
-
-
 class RandomSetup:
     """Engine and transformers model over the same seeded random SmolLM2-shaped weights."""
 
     def __init__(self):
-        from specdraft.models.tiny import random_weights
+        from specdraft.models.tiny import random_weights, smollm2_135m_config
 
-        self.cfg = smollm2_config()
+        self.cfg = smollm2_135m_config()
         self.weights = random_weights(self.cfg, seed=0)
 
     def engine(self, batch: int):

