@@ -181,7 +181,7 @@ class TargetRunner:
         ids = meta.input_ids
         fed = ids < 0
         ids = torch.where(fed, self.last_token[(-1 - ids).clamp(min=0)], ids)
-        _, logits = self.model(ids, meta, self.cache)
+        logits = self._model_call(ids, meta, all_logits=False)
         r = meta.num_reqs
         rows = self.buffers.row_slots[:r]
         pos = meta.positions.index_select(0, meta.last_token_idx) + 1  # the drawn token's
@@ -202,7 +202,8 @@ class TargetRunner:
         is greedy and wants no log-probabilities (the argmax graph set)."""
         r, t = batch.num_reqs, batch.num_tokens
         desc: BatchExecutionDescriptor | None = None
-        if t == r:  # decode only: one token per request
+        # Kept features come from eager steps only (a graph returns what it captured).
+        if t == r and getattr(self, "_features", None) is None:
             desc = self._graphs[greedy].dispatch(r, t, uniform_token_count=1, max_query_len=1)
         if desc is None:
             meta = self.builder.build(batch)
@@ -239,6 +240,27 @@ class TargetRunner:
             self._graphs[greedy].replay(desc)
             self.graph_steps += 1
         self.steps += 1
+
+    # ---- target features for EAGLE drafts --------------------------------------------
+
+    def keep_features(self, aux_layers: tuple[int, ...] | None = None) -> None:
+        """Keep the target's features of every token of later eager steps in
+        `last_features`: the final hidden states [T, h] (what an EAGLE-1 head reads), or
+        with aux_layers the residual streams entering those layers, concatenated
+        [T, len * h] (EAGLE-3)."""
+        self._features = ("aux", tuple(aux_layers)) if aux_layers else ("hidden", None)
+
+    def _model_call(self, ids: torch.Tensor, meta: AttentionMetadata, *, all_logits: bool):
+        kind, layers = getattr(self, "_features", (None, None))
+        if kind == "aux":
+            _, logits, feats = self.model(
+                ids, meta, self.cache, all_logits=all_logits, aux_layers=layers
+            )
+        else:
+            feats, logits = self.model(ids, meta, self.cache, all_logits=all_logits)
+        if kind is not None:
+            self.last_features = feats
+        return logits
 
     # ---- verification (speculative decoding) ----------------------------------------
 
@@ -291,7 +313,7 @@ class TargetRunner:
         slots.copy_(torch.where(valid.view(-1), slots, -1))
         self.builder._last = None  # the buffers no longer hold a built batch
         meta = self.builder._metadata(r, t, w, t, r)
-        _, logits = self.model(buf.input_ids[:t], meta, self.cache, all_logits=True)
+        logits = self._model_call(buf.input_ids[:t], meta, all_logits=True)
         self.steps += 1
         return logits
 

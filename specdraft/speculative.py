@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .batch import ScheduledBatch
+from .draft_inputs import DraftKind
 from .drafter import Drafter
 from .generate import GenerationOutput
 from .rejection import RejectionSampler
@@ -75,6 +76,7 @@ class SpeculativeEngine:
         k: int = 3,
         tokenizer=None,
         seed: int | None = None,
+        aux_layers: Sequence[int] | None = None,
     ):
         if not isinstance(runner, TargetRunner):
             raise TypeError(f"runner must be a TargetRunner, got {type(runner).__name__}")
@@ -94,6 +96,19 @@ class SpeculativeEngine:
         self.seeds = SeedSource(seed)
         self.rejection = RejectionSampler(runner.limits.max_num_reqs, k, vocab, runner.device)
         runner._verify_buffers(k)
+        # EAGLE heads read the target's features of every verified token.
+        self.eagle = drafter.kind is not DraftKind.LLAMA
+        if self.eagle:
+            n = runner.model.cfg.num_layers
+            aux = None
+            if drafter.kind is DraftKind.EAGLE3:
+                aux = (2, n // 2, n - 3) if aux_layers is None else tuple(aux_layers)
+                if drafter.hidden_in != len(aux) * runner.model.cfg.hidden_size:
+                    raise ValueError(
+                        f"the EAGLE-3 head reads {drafter.hidden_in} features, aux_layers "
+                        f"{aux} give {len(aux) * runner.model.cfg.hidden_size}"
+                    )
+            runner.keep_features(aux)
         self.stats = SpecStats(proposed=[0] * k, accepted=[0] * k)
         self._count = 0
 
@@ -153,18 +168,22 @@ class SpeculativeEngine:
             req.params = self.seeds.resolve(req.params)
             tables.add_request(rid, len(req.prompt) + 2 * w)
             rows.append(tables.row_of(rid))
-            drafter.add_request(rid, req.prompt, req.params, k)
         runner.sampling.write_rows(rows, [r.params for r in group])
         greedy = all(r.params.greedy for r in group)
-        self._prefill(group, ids, greedy)
+        feats = self._prefill(group, ids, greedy)
+        for i, (req, rid) in enumerate(zip(group, ids)):
+            hidden = None if feats is None else torch.cat(feats[i])
+            drafter.add_request(rid, req.prompt, req.params, k, target_hidden=hidden)
+        hidden_in = None
+        if feats is not None:  # the last prompt row predicted the first token
+            hidden_in = torch.stack([f[-1][-1:] for f in feats])  # [B, 1, h]
         dev = runner.device
         rows_t = torch.tensor(rows, dtype=torch.int64).to(dev)
         first = runner.last_token.index_select(0, rows_t)  # the target's first tokens
         runner.committed.index_copy_(
             0, rows_t, torch.tensor([len(r.prompt) for r in group], dtype=torch.int64).to(dev)
         )
-        verified = torch.zeros(len(group), w, dtype=torch.int64, device=dev)
-        verified[:, 0] = first
+        verified = first[:, None].clone()  # a one-row verified block: the first token
         accepted = torch.zeros(len(group), dtype=torch.int32, device=dev)
         pending = self._readback_first(first)
         active = list(range(len(group)))  # positions in `group` of the batch rows
@@ -178,11 +197,15 @@ class SpeculativeEngine:
                     raise RuntimeError(
                         f"the target's KV cache is out of blocks for request {req.index}"
                     )
-            proposal = drafter.propose(batch_ids, verified, accepted, k=[k] * len(batch), k_max=k)
+            proposal = drafter.propose(
+                batch_ids, verified, accepted, k=[k] * len(batch), k_max=k, target_hidden=hidden_in
+            )
             b = len(batch)
             runner.verify_first[:b].copy_(verified[torch.arange(b, device=dev), accepted.long()])
             runner.verify_drafts[:b, :k].copy_(proposal.tokens)
             logits = runner.execute_verify(b, k, rows=batch_rows)
+            if self.eagle:  # the state at verify row j predicted the token after it
+                hidden_in = runner.last_features.view(b, w, -1)
             vrows = runner.verify_rows[:b]
             params = runner.sampling.select(vrows)
             positions = runner.committed.index_select(0, vrows) + 1
@@ -199,27 +222,38 @@ class SpeculativeEngine:
                 idx = torch.tensor(keep, dtype=torch.int64).to(dev)
                 verified = out.tokens.index_select(0, idx).clone()
                 accepted = out.num_accepted.index_select(0, idx).clone()
+                if hidden_in is not None:
+                    hidden_in = hidden_in.index_select(0, idx)
                 active = [active[j] for j in keep]
             else:
                 verified, accepted = out.tokens.clone(), out.num_accepted.clone()
+                if hidden_in is not None:
+                    hidden_in = hidden_in.clone()
         if pending is not None:
             self._process(group, *pending, stream)
         self.rejection_counters()
 
-    def _prefill(self, group: list[_Req], ids: list[int], greedy: bool) -> None:
+    def _prefill(self, group: list[_Req], ids: list[int], greedy: bool):
         """The prompts through the target in chunks under the token budget; the last
-        chunk of each prompt samples the request's first token (runner.last_token)."""
+        chunk of each prompt samples the request's first token (runner.last_token). For
+        EAGLE drafts returns each request's target features, chunk by chunk."""
         budget = self.runner.limits.max_num_tokens
         done = [0] * len(group)
+        feats = [[] for _ in group] if self.eagle else None
         while any(d < len(r.prompt) for d, r in zip(done, group)):
-            sched, used = [], 0
+            sched, spans, used = [], [], 0
             for i, r in enumerate(group):
                 n = min(len(r.prompt) - done[i], budget - used)
                 if n > 0:
                     sched.append((ids[i], r.prompt[done[i] : done[i] + n], done[i]))
+                    spans.append((i, used, n))
                     done[i] += n
                     used += n
             self.runner.execute(ScheduledBatch.from_requests(sched), greedy=greedy)
+            if feats is not None:
+                for i, start, n in spans:
+                    feats[i].append(self.runner.last_features[start : start + n].clone())
+        return feats
 
     def _readback_first(self, first: torch.Tensor):
         toks = torch.empty((first.shape[0], 1), dtype=torch.int64, pin_memory=first.is_cuda)

@@ -67,6 +67,30 @@ def test_greedy_equals_target_only(models, k):
             assert (rate == 1.0) if accepts else (rate < 0.5)
 
 
+def test_eagle_heads_greedy_equals_target_only():
+    """EAGLE-1 and EAGLE-3 heads fed the target's features (final hidden states;
+    auxiliary layers 2, 2, 1 of a 4-layer target) through prefill and verification."""
+    from specdraft.models.tiny import eagle_config, random_eagle3_head, random_eagle_head
+
+    cfg = tiny_config(num_layers=4)
+    target = random_causal_lm(cfg, seed=0, dtype=torch.float32)
+    with ops.use_backend("torch"):
+        ref = Engine(
+            TargetRunner(
+                target, max_num_reqs=4, max_num_tokens=64, max_model_len=128, num_blocks=40
+            )
+        ).generate(PROMPTS, max_new_tokens=10)
+        heads = [
+            random_eagle_head(eagle_config(cfg), target, seed=1),
+            random_eagle3_head(
+                eagle_config(cfg, draft_vocab_size=64), target=target, seed=2, dtype=torch.float32
+            ),
+        ]
+        for head in heads:
+            out = spec_engine(target, head, k=2).generate(PROMPTS, max_new_tokens=10)
+            assert [o.token_ids for o in out] == [o.token_ids for o in ref], type(head)
+
+
 def test_stop_id_inside_an_accepted_block_truncates(models):
     target, same, _ = models
     with ops.use_backend("torch"):
