@@ -85,6 +85,11 @@ def paged_attention(
     v = v_cache[blocks].reshape(num_reqs, nb * block_size, num_kv_heads, head_dim)[:, :l_max]
     k_pos = torch.arange(l_max, device=q.device)
     key_ok = blk_ok.repeat_interleave(block_size, dim=1)[:, :l_max] & (k_pos < seq[:, None])
+    # Keys a request may not see are zeroed, not only masked: the cache past a request's
+    # length holds whatever was there (NaN included), and 0 * NaN in the weighted sum of
+    # V would poison the row. The kernel's masked loads read 0 for them too.
+    k = torch.where(key_ok[:, :, None, None], k, 0)
+    v = torch.where(key_ok[:, :, None, None], v, 0)
     j = torch.arange(n_max, device=q.device)
     q_ok = (j < n[:, None]) & active[:, None]  # [R, n_max]
     tok = (starts[:, None] + j).clamp(max=num_tokens - 1)

@@ -45,10 +45,17 @@ def hf_tokens():
     return out
 
 
+def poison(cache) -> None:
+    """NaN in every block but the null one: nothing may read K/V it did not write."""
+    cache.data[:, :, 1:].fill_(float("nan"))
+
+
 def engine(model, **kw) -> Engine:
     args = dict(max_num_reqs=4, max_num_tokens=64, max_model_len=64, num_blocks=40)
     args.update(kw)
-    return Engine(TargetRunner(model, **args))
+    runner = TargetRunner(model, **args)
+    poison(runner.cache)
+    return Engine(runner)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

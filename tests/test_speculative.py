@@ -38,6 +38,9 @@ def spec_engine(target, draft, *, k=3, max_num_reqs=4, **kw):
         max_model_len=128,
         num_blocks=max_num_reqs * 8 + 1,
     )
+    # NaN in every block but the null one: nothing may read K/V it did not write.
+    for cache in (runner.cache, drafter.loop.cache):
+        cache.data[:, :, 1:].fill_(float("nan"))
     return SpeculativeEngine(runner, drafter, k=k)
 
 

@@ -133,3 +133,22 @@ def test_cpu_tensors_without_interpreter_get_a_clear_error(monkeypatch):
     monkeypatch.setattr(guard, "INTERPRET", False)
     with pytest.raises(ValueError, match="need an NVIDIA GPU.*TRITON_INTERPRET=1"):
         kernels.silu_and_mul(torch.randn(2, 8))
+
+
+def test_paged_attention_ignores_nan_past_each_length():
+    """The cache past a request's length holds whatever was there; NaN there must not
+    reach the output (0 * NaN in the weighted sum of V was the failure mode)."""
+    gen = torch.Generator().manual_seed(11)
+    q, kc, vc, qsl, sl, bt = _pa_case([1, 3], [5, 20], gen)
+    want = kernels.paged_attention(q, kc, vc, qsl, sl, bt, 0.2, max_query_len=3)
+    for r, n in enumerate(sl.tolist()):
+        row = bt[r]
+        for pos in range(n, row.numel() * 16):
+            blk = int(row[pos // 16])
+            if blk:  # block 0 is shared padding
+                kc[blk, pos % 16] = float("nan")
+                vc[blk, pos % 16] = float("nan")
+    kc[0], vc[0] = float("nan"), float("nan")
+    got = torch_ops.paged_attention(q, kc, vc, qsl, sl, bt, 0.2)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got[:4], want[:4], atol=2e-6, rtol=1e-5)
