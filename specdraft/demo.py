@@ -148,14 +148,7 @@ def _speculate(engine, ids, params, max_new, args, target_tok_s, target_out):
     spec.generate(ids[:1], params=params, max_new_tokens=2)  # warm-up
     spec.stats.proposed = [0] * args.k
     spec.stats.accepted = [0] * args.k
-    cuda = runner.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    outs = spec.generate(ids, params=params, max_new_tokens=max_new)
-    if cuda:
-        torch.cuda.synchronize()
-    secs = time.perf_counter() - t0
+    outs, secs = timed_generate(spec, ids, params=params, max_new_tokens=max_new)
     n = sum(len(o.token_ids) for o in outs)
     st = spec.stats
     per_pos = ", ".join(f"{a / p:.2f}" if p else "-" for a, p in zip(st.accepted, st.proposed))

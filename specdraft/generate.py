@@ -95,8 +95,35 @@ class Engine:
         stop_token_ids: Sequence[int] | None = None,
         logprobs: bool = False,
     ) -> int:
-        """Queue one request; returns its index. Everything is checked here, before the
-        engine's state changes."""
+        """Queue one request; returns its index. Everything is checked (check_request)
+        before the engine's state changes."""
+        req = self.check_request(
+            prompt,
+            params=params,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stop_token_ids,
+            logprobs=logprobs,
+        )
+        req.index = next(self._ids)
+        req.params = self.seeds.resolve(req.params)
+        if self.tokenizer is not None:
+            req.decoder = self.tokenizer.stream_decoder()
+        self.waiting.append(req)
+        return req.index
+
+    def check_request(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        params: SamplingParams | None = None,
+        max_new_tokens: int = 64,
+        stop_token_ids: Sequence[int] | None = None,
+        logprobs: bool = False,
+        headroom: int = 0,
+    ) -> _Request:
+        """A checked, unqueued request (index -1): ValueError / TypeError naming the bad
+        argument, nothing changed. headroom: tokens past the output the caller needs
+        room for (a speculative step in flight)."""
         ids = self._prompt_ids(prompt)
         params = params if params is not None else GREEDY
         if not isinstance(params, SamplingParams):
@@ -106,24 +133,14 @@ class Engine:
         limit = self.runner.limits.max_model_len
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if len(ids) + max_new_tokens > limit:
+        if len(ids) + max_new_tokens + headroom > limit:
+            extra = f" + {headroom} in flight" if headroom else ""
             raise ValueError(
-                f"prompt of {len(ids)} tokens + max_new_tokens {max_new_tokens} is over "
+                f"prompt of {len(ids)} tokens + max_new_tokens {max_new_tokens}{extra} is over "
                 f"max_model_len {limit}"
             )
         stops = self._stop_ids(stop_token_ids)
-        req = _Request(
-            next(self._ids),
-            ids,
-            self.seeds.resolve(params),
-            int(max_new_tokens),
-            stops,
-            bool(logprobs),
-        )
-        if self.tokenizer is not None:
-            req.decoder = self.tokenizer.stream_decoder()
-        self.waiting.append(req)
-        return req.index
+        return _Request(-1, ids, params, int(max_new_tokens), stops, bool(logprobs))
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -360,10 +377,8 @@ class Engine:
         if self.has_work():
             raise RuntimeError("generate() needs an idle engine; finish the running requests")
         # Check every request before queueing any: a bad one leaves the engine idle.
-        staged = Engine(self.runner, self.tokenizer)
-        staged.vocab_size = self.vocab_size
         for p, sp in zip(prompts, per):
-            staged.add_request(
+            self.check_request(
                 p,
                 params=sp,
                 max_new_tokens=max_new_tokens,
@@ -406,8 +421,9 @@ class Engine:
         return out
 
 
-def timed_generate(engine: Engine, prompts, **kw) -> tuple[list[GenerationOutput], float]:
-    """generate() and its wall time in seconds (the device drained at both ends)."""
+def timed_generate(engine, prompts, **kw) -> tuple[list[GenerationOutput], float]:
+    """engine.generate() (an Engine or a SpeculativeEngine) and its wall time in seconds,
+    the device drained at both ends."""
     import torch
 
     cuda = engine.runner.device.type == "cuda"

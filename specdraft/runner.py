@@ -151,6 +151,8 @@ class TargetRunner:
         self.steps = 0
         self.graph_steps = 0
         self.advanced_steps = 0  # decode steps that uploaded nothing (execute_next)
+        self._features: tuple[str, tuple[int, ...] | None] | None = None  # keep_features
+        self._vk: int | None = None  # the k_max the verification buffers are sized for
         self._last: tuple[int, BatchExecutionDescriptor | None, bool] | None = None
 
     # ---- requests -------------------------------------------------------------------
@@ -203,7 +205,7 @@ class TargetRunner:
         r, t = batch.num_reqs, batch.num_tokens
         desc: BatchExecutionDescriptor | None = None
         # Kept features come from eager steps only (a graph returns what it captured).
-        if t == r and getattr(self, "_features", None) is None:
+        if t == r and self._features is None:
             desc = self._graphs[greedy].dispatch(r, t, uniform_token_count=1, max_query_len=1)
         if desc is None:
             meta = self.builder.build(batch)
@@ -251,7 +253,7 @@ class TargetRunner:
         self._features = ("aux", tuple(aux_layers)) if aux_layers else ("hidden", None)
 
     def _model_call(self, ids: torch.Tensor, meta: AttentionMetadata, *, all_logits: bool):
-        kind, layers = getattr(self, "_features", (None, None))
+        kind, layers = self._features or (None, None)
         if kind == "aux":
             _, logits, feats = self.model(
                 ids, meta, self.cache, all_logits=all_logits, aux_layers=layers
@@ -266,7 +268,7 @@ class TargetRunner:
 
     def _verify_buffers(self, k_max: int) -> None:
         """Persistent inputs of the verification step, sized once for k_max."""
-        if getattr(self, "_vk", None) == k_max:
+        if self._vk == k_max:
             return
         dev, r = self.device, self.limits.max_num_reqs + 1
         self._vk = k_max
@@ -275,6 +277,8 @@ class TargetRunner:
         self.verify_first = torch.zeros(r, dtype=torch.int64, device=dev)
         self.verify_drafts = torch.full((r, k_max), -1, dtype=torch.int64, device=dev)
         self._arange_w = torch.arange(k_max + 1, device=dev)
+        # query_start_loc and last-row indices of uniform (k + 1)-row batches, per k
+        self._verify_index: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._rows_ring = PinnedRing(r, torch.int64, dev)
 
     def execute_verify(self, num_reqs: int, k: int, *, rows: list[int]) -> torch.Tensor:
@@ -303,9 +307,15 @@ class TargetRunner:
         buf.input_ids[:t].copy_(ids.view(-1))
         buf.positions[:t].copy_(pos.view(-1))
         buf.seq_lens[:r].copy_(base + w)
-        buf.query_start_loc[: r + 1].copy_(torch.arange(0, t + 1, w, device=self.device))
+        qsl, last = self._verify_index.get(w, (None, None))
+        if qsl is None:
+            n = self.limits.max_num_reqs
+            qsl = torch.arange(0, n * w + 1, w, device=self.device)
+            last = torch.arange(w - 1, n * w, w, device=self.device)
+            self._verify_index[w] = (qsl, last)
+        buf.query_start_loc[: r + 1].copy_(qsl[: r + 1])
         buf.row_slots[:r].copy_(vrows)
-        buf.last_token_idx[:r].copy_(torch.arange(w - 1, t, w, device=self.device))
+        buf.last_token_idx[:r].copy_(last[:r])
         self.tables.commit()
         self.builder._slot_mapping(r, t)
         valid = torch.cat([torch.ones_like(drafts[:, :1], dtype=torch.bool), drafts >= 0], 1)

@@ -31,10 +31,11 @@ import torch
 from .batch import ScheduledBatch
 from .draft_inputs import DraftKind
 from .drafter import Drafter
-from .generate import GenerationOutput
+from .generate import Engine, GenerationOutput
 from .rejection import RejectionSampler
 from .runner import TargetRunner
 from .sampling import SamplingParams, SeedSource
+from .staging import PinnedRing
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,19 @@ class SpeculativeEngine:
                     )
             runner.keep_features(aux)
         self.stats = SpecStats(proposed=[0] * k, accepted=[0] * k)
+        self._checker = Engine(runner, tokenizer)  # request checks only; never run
+        r = runner.limits.max_num_reqs
+        self._index_ring = PinnedRing(r, torch.int64, runner.device)
+        pin = runner.device.type == "cuda"
+        # pinned readback slots, reused round robin (one step in flight, one being read)
+        self._host = [
+            (
+                torch.empty((r, k + 1), dtype=torch.int64, pin_memory=pin),
+                torch.empty(r, dtype=torch.int32, pin_memory=pin),
+            )
+            for _ in range(3)
+        ]
+        self._next_host = 0
         self._count = 0
 
     # ---- generate -------------------------------------------------------------------
@@ -125,25 +139,27 @@ class SpeculativeEngine:
     ) -> list[GenerationOutput]:
         """Like Engine.generate, speculating k tokens per step. Greedy output equals the
         target's own greedy decoding; sampled output is distributed as the target's."""
-        from .generate import Engine
-
-        # The same checks as target-only generate (an Engine shares the runner's limits),
-        # with room for the two steps in flight past the last token.
-        check = Engine(self.runner, self.tokenizer)
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise TypeError("prompts must be a list of prompts (text or token-id lists)")
+        if not prompts:
+            raise ValueError("prompts is empty")
         if params is None or isinstance(params, SamplingParams):
             per = [params] * len(prompts)
         else:
             per = list(params)
             if len(per) != len(prompts):
                 raise ValueError(f"params has {len(per)} entries for {len(prompts)} prompts")
+        # Target-only generate's checks, with room for the two steps past the last token.
         reqs = []
-        slack = 2 * (self.k + 1)
         for p, sp in zip(prompts, per):
-            check.add_request(
-                p, params=sp, max_new_tokens=max_new_tokens + slack, stop_token_ids=stop_token_ids
+            c = self._checker.check_request(
+                p,
+                params=sp,
+                max_new_tokens=max_new_tokens,
+                stop_token_ids=stop_token_ids,
+                headroom=2 * (self.k + 1),
             )
-            c = check.waiting.pop()
-            reqs.append(_Req(len(reqs), c.prompt, c.params, max_new_tokens, c.stop_ids))
+            reqs.append(_Req(len(reqs), c.prompt, c.params, c.max_new_tokens, c.stop_ids))
         size = self.runner.limits.max_num_reqs
         for i in range(0, len(reqs), size):
             self._run_group(reqs[i : i + size], stream)
@@ -178,11 +194,9 @@ class SpeculativeEngine:
         if feats is not None:  # the last prompt row predicted the first token
             hidden_in = torch.stack([f[-1][-1:] for f in feats])  # [B, 1, h]
         dev = runner.device
-        rows_t = torch.tensor(rows, dtype=torch.int64).to(dev)
+        rows_t = self._upload_index(rows)
         first = runner.last_token.index_select(0, rows_t)  # the target's first tokens
-        runner.committed.index_copy_(
-            0, rows_t, torch.tensor([len(r.prompt) for r in group], dtype=torch.int64).to(dev)
-        )
+        runner.committed.index_copy_(0, rows_t, self._upload_index([len(r.prompt) for r in group]))
         verified = first[:, None].clone()  # a one-row verified block: the first token
         accepted = torch.zeros(len(group), dtype=torch.int32, device=dev)
         pending = self._readback_first(first)
@@ -219,7 +233,7 @@ class SpeculativeEngine:
                 for i in active:
                     if group[i].finished:
                         self._drop(ids[i])
-                idx = torch.tensor(keep, dtype=torch.int64).to(dev)
+                idx = self._upload_index(keep)
                 verified = out.tokens.index_select(0, idx).clone()
                 accepted = out.num_accepted.index_select(0, idx).clone()
                 if hidden_in is not None:
@@ -262,12 +276,20 @@ class SpeculativeEngine:
         return self._event(), (toks, counts), list(range(first.shape[0]))
 
     def _readback(self, out, b: int):
-        pin = out.tokens.is_cuda
-        toks = torch.empty(tuple(out.tokens.shape), dtype=torch.int64, pin_memory=pin)
-        counts = torch.empty(b, dtype=torch.int32, pin_memory=pin)
+        toks, counts = self._host[self._next_host]
+        self._next_host = (self._next_host + 1) % len(self._host)
+        toks, counts = toks[:b], counts[:b]
         toks.copy_(out.tokens, non_blocking=True)
         counts.copy_(out.num_emitted, non_blocking=True)
         return self._event(), (toks, counts)
+
+    def _upload_index(self, values: list[int]) -> torch.Tensor:
+        """A device int64 index from host ints through pinned memory (no sync)."""
+        slot, host = self._index_ring.acquire()
+        host[: len(values)] = torch.as_tensor(values, dtype=torch.int64)
+        dst = torch.empty(len(values), dtype=torch.int64, device=self.runner.device)
+        self._index_ring.copy_to(slot, dst, len(values))
+        return dst
 
     def _event(self):
         if self.runner.device.type != "cuda":

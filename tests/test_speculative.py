@@ -218,3 +218,69 @@ def test_planted_rollback_bug_is_caught(small_pair):
         counts = sample_joint(target, draft, N, planted_bug=True)
     stat, df = chi_square(counts, joint, N)
     assert stat > df + 10 * math.sqrt(2 * df), (stat, df)
+
+
+@pytest.mark.parametrize(
+    "call, exc, words",
+    [
+        (lambda se: se.generate([[]]), ValueError, "prompt is empty"),
+        (lambda se: se.generate([[1, 999]]), ValueError, "outside [0, 256)"),
+        (
+            lambda se: se.generate([list(range(110))], max_new_tokens=20),
+            ValueError,
+            "max_model_len",
+        ),
+        (lambda se: se.generate([[1]], stop_token_ids=[-3]), ValueError, "stop_token_ids"),
+        (lambda se: se.generate([[1]], params=[SamplingParams()] * 2), ValueError, "params"),
+        (lambda se: se.generate("abc"), TypeError, "prompts"),
+        (lambda se: se.generate([[1]], max_new_tokens=0), ValueError, "max_new_tokens"),
+    ],
+)
+def test_bad_input_changes_nothing(models, call, exc, words):
+    target, same, _ = models
+    with ops.use_backend("torch"):
+        se = spec_engine(target, same, k=2)
+        se.runner.cache.data.normal_()
+        se.drafter.loop.cache.data.normal_()
+        before = [
+            t.clone()
+            for t in (
+                se.runner.cache.data,
+                se.drafter.loop.cache.data,
+                se.runner.tables.rows,
+                se.runner.committed,
+            )
+        ]
+        free = (se.runner.tables.num_free_blocks, se.drafter.tables.num_free_blocks)
+        with pytest.raises(exc) as info:
+            call(se)
+        assert words in str(info.value)
+        after = (
+            se.runner.cache.data,
+            se.drafter.loop.cache.data,
+            se.runner.tables.rows,
+            se.runner.committed,
+        )
+        assert all(torch.equal(a, b) for a, b in zip(before, after))
+        assert free == (se.runner.tables.num_free_blocks, se.drafter.tables.num_free_blocks)
+        assert len(se.generate([[1, 2]], max_new_tokens=3)[0].token_ids) == 3
+
+
+@pytest.mark.parametrize(
+    "kw, exc, words",
+    [
+        (dict(k=0), ValueError, "k must be"),
+        (dict(k=9), ValueError, "k must be"),
+        (dict(k=True), ValueError, "k must be"),
+    ],
+)
+def test_bad_engine_arguments(models, kw, exc, words):
+    target, same, _ = models
+    runner = TargetRunner(
+        target, max_num_reqs=2, max_num_tokens=64, max_model_len=128, num_blocks=20
+    )
+    drafter = Drafter(same, max_num_reqs=2, k_max_options=(3,), max_model_len=128, num_blocks=20)
+    with pytest.raises(exc, match=words):
+        SpeculativeEngine(runner, drafter, **kw)
+    with pytest.raises(TypeError, match="runner"):
+        SpeculativeEngine(object(), drafter)
