@@ -2,7 +2,7 @@
 preparation under pytest-benchmark, graph capture and replay, draft models, end to end on
 the embedded model, attention), then short tables.
 
-    python -m bench.suite [--out results] [--quick] [--sweep] [--no-flex] [--only a,b]
+    python -m bench.suite [--out results] [--quick] [--sweep] [--no-flex] [--only a,b] [--jobs 4]
 
 --only picks parts: tests, host, capture, models, e2e, draft, rejection, attention
 (default: all).
@@ -12,6 +12,7 @@ Exit status is non-zero when a test or a benchmark fails."""
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,18 +20,42 @@ from pathlib import Path
 import torch
 
 
-def run_tests(out_dir: Path) -> tuple[int, str]:
+def _shards(files: list[Path], jobs: int) -> list[list[Path]]:
+    """Spread test files over `jobs` groups, largest first, by file size as a cost proxy."""
+    groups: list[list[Path]] = [[] for _ in range(max(1, jobs))]
+    loads = [0] * len(groups)
+    for f in sorted(files, key=lambda f: f.stat().st_size, reverse=True):
+        i = loads.index(min(loads))
+        groups[i].append(f)
+        loads[i] += f.stat().st_size
+    return [g for g in groups if g]
+
+
+def run_tests(out_dir: Path, jobs: int = 1) -> tuple[int, str]:
+    """Every test, in `jobs` pytest processes at once (Triton compiles on the host's
+    cores); returns the exit status and one combined summary line."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    log = out_dir / "gpu_tests.log"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]
-    with log.open("w") as f:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        f.write(proc.stdout)
-    lines = [ln for ln in proc.stdout.strip().splitlines() if ln.strip()]
-    failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
-    for ln in failed[:20]:
-        print(ln)
-    return proc.returncode, lines[-1] if lines else "(no pytest output)"
+    files = sorted(Path("tests").glob("test_*.py"))
+    procs = []
+    for i, group in enumerate(_shards(files, jobs)):
+        log = (out_dir / f"gpu_tests_{i}.log").open("w")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE"]
+        cmd += [str(f) for f in group]
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
+    rc, counts = 0, {}
+    for i, (proc, log) in enumerate(procs):
+        rc = proc.wait() or rc
+        log.close()
+        text = (out_dir / f"gpu_tests_{i}.log").read_text()
+        for ln in text.splitlines():
+            if ln.startswith(("FAILED", "ERROR")):
+                print(ln)
+        lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+        for n, word in re.findall(r"(\d+) (passed|failed|skipped|xfailed|xpassed|errors?)",
+                                  lines[-1] if lines else ""):
+            counts[word] = counts.get(word, 0) + int(n)
+    summary = ", ".join(f"{n} {w}" for w, n in counts.items()) or "(no pytest output)"
+    return rc, f"{summary} ({len(procs)} processes)"
 
 
 def run_host_prep(out_dir: Path) -> tuple[int, str]:
@@ -62,6 +87,7 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--jobs", type=int, default=4, help="pytest processes for the tests")
     ap.add_argument("--only", default="tests,host,capture,models,e2e,draft,rejection,attention")
     args = ap.parse_args()
     parts = set(args.only.split(","))
@@ -70,7 +96,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench.suite needs an NVIDIA GPU; run `pytest` for the CPU tests")
         return 2
-    rc, summary = run_tests(args.out) if "tests" in parts else (0, "tests skipped")
+    rc, summary = run_tests(args.out, args.jobs) if "tests" in parts else (0, "tests skipped")
     print(f"tests: {summary}", flush=True)
     host_line, codes = "host prep: skipped", [rc]
     if "host" in parts:

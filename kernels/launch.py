@@ -34,7 +34,8 @@ class CachedLaunch:
     def __call__(self, key: Hashable, grid: tuple[int, ...], args: tuple, options: dict) -> None:
         compiled = self._compiled.get(key)
         if compiled is not None:
-            compiled[grid](*args)
+            # The compiled handle takes a full (x, y, z) grid; the JIT pads it itself.
+            compiled[tuple(grid) + (1,) * (3 - len(grid))](*args)
             return
         ret = self.jit_fn[grid](*args, **options)
         if CompiledKernel is not None and isinstance(ret, CompiledKernel):

@@ -4,6 +4,8 @@ reproducible, the PyTorch and Triton paths agree, and bad input changes nothing.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -50,6 +52,14 @@ def poison(cache) -> None:
     cache.data[:, :, 1:].fill_(float("nan"))
 
 
+def on_backend(model, backend: str):
+    """The model where `backend` runs: Triton kernels need CUDA tensors on a GPU machine
+    (the interpreter takes CPU tensors only where there is no GPU)."""
+    if backend == "triton" and torch.cuda.is_available():
+        return copy.deepcopy(model).to("cuda")
+    return model
+
+
 def engine(model, **kw) -> Engine:
     args = dict(max_num_reqs=4, max_num_tokens=64, max_model_len=64, num_blocks=40)
     args.update(kw)
@@ -61,7 +71,7 @@ def engine(model, **kw) -> Engine:
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_greedy_equals_transformers(model, hf_tokens, backend):
     with ops.use_backend(backend):
-        out = engine(model).generate(PROMPTS, max_new_tokens=STEPS)
+        out = engine(on_backend(model, backend)).generate(PROMPTS, max_new_tokens=STEPS)
     assert [o.token_ids for o in out] == hf_tokens
     assert all(o.finish_reason == "length" for o in out)
 
@@ -84,7 +94,7 @@ def test_seeded_sampling_reproducible_and_paths_agree(model):
     runs = []
     for backend in ("torch", "triton", "torch"):
         with ops.use_backend(backend):
-            e = engine(model)
+            e = engine(on_backend(model, backend))
             runs.append(e.generate(PROMPTS, params=params, max_new_tokens=STEPS, logprobs=True))
     toks = [[o.token_ids for o in run] for run in runs]
     assert toks[0] == toks[1] == toks[2]
