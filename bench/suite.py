@@ -51,8 +51,9 @@ def run_tests(out_dir: Path, jobs: int = 1) -> tuple[int, str]:
             if ln.startswith(("FAILED", "ERROR")):
                 print(ln)
         lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-        for n, word in re.findall(r"(\d+) (passed|failed|skipped|xfailed|xpassed|errors?)",
-                                  lines[-1] if lines else ""):
+        for n, word in re.findall(
+            r"(\d+) (passed|failed|skipped|xfailed|xpassed|errors?)", lines[-1] if lines else ""
+        ):
             counts[word] = counts.get(word, 0) + int(n)
     summary = ", ".join(f"{n} {w}" for w, n in counts.items()) or "(no pytest output)"
     return rc, f"{summary} ({len(procs)} processes)"

@@ -47,8 +47,10 @@ class PagedAttention(torch.nn.Module):
         scale = head_dim**-0.5 if scale is None else scale
         # Checked here, not at the first forward: the forward stores K/V before attention
         # runs, so a bad value found there would leave this step's K/V in the cache.
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
-            math.isfinite(scale) and scale > 0
+        if (
+            isinstance(scale, bool)
+            or not isinstance(scale, (int, float))
+            or not (math.isfinite(scale) and scale > 0)
         ):
             raise ValueError(f"scale must be a positive finite number, got {scale!r}")
         if sliding_window is not None:

@@ -259,19 +259,21 @@ def layer_caches(
                 f"got {type(kv_caches).__name__}"
             ) from None
         if len(pairs) != num_layers:
-            raise ValueError(
-                f"kv_caches has {len(pairs)} (k, v) pairs, the model has {num_layers}"
-            )
+            raise ValueError(f"kv_caches has {len(pairs)} (k, v) pairs, the model has {num_layers}")
     for i, pair in enumerate(pairs):
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
             raise TypeError(f"kv_caches[{i}] must be a (k_cache, v_cache) pair")
         for which, t in zip(("k_cache", "v_cache"), pair):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"kv_caches[{i}] {which} must be a tensor, got {type(t).__name__}")
-            if num_kv_heads is not None and (t.dim() != 4 or tuple(t.shape[2:]) != (
-                num_kv_heads,
-                head_dim,
-            )):
+            if num_kv_heads is not None and (
+                t.dim() != 4
+                or tuple(t.shape[2:])
+                != (
+                    num_kv_heads,
+                    head_dim,
+                )
+            ):
                 raise ValueError(
                     f"kv_caches[{i}] {which} has shape {tuple(t.shape)}, expected [num_blocks, "
                     f"block_size, {num_kv_heads}, {head_dim}] for this model"
@@ -333,8 +335,9 @@ def check_step_inputs(
             f"{logits_indices.dim()}-D"
         )
     if logits_indices.device != input_ids.device:
-        raise ValueError(f"logits_indices is on {logits_indices.device}, input_ids on "
-                         f"{input_ids.device}")
+        raise ValueError(
+            f"logits_indices is on {logits_indices.device}, input_ids on {input_ids.device}"
+        )
     if kernels.validation_enabled(logits_indices) and logits_indices.numel():
         lo, hi = int(logits_indices.min()), int(logits_indices.max())
         if lo < 0 or hi >= meta.num_tokens:

@@ -78,6 +78,7 @@ class TargetRunner:
         gpu_memory_fraction: float = 0.5,
         cuda_graphs: bool | None = None,
         capture_sizes: list[int] | None = None,
+        prefill_sizes: list[int] | None = None,
     ):
         if not isinstance(model, LlamaForCausalLM):
             raise TypeError(f"model must be a LlamaForCausalLM, got {type(model).__name__}")
@@ -148,6 +149,25 @@ class TargetRunner:
             )
             for greedy in (True, False)
         }
+        # Mixed steps (prefill chunks beside decode rows) by token count: the kernels read
+        # every length from the buffers, so one graph serves any mix that fits it.
+        if prefill_sizes is None:
+            prefill_sizes = [s for s in (16, 32, 64, 128, 256, 512, 1024, 2048)
+                             if s < max_num_tokens] + [max_num_tokens]  # fmt: skip
+        self._prefill_graphs = {
+            greedy: SpeculatorCudaGraphManager(
+                max_num_reqs=max_num_reqs,
+                max_num_tokens=max_num_tokens,
+                cg_mode=mode,
+                capture_sizes=prefill_sizes,
+                uniform_token_counts=(),
+                mixed=True,
+            )
+            for greedy in (True, False)
+        }
+        self._verify_graphs: dict[int, SpeculatorCudaGraphManager] = {}  # by rows/request
+        self._graph_mode = mode
+        self._decode_sizes = sizes
         self.steps = 0
         self.graph_steps = 0
         self.advanced_steps = 0  # decode steps that uploaded nothing (execute_next)
@@ -164,16 +184,23 @@ class TargetRunner:
     # ---- capture --------------------------------------------------------------------
 
     def capture(self) -> None:
-        """Warm up and capture the decode graphs (no-op without graphs)."""
-        for greedy, manager in self._graphs.items():
-            if not manager.descriptors:
-                continue
+        """Warm up and capture the decode and mixed-step graphs (no-op without graphs)."""
+        for kind, managers in (("decode", self._graphs), ("mixed-step", self._prefill_graphs)):
+            for greedy, manager in managers.items():
+                if not manager.descriptors:
+                    continue
 
-            def forward(num_reqs, num_tokens, meta, slots, dp, mode, greedy=greedy):
-                return self._forward(meta, greedy=greedy)
+                def forward(num_reqs, num_tokens, meta, slots, dp, mode, greedy=greedy):
+                    return self._forward(meta, greedy=greedy)
 
-            manager.capture(forward, self.builder, f"Capturing decode graphs (greedy={greedy})")
+                manager.capture(forward, self.builder, f"Capturing {kind} graphs (greedy={greedy})")
         self._last = None  # capture leaves dummy contents in the buffers
+
+    @property
+    def capture_seconds(self) -> float:
+        managers = [*self._graphs.values(), *self._prefill_graphs.values()]
+        managers += self._verify_graphs.values()
+        return sum(getattr(m, "capture_seconds", 0.0) or 0.0 for m in managers)
 
     # ---- one step -------------------------------------------------------------------
 
@@ -204,9 +231,15 @@ class TargetRunner:
         is greedy and wants no log-probabilities (the argmax graph set)."""
         r, t = batch.num_reqs, batch.num_tokens
         desc: BatchExecutionDescriptor | None = None
+        manager = self._graphs[greedy] if t == r else self._prefill_graphs[greedy]
         # Kept features come from eager steps only (a graph returns what it captured).
-        if t == r and self._features is None:
-            desc = self._graphs[greedy].dispatch(r, t, uniform_token_count=1, max_query_len=1)
+        # Sizes outside the graphs' range go to build(), which checks them.
+        if self._features is None and 1 <= r <= t <= self.limits.max_num_tokens:
+            if t == r:
+                desc = manager.dispatch(r, t, uniform_token_count=1, max_query_len=1)
+            elif manager.captured and r <= self.limits.max_num_reqs:
+                mq = int(batch.num_new_tokens.max())
+                desc = manager.dispatch(r, t, max_query_len=mq)
         if desc is None:
             meta = self.builder.build(batch)
         else:
@@ -216,7 +249,7 @@ class TargetRunner:
                 num_tokens_padded=desc.num_tokens,
                 max_query_len=desc.max_query_len,
             )
-        self._run(meta, desc, greedy)
+        self._run(meta, desc, greedy, manager)
         self._last = (r, desc, t == r)
         return r
 
@@ -231,15 +264,15 @@ class TargetRunner:
         if desc is not None and desc not in self._graphs[greedy]._graphs:
             desc = self._graphs[greedy].dispatch(r, r, uniform_token_count=1, max_query_len=1)
         meta = self.builder.advance()
-        self._run(meta, desc, greedy)
+        self._run(meta, desc, greedy, self._graphs[greedy])
         self.advanced_steps += 1
         return r
 
-    def _run(self, meta: AttentionMetadata, desc, greedy: bool) -> None:
+    def _run(self, meta: AttentionMetadata, desc, greedy: bool, manager) -> None:
         if desc is None:
             self._forward(meta, greedy=greedy)
         else:
-            self._graphs[greedy].replay(desc)
+            manager.replay(desc)
             self.graph_steps += 1
         self.steps += 1
 
@@ -250,7 +283,12 @@ class TargetRunner:
         `last_features`: the final hidden states [T, h] (what an EAGLE-1 head reads), or
         with aux_layers the residual streams entering those layers, concatenated
         [T, len * h] (EAGLE-3)."""
-        self._features = ("aux", tuple(aux_layers)) if aux_layers else ("hidden", None)
+        features = ("aux", tuple(aux_layers)) if aux_layers else ("hidden", None)
+        if features != self._features:  # verification graphs return what they captured
+            for manager in self._verify_graphs.values():
+                manager.teardown()
+            self._verify_graphs.clear()
+        self._features = features
 
     def _model_call(self, ids: torch.Tensor, meta: AttentionMetadata, *, all_logits: bool):
         kind, layers = self._features or (None, None)
@@ -267,8 +305,9 @@ class TargetRunner:
     # ---- verification (speculative decoding) ----------------------------------------
 
     def _verify_buffers(self, k_max: int) -> None:
-        """Persistent inputs of the verification step, sized once for k_max."""
-        if self._vk == k_max:
+        """Persistent inputs of the verification step, sized once for k_max (never
+        shrunk: captured verification graphs read them)."""
+        if self._vk is not None and self._vk >= k_max:
             return
         dev, r = self.device, self.limits.max_num_reqs + 1
         self._vk = k_max
@@ -278,8 +317,48 @@ class TargetRunner:
         self.verify_drafts = torch.full((r, k_max), -1, dtype=torch.int64, device=dev)
         self._arange_w = torch.arange(k_max + 1, device=dev)
         # query_start_loc and last-row indices of uniform (k + 1)-row batches, per k
-        self._verify_index: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        n = self.limits.max_num_reqs
+        self._verify_index = {
+            w: (
+                torch.arange(0, n * w + 1, w, device=dev, dtype=torch.int32),
+                torch.arange(w - 1, n * w, w, device=dev),
+            )
+            for w in range(1, k_max + 2)
+        }
         self._rows_ring = PinnedRing(r, torch.int64, dev)
+        for manager in self._verify_graphs.values():  # they read the buffers replaced
+            manager.teardown()
+        self._verify_graphs.clear()
+
+    def capture_verify(self, k: int) -> None:
+        """Capture verification graphs for k drafts per request (k + 1 rows each), one
+        per request count of the decode capture sizes that fits max_num_tokens; a no-op
+        without graphs. Replays serve any committed lengths and any mix of padded
+        drafts: everything per step is read from device buffers inside the graph."""
+        self._verify_buffers(max(k, self._vk or 0))
+        w = k + 1
+        if self._graph_mode is CUDAGraphMode.NONE or w in self._verify_graphs:
+            return
+        lim = self.limits
+        sizes = [n * w for n in self._decode_sizes if n * w <= lim.max_num_tokens]
+        manager = SpeculatorCudaGraphManager(
+            max_num_reqs=lim.max_num_reqs,
+            max_num_tokens=lim.max_num_tokens,
+            cg_mode=self._graph_mode,
+            capture_sizes=sizes,
+            uniform_token_counts=(w,),
+            mixed=False,
+        )
+        self._verify_graphs[w] = manager
+        if not manager.descriptors:
+            return
+        self.verify_rows.fill_(self.tables.null_row)  # capture sees padding only
+
+        def forward(num_reqs, num_tokens, meta, slots, dp, mode):
+            return self._verify_forward(num_reqs, w)
+
+        manager.capture(forward, self.builder, f"Capturing verification graphs (k={k})")
+        self._last = None
 
     def execute_verify(self, num_reqs: int, k: int, *, rows: list[int]) -> torch.Tensor:
         """The target over k + 1 rows per request: row 0 the request's last emitted token
@@ -287,7 +366,8 @@ class TargetRunner:
         slot -1, writing nothing). Positions and lengths come from `committed` on the
         device: row j of request b sits at committed[row_b] + j. `rows`: the requests'
         block-table rows (host ints, uploaded here). Returns logits [num_reqs * (k + 1),
-        V]; KV for the rejected rows is dropped later by length alone."""
+        V]; KV for the rejected rows is dropped later by length alone. Under a captured
+        graph (capture_verify(k)) when one fits, padded requests write nothing."""
         w, r = k + 1, num_reqs
         t = r * w
         if t > self.limits.max_num_tokens:
@@ -295,37 +375,53 @@ class TargetRunner:
                 f"verification needs {t} tokens ({r} requests x {w}), over max_num_tokens "
                 f"{self.limits.max_num_tokens}"
             )
-        buf = self.buffers
+        manager = self._verify_graphs.get(w)
+        desc = None
+        if manager is not None and manager.captured and r >= 1:
+            desc = manager.dispatch(r, t, uniform_token_count=w, max_query_len=w)
+        rp = r if desc is None else desc.num_reqs
         slot, host = self._rows_ring.acquire()
         host[:r] = torch.as_tensor(rows, dtype=torch.int64)
-        self._rows_ring.copy_to(slot, self.verify_rows, r)
-        vrows = self.verify_rows[:r]
-        base = self.committed.index_select(0, vrows)  # [r]
-        pos = base[:, None] + self._arange_w[:w]  # [r, w]
-        drafts = self.verify_drafts[:r, :k]
-        ids = torch.cat([self.verify_first[:r, None], drafts.clamp(min=0)], dim=1)
-        buf.input_ids[:t].copy_(ids.view(-1))
-        buf.positions[:t].copy_(pos.view(-1))
-        buf.seq_lens[:r].copy_(base + w)
-        qsl, last = self._verify_index.get(w, (None, None))
-        if qsl is None:
-            n = self.limits.max_num_reqs
-            qsl = torch.arange(0, n * w + 1, w, device=self.device)
-            last = torch.arange(w - 1, n * w, w, device=self.device)
-            self._verify_index[w] = (qsl, last)
-        buf.query_start_loc[: r + 1].copy_(qsl[: r + 1])
-        buf.row_slots[:r].copy_(vrows)
-        buf.last_token_idx[:r].copy_(last[:r])
+        host[r:rp] = self.tables.null_row
+        self._rows_ring.copy_to(slot, self.verify_rows, rp)
         self.tables.commit()
-        self.builder._slot_mapping(r, t)
-        valid = torch.cat([torch.ones_like(drafts[:, :1], dtype=torch.bool), drafts >= 0], 1)
-        slots = buf.slot_mapping[:t]
-        slots.copy_(torch.where(valid.view(-1), slots, -1))
         self.builder._last = None  # the buffers no longer hold a built batch
-        meta = self.builder._metadata(r, t, w, t, r)
-        logits = self._model_call(buf.input_ids[:t], meta, all_logits=True)
+        if desc is None:
+            logits, feats = self._verify_forward(r, w)
+        else:
+            logits, feats = manager.replay(desc)
+            logits, feats = logits[:t], None if feats is None else feats[:t]
+            self.graph_steps += 1
+        if feats is not None:
+            self.last_features = feats
         self.steps += 1
         return logits
+
+    def _verify_forward(self, rp: int, w: int):
+        """Verification of rp requests (padded ones on the null row) on the device: inputs,
+        positions, lengths and slots from committed / verify_*; fixed shapes, capturable.
+        Returns (logits [rp * w, V], the kept features or None)."""
+        t, k, buf = rp * w, w - 1, self.buffers
+        vrows = self.verify_rows[:rp]
+        base = self.committed.index_select(0, vrows)  # [rp]
+        drafts = self.verify_drafts[:rp, :k]
+        ids = torch.cat([self.verify_first[:rp, None], drafts.clamp(min=0)], dim=1)
+        buf.input_ids[:t].copy_(ids.view(-1))
+        buf.positions[:t].view(rp, w).copy_(base[:, None] + self._arange_w[:w])
+        buf.seq_lens[:rp].copy_(base + w)
+        qsl, last = self._verify_index[w]
+        buf.query_start_loc[: rp + 1].copy_(qsl[: rp + 1])
+        buf.row_slots[:rp].copy_(vrows)
+        buf.last_token_idx[:rp].copy_(last[:rp])
+        self.builder._slot_mapping(rp, t)
+        # a padded request (null row) writes nothing, row 0 included; nor does a -1 draft
+        real = (vrows != self.tables.null_row)[:, None]
+        valid = torch.cat([real, (drafts >= 0) & real], dim=1)
+        slots = buf.slot_mapping[:t]
+        slots.copy_(torch.where(valid.view(-1), slots, -1))
+        meta = self.builder._metadata(rp, t, w, t, rp)
+        logits = self._model_call(buf.input_ids[:t], meta, all_logits=True)
+        return logits, (self.last_features if self._features is not None else None)
 
     def readback(self, num_reqs: int, *, with_logprobs: bool) -> Readback:
         """Start copying this step's tokens to pinned host memory; read them a step
@@ -340,5 +436,6 @@ class TargetRunner:
         return Readback(toks, lps if with_logprobs else None, event, num_reqs)
 
     def teardown(self) -> None:
-        for manager in self._graphs.values():
+        managers = [*self._graphs.values(), *self._prefill_graphs.values()]
+        for manager in managers + list(self._verify_graphs.values()):
             manager.teardown()

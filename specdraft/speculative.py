@@ -110,6 +110,7 @@ class SpeculativeEngine:
                         f"{aux} give {len(aux) * runner.model.cfg.hidden_size}"
                     )
             runner.keep_features(aux)
+        runner.capture_verify(k)  # after keep_features: the graphs return the features
         self.stats = SpecStats(proposed=[0] * k, accepted=[0] * k)
         self._checker = Engine(runner, tokenizer)  # request checks only; never run
         r = runner.limits.max_num_reqs

@@ -362,6 +362,14 @@ def _filter_rows(v, g):
     return torch.tensor(rows), params
 
 
+def _top_p_boundary(logits: torch.Tensor, sp: SP) -> torch.Tensor:
+    """Tokens whose float64 mass strictly above them lies within 1e-5 of top_p."""
+    z = logits.double() / sp.temperature
+    probs = torch.softmax(z, dim=0)
+    above = torch.stack([probs[probs > p].sum() for p in probs])
+    return (above - sp.top_p).abs() < 1e-5
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("v, tiles", [(16, "default"), (16, "small"), (203, "narrow")])
 def test_threshold_matches_sampling(v, tiles, device):
@@ -379,7 +387,12 @@ def test_threshold_matches_sampling(v, tiles, device):
     want = filtered_probs(logits, _cpu(st))
     ref = ref_filtered64(logits, *(getattr(_cpu(st), f) for f in SamplingTensors._FIELDS[:4]))
     for i in range(len(params)):
-        assert torch.equal(keep[i] & (z[i] > -math.inf), want[i] > 0), (i, params[i])
+        kept = keep[i] & (z[i] > -math.inf)
+        differ = kept != (want[i] > 0)
+        # Only a token whose top-p decision rests on float32 rounding may differ: the
+        # mass of the tokens strictly above it is within 1e-5 of top_p (top_p 0.999999
+        # puts the whole tail there; the kernel and torch.cumsum sum in other orders).
+        assert not (differ & ~_top_p_boundary(logits[i], params[i])).any(), (i, params[i])
         assert torch.equal(want[i] > 0, ref[i] > 0), (i, params[i])
     torch.testing.assert_close(p, want, atol=1e-6, rtol=1e-5)
 
@@ -484,7 +497,9 @@ def _assert_lossless(out, label):
     rows, z, alpha = lossless_stats(*out)
     assert rows, label
     for j, stat, df, limit in rows:
-        assert stat < limit, f"{label}: position {j} chi-square {stat:.1f} >= {limit:.1f} (df {df})"
+        # df 0: the whole support is one pooled bin (a draw off the support is inf)
+        why = f"{label}: position {j} chi-square {stat:.1f} >= {limit:.1f} (df {df})"
+        assert stat < limit or (df == 0 and stat == 0), why
     assert abs(z) < 5, f"{label}: acceptance of draft 0 z = {z:.2f} (alpha {alpha:.4f})"
     return rows, z
 

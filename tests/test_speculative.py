@@ -94,6 +94,52 @@ def test_eagle_heads_greedy_equals_target_only():
             assert [o.token_ids for o in out] == [o.token_ids for o in ref], type(head)
 
 
+@pytest.mark.gpu
+def test_gpu_verification_graphs_equal_target_only():
+    """fp32 on the GPU: verification replayed from captured graphs (3 requests run in
+    the 4-request graph, so one padded request rides along and must write nothing, row
+    0 included) gives target-only greedy tokens, for a Llama draft and EAGLE-1 / EAGLE-3
+    heads fed the features the graphs return; and it is the graph that ran."""
+    from specdraft.loader import Checkpoint, load_causal_lm
+    from specdraft.models.tiny import eagle_config, random_eagle3_head, random_eagle_head
+
+    cfg = tiny_config(num_layers=4)
+    ckpt = Checkpoint.from_tensors(cfg.to_hf(), random_weights(cfg, seed=0))
+    target = load_causal_lm(ckpt, dtype=torch.float32, device="cuda", max_positions=128)
+    ref = Engine(
+        TargetRunner(
+            target,
+            max_num_reqs=4,
+            max_num_tokens=64,
+            max_model_len=128,
+            num_blocks=40,
+            cuda_graphs=False,
+        )  # fmt: skip
+    ).generate(PROMPTS, max_new_tokens=12)
+    want = [o.token_ids for o in ref]
+    drafts = [
+        load_causal_lm(ckpt, dtype=torch.float32, device="cuda", max_positions=128),
+        random_eagle_head(eagle_config(cfg), target, seed=1),
+        random_eagle3_head(
+            eagle_config(cfg, draft_vocab_size=64),
+            target=target,
+            seed=2,
+            dtype=torch.float32,
+            device="cuda",
+        ),
+    ]
+    for draft in drafts:
+        se = spec_engine(target, draft, k=3, capture_sizes=[1, 2, 4])
+        runner = se.runner
+        assert runner._verify_graphs[4].captured
+        before = runner.graph_steps
+        out = se.generate(PROMPTS, max_new_tokens=12)
+        assert [o.token_ids for o in out] == want, type(draft).__name__
+        assert runner.graph_steps > before  # verification ran from its graphs
+        # the null block (padded requests' block) holds no NaN written by a padded row
+        assert torch.isfinite(runner.cache.data[:, :, 0]).all()
+
+
 def test_stop_id_inside_an_accepted_block_truncates(models):
     target, same, _ = models
     with ops.use_backend("torch"):

@@ -260,8 +260,9 @@ class Eagle3Head(nn.Module):
             raise TypeError(f"hidden_states must be a tensor, got {type(hidden_states).__name__}")
         if hidden_states.dim() == 2 and hidden_states.shape[-1] == self.fc.in_features != h:
             # the target's auxiliary states: checked, then fused by fc
-            _check_hidden(hidden_states, meta.num_tokens, self.fc.in_features, "fc input",
-                          self.dtype)
+            _check_hidden(
+                hidden_states, meta.num_tokens, self.fc.in_features, "fc input", self.dtype
+            )
             hidden_states = self.combine_hidden_states(hidden_states)
         _check_hidden(
             hidden_states,
