@@ -56,6 +56,7 @@ class _Request:
     launched: int = 0  # sampled tokens launched (read back or not)
     pending: int = 0  # sampled tokens launched and not read back yet
     finished: str | None = None
+    capacity: int = 0  # tokens its KV blocks cover (0 while it holds none)
     decoder: object | None = None
     text: list[str] = field(default_factory=list)
 
@@ -227,6 +228,7 @@ class Engine:
         if tables.num_free_blocks < need or len(tables) >= tables.max_num_reqs:
             return False
         tables.add_request(req.index, 1)
+        req.capacity = tables.block_size
         return True
 
     def _reserve(self, sched: list[tuple[_Request, int]]) -> list[tuple[_Request, int]]:
@@ -236,9 +238,13 @@ class Engine:
         kept: list[tuple[_Request, int]] = []
         dropped: set[int] = set()
         for req, n in sched:
+            need = req.num_computed + n
+            if need <= req.capacity:  # the usual decode step: its blocks already cover it
+                kept.append((req, n))
+                continue
             if req.index in dropped:
                 continue
-            while not tables.grow(req.index, req.num_computed + n):
+            while not tables.grow(req.index, need):
                 keep = {r.index for r, _ in kept} | {req.index}
                 victim = next(
                     (r for r in reversed(self.running) if r.index not in keep and not r.finished),
@@ -251,6 +257,7 @@ class Engine:
                     )
                 self._preempt(victim)
                 dropped.add(victim.index)
+            req.capacity = -(-need // tables.block_size) * tables.block_size
             kept.append((req, n))
         return kept
 
@@ -258,7 +265,7 @@ class Engine:
         self.preemptions += 1
         self.runner.tables.remove_request(req.index)
         self.running.remove(req)
-        req.num_computed = 0
+        req.num_computed = req.capacity = 0
         self.waiting.appendleft(req)
         logger.info("preempted request %d (%d tokens)", req.index, len(req.tokens))
 
@@ -267,11 +274,15 @@ class Engine:
         if not sched:
             self._last_decode = None
             return None
-        greedy = all(req.params.greedy and not req.want_logprobs for req, _ in sched)
-        ids_now = tuple(req.index for req, _ in sched)
-        decode = all(
-            n == 1 and req.num_computed >= len(req.prompt) + len(req.output) for req, n in sched
-        )
+        greedy = decode = True  # one pass over the batch (this runs every step)
+        indices = []
+        for req, n in sched:
+            indices.append(req.index)
+            if greedy and (req.want_logprobs or not req.params.greedy):
+                greedy = False
+            if decode and (n != 1 or req.num_computed < len(req.prompt) + len(req.output)):
+                decode = False
+        ids_now = tuple(indices)
         if decode and ids_now == self._last_decode:
             # The same decode batch one token on: nothing to upload (runner.execute_next).
             r = self.runner.execute_next(greedy=greedy)
