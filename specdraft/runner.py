@@ -1,8 +1,8 @@
 """The target runner: a causal LM served over the paged KV cache, one step at a time.
 
 A step is a ScheduledBatch of prefill chunks and decode rows. The runner builds its
-metadata, runs the model (a captured graph for decode-only steps that fit a descriptor,
-eagerly otherwise), samples one token per request on the device and leaves it in
+metadata, runs the model (a captured graph when one fits: decode-only steps by batch
+size, steps with prefill chunks by token count; eagerly otherwise), samples one token per request on the device and leaves it in
 persistent buffers; `readback` starts an asynchronous copy of those tokens into pinned
 host memory and returns a handle the caller reads one step later, so the host never
 waits for the step it has just launched.
