@@ -6,6 +6,7 @@ synchronisation in 100 rounds; the host enqueues 100 rounds before the GPU has r
 from __future__ import annotations
 
 import random
+import statistics
 import time
 
 import pytest
@@ -161,10 +162,12 @@ def test_gpu_100_rounds_never_synchronise(kind, eager):
     assert d.loop.stage.ring.waits == 0
 
 
-def test_gpu_host_enqueues_100_rounds_before_the_gpu_runs_10():
+def test_gpu_host_time_per_round_is_a_fraction_of_the_gpu_time():
     """Nothing in a round waits for the GPU: with a llama-68m-shaped draft at batch 64
-    and K = 7 (sampled with top-k), the host enqueues 100 rounds in less time than the
-    GPU takes to run 10 of them."""
+    and K = 7 (sampled with top-k), the host's time to enqueue a round, measured with the
+    GPU idle (so that the driver's bounded launch queue cannot stall it: a host 100
+    rounds ahead is throttled by it, whatever the runtime does), is under a quarter of
+    the GPU's time per round."""
     model = random_causal_lm(llama_68m_config(), seed=0, device="cuda", max_positions=2048)
     rows, rounds = 64, 115
     d = Drafter(
@@ -183,11 +186,13 @@ def test_gpu_host_enqueues_100_rounds_before_the_gpu_runs_10():
     acc = torch.randint(0, d.width, (rows,), device="cuda")
     for _ in range(3):
         d.propose(rids, ver, acc)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(100):
+    host = []
+    for _ in range(20):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         d.propose(rids, ver, acc)
-    host_s = time.perf_counter() - t0
+        host.append(time.perf_counter() - t0)
+    host_s = statistics.median(host)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -196,11 +201,8 @@ def test_gpu_host_enqueues_100_rounds_before_the_gpu_runs_10():
     end.record()
     end.synchronize()
     gpu10_s = start.elapsed_time(end) / 1e3
-    print(
-        f"host: 100 rounds in {host_s * 1e3:.2f} ms ({host_s * 1e4:.1f} us each); "
-        f"GPU: 10 rounds in {gpu10_s * 1e3:.2f} ms"
-    )
-    assert host_s < gpu10_s
+    print(f"host: {host_s * 1e6:.1f} us per round (median); GPU: {gpu10_s * 1e5:.1f} us")
+    assert host_s < gpu10_s / 10 / 4
     assert d.loop.stage.ring.waits == 0
 
 
