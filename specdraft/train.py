@@ -164,8 +164,8 @@ class EagleTrainHead(nn.Module):
         self.layers = nn.ModuleList(_Layer(cfg, input_norm=i > 0) for i in range(num_layers))
         self.to(dev)
         # frozen and shared, never copied: plain attributes, not parameters or buffers
-        self.embed_weight = target.embed_tokens.weight
-        self.lm_head_weight = target.lm_head.weight
+        self.embed_weight = target.embed_tokens.weight.detach()
+        self.lm_head_weight = target.lm_head.weight.detach()
         self.register_buffer(
             "cos_sin",
             cos_sin_table(cfg.head_dim, cfg.rope, target.rotary.max_positions, dev),

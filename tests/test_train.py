@@ -213,3 +213,63 @@ def test_png_round_trip(tmp_path):
         encode_png(pixels.astype(np.float32))
     with pytest.raises(ValueError, match="empty"):
         write_loss_png(tmp_path / "x.png", [])
+
+
+def test_evaluation_and_model_card(target, data, tmp_path):
+    """The CLI's tail on the tiny target: a real speculative evaluation of the trained
+    head (greedy output identical to target-only) and the model card from its report."""
+    from specdraft.loader import load_draft
+    from specdraft.train_run import EvalRow, evaluate_drafts, write_model_card
+
+    cfg = TrainConfig(steps=3, batch_size=4, save_dtype="float32")
+    res = train_eagle_head(target, data, tmp_path, cfg)
+    head = load_draft(tmp_path, target=target)
+    prompts = [[3, 4, 5, 6], [7, 8, 9]]
+    with ops.use_backend("torch"):
+        runner = TargetRunner(target, max_num_reqs=4, max_num_tokens=64, max_model_len=64)
+        tok_s, rows = evaluate_drafts(
+            runner, None, prompts, {"head": head}, ks=(1, 3), max_new_tokens=10
+        )
+    assert tok_s > 0 and [r.k for r in rows] == [1, 3]
+    assert all(r.identical and 1 <= r.acceptance_length <= r.k + 1 for r in rows)
+    assert len(rows[1].per_position) == 3
+    report = {
+        "target": dict(name="tiny", file="-", dtype="float32", hidden_size=64, vocab_size=128),
+        "device": "CPU",
+        "data": dict(
+            prompts=8,
+            samples_per_prompt=2,
+            temperature=1.0,
+            greedy=True,
+            max_new_tokens=24,
+            sequences=len(data),
+            tokens=data.num_tokens,
+            answer_tokens=data.num_answer_tokens,
+            seconds=1.0,
+            feature_seconds=0.1,
+        ),
+        "training": dict(steps=res.steps, seconds=res.seconds, config={}, final=res.final),
+        "evaluation": dict(
+            head="head",
+            prompts=2,
+            max_new_tokens=10,
+            target_tokens_per_s=tok_s,
+            rows=[r.__dict__ for r in rows],
+        ),
+        "command": "specdraft train-draft",
+    }
+    text = write_model_card(tmp_path / "MODEL_CARD.md", report).read_text()
+    al = next(r for r in rows if r.k == 3).acceptance_length
+    assert f"Acceptance length at k = 3: **{al:.3f}**" in text
+    assert "Apache-2.0" in text and f"{data.num_answer_tokens} answer tokens" in text
+    assert isinstance(rows[0], EvalRow)
+
+
+def test_shipped_draft_path_and_ship_refusal(tmp_path):
+    from specdraft.embedded import shipped_draft_path
+    from specdraft.train_run import ship
+
+    path = shipped_draft_path()
+    assert path is None or {"config.json", "model.safetensors"} <= {p.name for p in path.iterdir()}
+    with pytest.raises(ValueError, match="lacks"):
+        ship(tmp_path)
