@@ -263,7 +263,7 @@ class Engine:
 
     def _preempt(self, req: _Request) -> None:
         self.preemptions += 1
-        self.runner.tables.remove_request(req.index)
+        self.runner.remove_request(req.index)
         self.running.remove(req)
         req.num_computed = req.capacity = 0
         self.waiting.appendleft(req)
@@ -347,7 +347,7 @@ class Engine:
         # A finished request leaves once nothing of it is in flight.
         for req in [r for r in self.running if r.finished and r.pending == 0]:
             self.running.remove(req)
-            self.runner.tables.remove_request(req.index)
+            self.runner.remove_request(req.index)
             self.finished[req.index] = req
 
     def _finish(self, req: _Request, reason: str) -> None:

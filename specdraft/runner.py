@@ -2,10 +2,10 @@
 
 A step is a ScheduledBatch of prefill chunks and decode rows. The runner builds its
 metadata, runs the model (a captured graph when one fits: decode-only steps by batch
-size, steps with prefill chunks by token count; eagerly otherwise), samples one token per request on the device and leaves it in
-persistent buffers; `readback` starts an asynchronous copy of those tokens into pinned
-host memory and returns a handle the caller reads one step later, so the host never
-waits for the step it has just launched.
+size, steps with prefill chunks by token count; eagerly otherwise), samples one token
+per request on the device and leaves it in persistent buffers; `readback` starts an
+asynchronous copy of those tokens into pinned host memory and returns a handle the
+caller reads one step later, so the host never waits for the step it has just launched.
 
 Device-fed tokens: a decode row's input is the token the previous step sampled for the
 same request, which the host has not seen yet. The host writes the id -(row + 1) for such
@@ -32,6 +32,8 @@ from .sampling import TARGET_SAMPLE, SamplingParams, SamplingTensors, logprobs, 
 from .staging import PinnedRing
 
 logger = logging.getLogger(__name__)
+
+_GREEDY = SamplingParams(temperature=0.0)
 
 
 def device_token(row: int) -> int:
@@ -180,6 +182,14 @@ class TargetRunner:
     def set_sampling(self, row: int, params: SamplingParams) -> None:
         """Write a request's sampling parameters into its row (at admission)."""
         self.sampling.write_rows([row], [params])
+
+    def remove_request(self, req_id) -> None:
+        """Free a request's blocks and row; the row's sampling goes back to greedy, so
+        that a sampled request that has left does not make later batches look sampled
+        (the sampling tensors' host flags cover every row)."""
+        row = self.tables.row_of(req_id)
+        self.tables.remove_request(req_id)
+        self.sampling.write_rows([row], [_GREEDY])
 
     # ---- capture --------------------------------------------------------------------
 

@@ -336,7 +336,7 @@ class SpeculativeEngine:
         self.rejection.reset_counters()
 
     def _drop(self, rid: int) -> None:
-        self.runner.tables.remove_request(rid)
+        self.runner.remove_request(rid)
         self.drafter.remove_request(rid)
 
     def _new_id(self) -> int:

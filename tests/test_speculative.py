@@ -140,6 +140,26 @@ def test_gpu_verification_graphs_equal_target_only():
         assert torch.isfinite(runner.cache.data[:, :, 0]).all()
 
 
+def test_rows_of_finished_sampled_requests_go_back_to_greedy(models):
+    """A runner that served sampled requests, then greedy speculation on it: the rows
+    the sampled requests left are greedy again (they used to keep the runner's host
+    flags "sampled", and the greedy rejection path refused the batch)."""
+    target, same, _ = models
+    with ops.use_backend("torch"):
+        se = spec_engine(target, same, k=2)
+        Engine(se.runner).generate(
+            PROMPTS, params=SamplingParams(temperature=0.9, seed=3), max_new_tokens=4
+        )
+        assert se.runner.sampling.all_greedy
+        want = Engine(
+            TargetRunner(
+                target, max_num_reqs=4, max_num_tokens=64, max_model_len=128, num_blocks=40
+            )  # fmt: skip
+        ).generate(PROMPTS, max_new_tokens=8)
+        out = se.generate(PROMPTS, max_new_tokens=8)
+        assert [o.token_ids for o in out] == [o.token_ids for o in want]
+
+
 def test_stop_id_inside_an_accepted_block_truncates(models):
     target, same, _ = models
     with ops.use_backend("torch"):
