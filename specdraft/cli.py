@@ -131,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="speculate with the target's first N layers as the draft (untrained "
         "self-speculation: plumbing, slow) and compare with target-only",
     )
+    g.add_argument(
+        "--draft",
+        default=None,
+        help="an EAGLE / draft checkpoint directory to speculate with (default: the head "
+        "shipped for SmolLM2, when this install has one and --gguf is not given)",
+    )
+    g.add_argument("--no-draft", action="store_true", help="target-only decoding")
     g.add_argument("--k", type=int, default=3, help="speculative tokens per step")
     g.add_argument("--no-chat", action="store_true", help="send prompts without the template")
     g.add_argument("--quiet", action="store_true", help="print the table only")

@@ -106,9 +106,17 @@ def run_generate(args: argparse.Namespace) -> int:
             print(f"\n>>> {p}\n{o.text.strip()}")
         print()
     spec_rows = []
-    if args.draft_layers:
+    draft_path = _draft_path(args)
+    if args.draft_layers or draft_path is not None:
         spec_rows = _speculate(
-            engine, ids, params, max_new, args, n_tokens / seconds, [o.token_ids for o in outputs]
+            engine,
+            ids,
+            params,
+            max_new,
+            args,
+            n_tokens / seconds,
+            [o.token_ids for o in outputs],
+            draft_path,
         )
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU (PyTorch path)"
     rows = [
@@ -128,15 +136,42 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _speculate(engine, ids, params, max_new, args, target_tok_s, target_out):
-    """Speculative decoding with the target's first N layers as the draft, on the same
-    prompts in the same run; rows for the table."""
+def _draft_path(args):
+    """The draft checkpoint the main job speculates with, or None (target only, or the
+    layer-truncated draft of --draft-layers)."""
+    if args.no_draft or args.draft_layers:
+        return None
+    if args.draft is not None:
+        return args.draft
+    if args.gguf is not None:  # another model: the shipped head is SmolLM2's
+        return None
+    from .embedded import shipped_draft_path
+
+    return shipped_draft_path()
+
+
+def _speculate(engine, ids, params, max_new, args, target_tok_s, target_out, draft_path):
+    """Speculative decoding on the same prompts in the same run, with a draft checkpoint
+    (the shipped EAGLE head by default) or the target's first N layers; rows for the
+    table."""
     from .drafter import Drafter
+    from .loader import load_draft
     from .models.llama import layer_truncated
     from .speculative import SpeculativeEngine
 
     runner = engine.runner
-    draft = layer_truncated(runner.model, args.draft_layers)
+    if draft_path is not None:
+        draft = load_draft(
+            draft_path,
+            target=runner.model,
+            dtype=runner.model.dtype,
+            device=runner.device,
+            max_positions=runner.limits.max_model_len,
+        )
+        what = f"{draft_path} ({type(draft).__name__}), k {args.k}"
+    else:
+        draft = layer_truncated(runner.model, args.draft_layers)
+        what = f"first {args.draft_layers} target layers (untrained), k {args.k}"
     drafter = Drafter(
         draft,
         max_num_reqs=runner.limits.max_num_reqs,
@@ -157,7 +192,7 @@ def _speculate(engine, ids, params, max_new, args, target_tok_s, target_out):
         same = [o.token_ids for o in outs] == target_out
         rows.append(("speculative: greedy output identical", "yes" if same else "NO"))
     return rows + [
-        ("speculative: draft", f"first {args.draft_layers} target layers (untrained), k {args.k}"),
+        ("speculative: draft", what),
         ("speculative: tokens/s", f"{n / secs:.1f}"),
         ("speculative: acceptance length", f"{st.acceptance_length:.2f}"),
         ("speculative: acceptance per position", per_pos),
