@@ -185,6 +185,7 @@ def main(argv=None) -> int:
     se.stats.proposed, se.stats.accepted, se.stats.steps = [0] * k, [0] * k, 0
     outs, secs = timed_generate(se, prompts, max_new_tokens=args.new_tokens)
     n = sum(len(o.token_ids) for o in outs)
+    same = sum(o.token_ids == b_.token_ids for o, b_ in zip(outs, base))
     al, steps = se.stats.acceptance_length, se.stats.steps
     parts = components(se, b, k, args.iters)
     from bench.e2e import bare_step_us
@@ -204,6 +205,7 @@ def main(argv=None) -> int:
         "per_position": [
             round(a / p, 3) if p else None for a, p in zip(se.stats.accepted, se.stats.proposed)
         ],  # fmt: skip
+        "greedy_identical_requests": f"{same} of {len(outs)}",
         "steps": steps,
         "wall_us_per_step": round(per_step, 1),
         "decode_step_us": round(decode_us, 1),
@@ -226,7 +228,8 @@ def main(argv=None) -> int:
         "",
         f"speculative: {row['spec_tok_s']} tok/s vs target-only {row['target_only_tok_s']} "
         f"({row['speedup']}x); AL {row['acceptance_length']}, per position "
-        f"{row['per_position']}; {steps} steps, {per_step:.1f} µs per step; wall per token "
+        f"{row['per_position']}; greedy output identical for {same} of {len(outs)} "
+        f"requests; {steps} steps, {per_step:.1f} µs per step; wall per token "
         f"{row['wall_us_per_token']} µs against the bar 1.1 x (verify + round) / AL = "
         f"{row['bar_us_per_token']} µs; GPU busy {row['gpu_busy_fraction']} of the wall",
     ]

@@ -168,6 +168,9 @@ class TargetRunner:
             for greedy in (True, False)
         }
         self._verify_graphs: dict[int, SpeculatorCudaGraphManager] = {}  # by rows/request
+        # mixed steps that also return the target's features (after keep_features())
+        self._feature_graphs: dict[bool, SpeculatorCudaGraphManager] = {}
+        self._prefill_sizes = prefill_sizes
         self._graph_mode = mode
         self._decode_sizes = sizes
         self.steps = 0
@@ -209,7 +212,7 @@ class TargetRunner:
     @property
     def capture_seconds(self) -> float:
         managers = [*self._graphs.values(), *self._prefill_graphs.values()]
-        managers += self._verify_graphs.values()
+        managers += [*self._verify_graphs.values(), *self._feature_graphs.values()]
         return sum(getattr(m, "capture_seconds", 0.0) or 0.0 for m in managers)
 
     # ---- one step -------------------------------------------------------------------
@@ -235,19 +238,26 @@ class TargetRunner:
         self.last_token.index_copy_(0, rows, tok)
         return self.out_tokens[:r]
 
-    def execute(self, batch: ScheduledBatch, *, greedy: bool) -> int:
+    def execute(self, batch: ScheduledBatch, *, greedy: bool, features: bool = False) -> int:
         """Run one step. Returns the number of batch rows whose sampled token sits in
         out_tokens[:num_reqs] (rows in batch order). greedy: every request in the batch
-        is greedy and wants no log-probabilities (the argmax graph set)."""
+        is greedy and wants no log-probabilities (the argmax graph set). features: leave
+        the step's target features [num_tokens, width] in `last_features` (the kind set
+        by keep_features()); steps with prefill chunks then replay the feature-returning
+        graphs that keep_features() captured, other such steps run eagerly."""
         r, t = batch.num_reqs, batch.num_tokens
         desc: BatchExecutionDescriptor | None = None
-        manager = self._graphs[greedy] if t == r else self._prefill_graphs[greedy]
-        # Kept features come from eager steps only (a graph returns what it captured).
+        if features and self._features is None:
+            raise ValueError("features=True needs keep_features() first")
+        if features:
+            manager = self._feature_graphs.get(greedy)
+        else:
+            manager = self._graphs[greedy] if t == r else self._prefill_graphs[greedy]
         # Sizes outside the graphs' range go to build(), which checks them.
-        if self._features is None and 1 <= r <= t <= self.limits.max_num_tokens:
-            if t == r:
+        if manager is not None and 1 <= r <= t <= self.limits.max_num_tokens:
+            if t == r and not features:
                 desc = manager.dispatch(r, t, uniform_token_count=1, max_query_len=1)
-            elif manager.captured and r <= self.limits.max_num_reqs:
+            elif t > r and manager.captured and r <= self.limits.max_num_reqs:
                 mq = int(batch.num_new_tokens.max())
                 desc = manager.dispatch(r, t, max_query_len=mq)
         if desc is None:
@@ -259,8 +269,10 @@ class TargetRunner:
                 num_tokens_padded=desc.num_tokens,
                 max_query_len=desc.max_query_len,
             )
-        self._run(meta, desc, greedy, manager)
-        self._last = (r, desc, t == r)
+        out = self._run(meta, desc, greedy, manager)
+        if features and desc is not None:
+            self.last_features = out[1][:t]
+        self._last = (r, desc, t == r and not features)
         return r
 
     def execute_next(self, *, greedy: bool) -> int:
@@ -278,13 +290,14 @@ class TargetRunner:
         self.advanced_steps += 1
         return r
 
-    def _run(self, meta: AttentionMetadata, desc, greedy: bool, manager) -> None:
+    def _run(self, meta: AttentionMetadata, desc, greedy: bool, manager):
         if desc is None:
-            self._forward(meta, greedy=greedy)
+            out = self._forward(meta, greedy=greedy)
         else:
-            manager.replay(desc)
+            out = manager.replay(desc)
             self.graph_steps += 1
         self.steps += 1
+        return out
 
     # ---- target features for EAGLE drafts --------------------------------------------
 
@@ -294,11 +307,33 @@ class TargetRunner:
         with aux_layers the residual streams entering those layers, concatenated
         [T, len * h] (EAGLE-3)."""
         features = ("aux", tuple(aux_layers)) if aux_layers else ("hidden", None)
-        if features != self._features:  # verification graphs return what they captured
-            for manager in self._verify_graphs.values():
-                manager.teardown()
-            self._verify_graphs.clear()
+        if features == self._features:
+            return
+        # graphs that return features return the kind they captured
+        for manager in [*self._verify_graphs.values(), *self._feature_graphs.values()]:
+            manager.teardown()
+        self._verify_graphs.clear()
+        self._feature_graphs.clear()
         self._features = features
+        if self._graph_mode is CUDAGraphMode.NONE:
+            return
+        lim = self.limits
+        for greedy in (True, False):
+            manager = SpeculatorCudaGraphManager(
+                max_num_reqs=lim.max_num_reqs,
+                max_num_tokens=lim.max_num_tokens,
+                cg_mode=self._graph_mode,
+                capture_sizes=self._prefill_sizes,
+                uniform_token_counts=(),
+                mixed=True,
+            )
+
+            def forward(num_reqs, num_tokens, meta, slots, dp, mode, greedy=greedy):
+                return self._forward(meta, greedy=greedy), self.last_features
+
+            manager.capture(forward, self.builder, f"Capturing feature graphs (greedy={greedy})")
+            self._feature_graphs[greedy] = manager
+        self._last = None
 
     def _model_call(self, ids: torch.Tensor, meta: AttentionMetadata, *, all_logits: bool):
         kind, layers = self._features or (None, None)
@@ -447,5 +482,6 @@ class TargetRunner:
 
     def teardown(self) -> None:
         managers = [*self._graphs.values(), *self._prefill_graphs.values()]
-        for manager in managers + list(self._verify_graphs.values()):
+        managers += [*self._verify_graphs.values(), *self._feature_graphs.values()]
+        for manager in managers:
             manager.teardown()

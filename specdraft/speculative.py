@@ -264,7 +264,8 @@ class SpeculativeEngine:
                     spans.append((i, used, n))
                     done[i] += n
                     used += n
-            self.runner.execute(ScheduledBatch.from_requests(sched), greedy=greedy)
+            batch = ScheduledBatch.from_requests(sched)
+            self.runner.execute(batch, greedy=greedy, features=feats is not None)
             if feats is not None:
                 for i, start, n in spans:
                     feats[i].append(self.runner.last_features[start : start + n].clone())

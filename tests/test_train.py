@@ -61,7 +61,9 @@ def test_dense_forward_matches_the_runtime(target):
         for rid, s in enumerate(seqs):
             runner.tables.add_request(rid, len(s))
         runner.execute(
-            ScheduledBatch.from_requests([(i, s, 0) for i, s in enumerate(seqs)]), greedy=True
+            ScheduledBatch.from_requests([(i, s, 0) for i, s in enumerate(seqs)]),
+            greedy=True,
+            features=True,
         )
         want = runner.last_features.split([len(s) for s in seqs])
     ids = torch.zeros(len(seqs), 30, dtype=torch.int64)
