@@ -78,14 +78,9 @@ def _per_call_us(fn, iters: int, cuda: bool) -> tuple[float, float]:
         fn()
         host.append(1e6 * (time.perf_counter() - t0))
     if cuda:
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        loop = 1000 * start.elapsed_time(end) / iters
+        from bench.draft_round import events_us
+
+        loop = events_us(fn, iters, warmup=0)
     else:
         t0 = time.perf_counter()
         for _ in range(iters):

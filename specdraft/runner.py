@@ -139,39 +139,19 @@ class TargetRunner:
             s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256) if s <= max_num_reqs
         ]
         mode = CUDAGraphMode.FULL if use_graphs else CUDAGraphMode.NONE
+        self._graph_mode = mode
         # Two graph sets: greedy (argmax, no log-probs) and general (filters, log-probs).
-        self._graphs = {
-            greedy: SpeculatorCudaGraphManager(
-                max_num_reqs=max_num_reqs,
-                max_num_tokens=max_num_tokens,
-                cg_mode=mode,
-                capture_sizes=sizes,
-                uniform_token_counts=(1,),
-                mixed=False,
-            )
-            for greedy in (True, False)
-        }
+        self._graphs = {greedy: self._manager(sizes, uniform=1) for greedy in (True, False)}
         # Mixed steps (prefill chunks beside decode rows) by token count: the kernels read
         # every length from the buffers, so one graph serves any mix that fits it.
         if prefill_sizes is None:
             prefill_sizes = [s for s in (16, 32, 64, 128, 256, 512, 1024, 2048)
                              if s < max_num_tokens] + [max_num_tokens]  # fmt: skip
-        self._prefill_graphs = {
-            greedy: SpeculatorCudaGraphManager(
-                max_num_reqs=max_num_reqs,
-                max_num_tokens=max_num_tokens,
-                cg_mode=mode,
-                capture_sizes=prefill_sizes,
-                uniform_token_counts=(),
-                mixed=True,
-            )
-            for greedy in (True, False)
-        }
+        self._prefill_graphs = {greedy: self._manager(prefill_sizes) for greedy in (True, False)}
         self._verify_graphs: dict[int, SpeculatorCudaGraphManager] = {}  # by rows/request
         # mixed steps that also return the target's features (after keep_features())
         self._feature_graphs: dict[bool, SpeculatorCudaGraphManager] = {}
         self._prefill_sizes = prefill_sizes
-        self._graph_mode = mode
         self._decode_sizes = sizes
         self.steps = 0
         self.graph_steps = 0
@@ -195,6 +175,19 @@ class TargetRunner:
         self.sampling.write_rows([row], [_GREEDY])
 
     # ---- capture --------------------------------------------------------------------
+
+    def _manager(self, sizes: list[int], uniform: int | None = None):
+        """A capture manager over this runner's limits: uniform descriptors of `uniform`
+        tokens per request, or mixed ones by token count when uniform is None."""
+        lim = self.limits
+        return SpeculatorCudaGraphManager(
+            max_num_reqs=lim.max_num_reqs,
+            max_num_tokens=lim.max_num_tokens,
+            cg_mode=self._graph_mode,
+            capture_sizes=sizes,
+            uniform_token_counts=() if uniform is None else (uniform,),
+            mixed=uniform is None,
+        )
 
     def capture(self) -> None:
         """Warm up and capture the decode and mixed-step graphs (no-op without graphs)."""
@@ -317,16 +310,8 @@ class TargetRunner:
         self._features = features
         if self._graph_mode is CUDAGraphMode.NONE:
             return
-        lim = self.limits
         for greedy in (True, False):
-            manager = SpeculatorCudaGraphManager(
-                max_num_reqs=lim.max_num_reqs,
-                max_num_tokens=lim.max_num_tokens,
-                cg_mode=self._graph_mode,
-                capture_sizes=self._prefill_sizes,
-                uniform_token_counts=(),
-                mixed=True,
-            )
+            manager = self._manager(self._prefill_sizes)
 
             def forward(num_reqs, num_tokens, meta, slots, dp, mode, greedy=greedy):
                 return self._forward(meta, greedy=greedy), self.last_features
@@ -386,14 +371,7 @@ class TargetRunner:
             return
         lim = self.limits
         sizes = [n * w for n in self._decode_sizes if n * w <= lim.max_num_tokens]
-        manager = SpeculatorCudaGraphManager(
-            max_num_reqs=lim.max_num_reqs,
-            max_num_tokens=lim.max_num_tokens,
-            cg_mode=self._graph_mode,
-            capture_sizes=sizes,
-            uniform_token_counts=(w,),
-            mixed=False,
-        )
+        manager = self._manager(sizes, uniform=w)
         self._verify_graphs[w] = manager
         if not manager.descriptors:
             return
