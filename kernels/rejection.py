@@ -800,8 +800,10 @@ class _Launcher:
     def __init__(self, fn):
         self._cached = CachedLaunch(fn)
 
-    def __call__(self, grid, args, num_warps):
-        self._cached(_align_key(args) + (num_warps,), grid, args, {"num_warps": num_warps})
+    def add(self, launches: list, grid, args, num_warps) -> None:
+        """Append this kernel's launch (cached launcher, key, grid, args, options)."""
+        key = _align_key(args) + (num_warps,)
+        launches.append((self._cached, key, grid, args, {"num_warps": num_warps}))
 
 
 _PARTIALS = _Launcher(_partials_kernel)
@@ -844,6 +846,41 @@ def rejection_sample(
 
     No host read (draft-id values are checked only in validation mode, never during
     capture), fixed grids: capturable in a CUDA graph per (B, K, V)."""
+    tensors = (target_logits, draft_tokens, draft_probs, greedy, temperature, top_k, top_p,
+               seed, positions, out_tokens, out_num_accepted, out_num_emitted,
+               proposed_counts, accepted_counts)  # fmt: skip
+    # The same buffers step after step: the checks and the launch arguments are made once
+    # per buffer set. A plan holds its tensors, so their memory (hence a matching
+    # signature) cannot belong to other tensors while it is cached.
+    sig = (*(_geometry(t) for t in tensors), id(workspace), bool(any_filter), tuple(streams))
+    plan = _PLANS.get(sig)
+    if plan is None or plan[0] is not workspace:
+        plan = _plan(*tensors, workspace, any_filter, streams)
+        if len(_PLANS) >= 4:
+            _PLANS.clear()
+        _PLANS[sig] = plan
+    _, b, v, launches = plan
+    capturing = draft_tokens.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not capturing and validation_enabled(draft_tokens):
+        validate_draft_tokens(draft_tokens, v)
+    for cached, key, grid, args, options in launches:
+        cached(key, grid, args, options)
+
+
+_PLANS: dict[tuple, tuple] = {}
+
+
+def _geometry(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _plan(
+    target_logits, draft_tokens, draft_probs, greedy, temperature, top_k, top_p, seed,
+    positions, out_tokens, out_num_accepted, out_num_emitted, proposed_counts,
+    accepted_counts, workspace, any_filter, streams,
+) -> tuple:  # fmt: skip
+    """Check one buffer set and build its launches: (workspace, B, V, [(cached launch,
+    key, grid, args, options)])."""
     b, k, v = check_rejection_args(
         target_logits, draft_tokens, draft_probs, greedy, temperature, top_k, top_p, seed,
         positions, out_tokens, out_num_accepted, out_num_emitted, proposed_counts,
@@ -851,11 +888,9 @@ def rejection_sample(
     )  # fmt: skip
     if len(streams) != 3 or len(set(streams)) != 3:
         raise ValueError(f"streams must be 3 distinct ids (accept, residual, bonus), got {streams}")
-    capturing = draft_tokens.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not capturing and validation_enabled(draft_tokens):
-        validate_draft_tokens(draft_tokens, v)
+    launches: list[tuple] = []
     if b == 0:
-        return
+        return workspace, b, v, launches
     ws, cfg = workspace, workspace.config
     sampled = draft_probs is not None
     q = draft_probs if sampled else ws.row_max  # never read without q
@@ -864,14 +899,16 @@ def rejection_sample(
     nb, nb2 = ws.part_max.shape[1], ws.race_val.shape[1]
     mul_a, mul_r, mul_b = (_stream_mul(s) for s in streams)
     lm = target_logits.stride(0)
-    _PARTIALS(
+    _PARTIALS.add(
+        launches,
         (triton.cdiv(rows, cfg.rows_p), triton.cdiv(v, cfg.block_v)),
         (target_logits, lm, greedy, temperature, ws.part_max, ws.part_arg, ws.part_sum,
          ws.part_min, ws.part_max2, rows, v, k + 1, nb, cfg.rows_p, cfg.block_v, sampled),
         4,
     )  # fmt: skip
     if sampled:
-        _THRESHOLD(
+        _THRESHOLD.add(
+            launches,
             (triton.cdiv(rows, cfg.rows_t),),
             (target_logits, lm, greedy, temperature, top_k, top_p, ws.part_max, ws.part_sum,
              ws.part_min, ws.part_max2, ws.row_max, ws.row_thr, ws.row_sum, ws.cand,
@@ -880,14 +917,16 @@ def rejection_sample(
              cfg.max_passes, min(cfg.cap, 32), bool(any_filter)),
             8 if cfg.block_t >= 1024 else 4,
         )  # fmt: skip
-        _RESAMPLE(
+        _RESAMPLE.add(
+            launches,
             (triton.cdiv(b, cfg.rows_r), nb2),
             (target_logits, lm, draft_tokens, draft_tokens.stride(0), q, *sq, greedy,
              temperature, seed, positions, ws.row_max, ws.row_thr, ws.row_sum, ws.race_val,
              ws.race_idx, b, k, v, nb2, cfg.rows_r, kp, cfg.block_r, mul_a, mul_r, mul_b),
             8 if cfg.block_r >= 2048 else 4,
         )  # fmt: skip
-    _FINALIZE(
+    _FINALIZE.add(
+        launches,
         (triton.cdiv(b, cfg.rows_w),),
         (target_logits, lm, draft_tokens, draft_tokens.stride(0), q, *sq, greedy, temperature,
          seed, positions, ws.row_max, ws.row_thr, ws.row_sum, ws.part_max, ws.part_arg,
@@ -896,3 +935,4 @@ def rejection_sample(
          _p2(nb), _p2(nb2), sampled, mul_a),
         4,
     )  # fmt: skip
+    return workspace, b, v, launches

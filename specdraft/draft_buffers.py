@@ -13,7 +13,7 @@ import torch
 
 from specdraft.kernels.draft_round import DraftRoundBuffers
 
-from .staging import PinnedRing
+from .staging import CurrentStream, PinnedRing
 
 
 class SamplingMode(enum.IntEnum):
@@ -142,6 +142,7 @@ class LengthBook:
         )
         self._pending: deque[_Pending] = deque()
         self._cuda = pin
+        self._stream = CurrentStream(device) if pin else None
         self.skipped = 0  # rounds without a readback (host far ahead; bounds stay safe)
         self.applied = 0
 
@@ -172,7 +173,7 @@ class LengthBook:
         host, event = self._free.popleft()
         host.copy_(new_lengths, non_blocking=self._cuda)  # whole buffer: no slicing
         if event is not None:
-            event.record()
+            event.record(self._stream())
         self._pending.append(_Pending(event, host, slots, after))
 
     def poll(self) -> None:

@@ -29,7 +29,7 @@ from .input_buffers import InputBuffers
 from .kv_cache import KVCache, num_blocks_for_budget
 from .models.llama import LlamaForCausalLM
 from .sampling import TARGET_SAMPLE, SamplingParams, SamplingTensors, logprobs, sample
-from .staging import PinnedRing
+from .staging import CurrentStream, PinnedRing
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +132,7 @@ class TargetRunner:
             for _ in range(3)
         ]
         self._next_host = 0
+        self._stream = CurrentStream(dev) if pin else None
         use_graphs = dev.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         if use_graphs and dev.type != "cuda":
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
@@ -455,7 +456,7 @@ class TargetRunner:
         if with_logprobs:
             lps[:num_reqs].copy_(self.out_logprobs[:num_reqs], non_blocking=True)
         if event is not None:
-            event.record()
+            event.record(self._stream())
         return Readback(toks, lps if with_logprobs else None, event, num_reqs)
 
     def teardown(self) -> None:

@@ -35,7 +35,7 @@ from .generate import Engine, GenerationOutput
 from .rejection import RejectionSampler
 from .runner import TargetRunner
 from .sampling import SamplingParams, SeedSource
-from .staging import PinnedRing
+from .staging import CurrentStream, PinnedRing
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,7 @@ class SpeculativeEngine:
         r = runner.limits.max_num_reqs
         self._index_ring = PinnedRing(r, torch.int64, runner.device)
         pin = runner.device.type == "cuda"
+        self._stream = CurrentStream(runner.device) if pin else None
         # pinned readback slots, reused round robin (one step in flight, one being read)
         self._host = [
             (
@@ -297,7 +298,7 @@ class SpeculativeEngine:
         if self.runner.device.type != "cuda":
             return None
         ev = torch.cuda.Event()
-        ev.record()
+        ev.record(self._stream())
         return ev
 
     def _process(self, group, event, payload, active, stream) -> None:

@@ -28,13 +28,7 @@ class PinnedRing:
         self._events = [torch.cuda.Event() if pin else None for _ in range(depth)]
         self._pending = [False] * depth  # an event recorded and not yet seen complete
         self._next = 0
-        self._stream: torch.cuda.Stream | None = None  # the stream of the last copy
-        self._stream_raw = None
-        self._dev_index = None
-        if pin:
-            self._dev_index = self.device.index
-            if self._dev_index is None:
-                self._dev_index = torch.cuda.current_device()
+        self._stream = CurrentStream(self.device) if pin else None
         self.waits = 0  # times the host had to wait for a copy: expected to stay 0
 
     @property
@@ -79,16 +73,27 @@ class PinnedRing:
         dst.copy_(src, non_blocking=True)
         ev = self._events[slot]
         if ev is not None:
-            ev.record(self._current_stream())
+            ev.record(self._stream())
             self._pending[slot] = True
 
-    def _current_stream(self) -> torch.cuda.Stream:
-        """torch.cuda.current_stream() builds a Stream object on every call (microseconds
-        on the per-step path); keep the last one while the raw stream stays the same."""
-        raw = _raw_stream(self._dev_index)
-        if raw is None or raw != self._stream_raw:
-            self._stream = torch.cuda.current_stream(self.device)
-            self._stream_raw = raw
+
+class CurrentStream:
+    """`stream()` is torch.cuda.current_stream(device), which builds a Stream object on
+    every call (microseconds on a per-step path; Event.record() without a stream calls
+    it too): the last one is kept while the raw stream stays the same."""
+
+    def __init__(self, device: torch.device):
+        index = device.index
+        self._index = torch.cuda.current_device() if index is None else index
+        self._device = device
+        self._stream: torch.cuda.Stream | None = None
+        self._raw = None
+
+    def __call__(self) -> torch.cuda.Stream:
+        raw = _raw_stream(self._index)
+        if raw is None or raw != self._raw:
+            self._stream = torch.cuda.current_stream(self._device)
+            self._raw = raw
         return self._stream
 
 
