@@ -10,6 +10,11 @@ held-out chat prompts. --random: the same shapes with seeded random weights (no 
 acceptance is then near zero, the step costs are the same).
 
 Issue 12's bar: wall time per emitted token within 10% of (verify + draft round) / AL.
+
+--hf (real model only): transformers' plain greedy generate() on the first five prompts,
+same run. transformers' assisted generation cannot run an EAGLE head (its assistant is a
+standalone causal LM; an EAGLE head reads the target's hidden states), so plain greedy
+is the peer.
 """
 
 from __future__ import annotations
@@ -64,6 +69,22 @@ def _models(random: bool, gguf: str | None, device: str):
         for p in load_prompts("heldout")
     ]
     return target, head, tok, prompts
+
+
+def _hf_greedy_tok_s(gguf: str | None, prompts: list[list[int]], new_tokens: int) -> float:
+    """transformers loading the same GGUF, plain greedy, one prompt at a time."""
+    import transformers
+
+    from bench.e2e import hf_greedy_tok_s
+    from specdraft.embedded import smollm2_gguf_path
+
+    path = Path(gguf or smollm2_gguf_path())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, torch_dtype=torch.bfloat16
+    )
+    hf = hf.cuda().eval()
+    rates = [hf_greedy_tok_s(hf, [p], new_tokens) for p in prompts]
+    return len(rates) / sum(1 / r for r in rates)  # tokens over total time
 
 
 def _per_call_us(fn, iters: int, cuda: bool) -> tuple[float, float]:
@@ -164,6 +185,7 @@ def main(argv=None) -> int:
     ap.add_argument("--random", action="store_true")
     ap.add_argument("--gguf", default=None)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--hf", action="store_true", help="transformers' plain greedy as a peer")
     args = ap.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target, head, tok, prompts = _models(args.random, args.gguf, device)
@@ -187,6 +209,9 @@ def main(argv=None) -> int:
 
     decode_us = bare_step_us(engine, b) if device == "cuda" else float("nan")
     busy = gpu_busy_fraction(se, prompts[:b], 32)
+    hf_tok_s = None
+    if args.hf and not args.random and device == "cuda":
+        hf_tok_s = _hf_greedy_tok_s(args.gguf, prompts[:5], args.new_tokens)
     per_step = 1e6 * secs / max(1, steps)
     model_work = parts["verify"][0] + parts["draft round"][0]
     row = {
@@ -208,6 +233,7 @@ def main(argv=None) -> int:
         "wall_us_per_token": round(per_step * b / al, 1) if al == al else None,
         "bar_us_per_token": round(1.1 * model_work * b / al, 1) if al == al else None,
         "gpu_busy_fraction": None if busy is None else round(busy, 3),
+        "hf_plain_greedy_tok_s_b1": None if hf_tok_s is None else round(hf_tok_s, 1),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "spec_step.json").write_text(json.dumps(row, indent=1))
@@ -228,6 +254,11 @@ def main(argv=None) -> int:
         f"{row['wall_us_per_token']} µs against the bar 1.1 x (verify + round) / AL = "
         f"{row['bar_us_per_token']} µs; GPU busy {row['gpu_busy_fraction']} of the wall",
     ]
+    if hf_tok_s is not None:
+        lines.append(
+            f"transformers plain greedy (batch 1, first five prompts): {hf_tok_s:.1f} tok/s; "
+            f"speculative over it {row['spec_tok_s'] / hf_tok_s:.1f}x"
+        )
     text = "\n".join(lines)
     (args.out / "spec_step.md").write_text(text + "\n")
     print(text)

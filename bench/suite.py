@@ -4,7 +4,7 @@ the embedded model, attention), then short tables.
 
     python -m bench.suite [--out results] [--quick] [--sweep] [--no-flex] [--only a,b] [--jobs 4]
 
---only picks parts: tests, host, capture, models, e2e, draft, rejection, attention
+--only picks parts: tests, host, capture, models, e2e, spec, draft, rejection, attention
 (default: all).
 
 Exit status is non-zero when a test or a benchmark fails."""
@@ -89,7 +89,9 @@ def main() -> int:
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--jobs", type=int, default=4, help="pytest processes for the tests")
-    ap.add_argument("--only", default="tests,host,capture,models,e2e,draft,rejection,attention")
+    ap.add_argument(
+        "--only", default="tests,host,capture,models,e2e,spec,draft,rejection,attention"
+    )
     args = ap.parse_args()
     parts = set(args.only.split(","))
     if args.skip_tests:
@@ -117,6 +119,10 @@ def main() -> int:
         from bench import e2e
 
         codes.append(e2e.main(out))
+    if "spec" in parts:
+        from bench import spec_step
+
+        codes.append(spec_step.main(out + ["--hf"]))
     if "draft" in parts:
         from bench import draft_round
 
@@ -131,7 +137,7 @@ def main() -> int:
         bench_argv = out + ["--quick"] * args.quick + ["--sweep"] * args.sweep
         bench_argv += ["--no-flex"] * args.no_flex
         codes.append(attention.main(bench_argv))
-    for name in ("models", "capture", "e2e", "draft_round", "rejection"):
+    for name in ("models", "capture", "e2e", "spec_step", "draft_round", "rejection"):
         md = args.out / f"{name}.md"
         if md.exists():
             print("\n" + md.read_text().strip())
