@@ -60,6 +60,7 @@ def _add_train_draft(sub) -> None:
     p.add_argument("--cls-weight", type=float, default=0.1, help="cross-entropy weight")
     p.add_argument("--ttt-steps", type=int, default=2, help="draft steps unrolled in training")
     p.add_argument("--noise", type=float, default=0.0, help="uniform noise on input features")
+    p.add_argument("--head-layers", type=int, default=1, help="decoder layers in the head")
     p.add_argument("--max-minutes", type=float, default=8.0, help="budget of the whole run")
     p.add_argument(
         "--eval-reserve-s", type=float, default=60.0, help="seconds kept for the evaluation"

@@ -67,9 +67,10 @@ class TrainConfig:
     max_seconds: float | None = None
     save_every: int = 200
     save_dtype: str = "bfloat16"
+    head_layers: int = 1  # decoder layers in the head (EAGLE-1 uses one)
 
     def __post_init__(self) -> None:
-        ints = dict(batch_size=1, warmup_steps=0, ttt_steps=1, seed=0, save_every=1)
+        ints = dict(batch_size=1, warmup_steps=0, ttt_steps=1, seed=0, save_every=1, head_layers=1)
         for name, lo in ints.items():
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
@@ -337,7 +338,7 @@ def train_eagle_head(
     out = _check_args(target, data, out_dir, config)
     dev = target.embed_tokens.weight.device
     torch.manual_seed(config.seed)
-    head = EagleTrainHead(target)
+    head = EagleTrainHead(target, num_layers=config.head_layers)
     decay = [p for p in head.parameters() if p.dim() >= 2]
     rest = [p for p in head.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(

@@ -287,6 +287,7 @@ def run_train_draft(args: argparse.Namespace) -> int:
         warmup_steps=args.warmup_steps,
         cls_weight=args.cls_weight,
         ttt_steps=args.ttt_steps,
+        head_layers=args.head_layers,
         noise=args.noise,
         seed=args.seed,
         max_seconds=budget,

@@ -120,6 +120,18 @@ def check_against_paged_steps(trained, head, data, n: int = 9):
             assert rel_err(fed[0], outs[s][0, n + s - 1]) < 1e-5, f"unrolled step {s}"
 
 
+def test_a_two_layer_head_loads_with_identical_outputs(target, data, tmp_path):
+    """--head-layers 2: the saved checkpoint builds a two-layer EagleHead (layer 1 with
+    its input norm) whose prefill and draft steps equal the training module's."""
+    cfg = TrainConfig(steps=3, batch_size=4, save_dtype="float32", head_layers=2)
+    train_eagle_head(target, data, tmp_path, cfg)
+    head = load_draft(tmp_path, target=target)
+    assert isinstance(head, EagleHead) and len(head.layers) == 2
+    trained = EagleTrainHead(target, num_layers=2)
+    trained.load_state_dict(torch.load(tmp_path / "train_state.pt", weights_only=False)["head"])
+    check_against_paged_steps(trained, head, data)
+
+
 def test_resume_continues_from_the_saved_step(target, data, tmp_path):
     cfg = TrainConfig(steps=4, batch_size=4, save_every=2, save_dtype="float32")
     first = train_eagle_head(target, data, tmp_path, cfg)
@@ -169,6 +181,7 @@ def test_data_for_another_target_writes_nothing(data, tmp_path):
         (dict(cls_weight=float("nan")), TypeError, "cls_weight"),
         (dict(save_dtype="int8"), ValueError, "save_dtype"),
         (dict(max_seconds=0), ValueError, "max_seconds"),
+        (dict(head_layers=0), ValueError, "head_layers"),
     ],
 )
 def test_bad_config(kw, error, word):
