@@ -217,7 +217,7 @@ class SpeculativeEngine:
                 batch_ids, verified, accepted, k=[k] * len(batch), k_max=k, target_hidden=hidden_in
             )
             b = len(batch)
-            runner.verify_first[:b].copy_(verified[torch.arange(b, device=dev), accepted.long()])
+            runner.verify_first[:b].copy_(verified.gather(1, accepted.long()[:, None])[:, 0])
             runner.verify_drafts[:b, :k].copy_(proposal.tokens)
             logits = runner.execute_verify(b, k, rows=batch_rows)
             if self.eagle:  # the state at verify row j predicted the token after it
@@ -236,15 +236,15 @@ class SpeculativeEngine:
                     if group[i].finished:
                         self._drop(ids[i])
                 idx = self._upload_index(keep)
-                verified = out.tokens.index_select(0, idx).clone()
-                accepted = out.num_accepted.index_select(0, idx).clone()
+                verified = out.tokens.index_select(0, idx)  # index_select makes copies
+                accepted = out.num_accepted.index_select(0, idx)
                 if hidden_in is not None:
                     hidden_in = hidden_in.index_select(0, idx)
                 active = [active[j] for j in keep]
             else:
-                verified, accepted = out.tokens.clone(), out.num_accepted.clone()
-                if hidden_in is not None:
-                    hidden_in = hidden_in.clone()
+                # Views, no copies: the next propose() and verify_first read them before
+                # the rejection sampler and the verification overwrite their buffers.
+                verified, accepted = out.tokens, out.num_accepted
         if pending is not None:
             self._process(group, *pending, stream)
         self.rejection_counters()
