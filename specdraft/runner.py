@@ -136,9 +136,11 @@ class TargetRunner:
         use_graphs = dev.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         if use_graphs and dev.type != "cuda":
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
+        # Up to max_num_reqs itself: a batch of every request must find a graph (5 prompts
+        # at batch 5 used to decode eagerly).
         sizes = capture_sizes or [
-            s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256) if s <= max_num_reqs
-        ]
+            s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256) if s < max_num_reqs
+        ] + [max_num_reqs]
         mode = CUDAGraphMode.FULL if use_graphs else CUDAGraphMode.NONE
         self._graph_mode = mode
         # Two graph sets: greedy (argmax, no log-probs) and general (filters, log-probs).

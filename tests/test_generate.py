@@ -256,3 +256,14 @@ def test_gpu_graphs_equal_eager_and_transformers(hf_tokens):
     b = eager.generate(PROMPTS, params=params, max_new_tokens=STEPS)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     runner.teardown()
+
+
+def test_decode_graphs_cover_a_batch_of_every_request(model):
+    """The default decode capture sizes end at max_num_reqs itself (a 5-request batch
+    had no graph: sizes stopped at 4), and verification sizes follow them."""
+    runner = TargetRunner(model, max_num_reqs=5, max_num_tokens=64, max_model_len=64,
+                          num_blocks=40)  # fmt: skip
+    assert runner._decode_sizes == [1, 2, 4, 5]
+    runner = TargetRunner(model, max_num_reqs=8, max_num_tokens=64, max_model_len=64,
+                          num_blocks=40)  # fmt: skip
+    assert runner._decode_sizes == [1, 2, 4, 8]
