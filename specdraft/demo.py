@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from pathlib import Path
 
 import torch
 
@@ -61,6 +62,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from .cli import DEFAULT_PROMPTS
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    draft_path = _draft_path(args)  # checked before anything is loaded
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available here")
@@ -106,7 +108,6 @@ def run_generate(args: argparse.Namespace) -> int:
             print(f"\n>>> {p}\n{o.text.strip()}")
         print()
     spec_rows = []
-    draft_path = _draft_path(args)
     if args.draft_layers or draft_path is not None:
         spec_rows = _speculate(
             engine,
@@ -142,7 +143,12 @@ def _draft_path(args):
     if args.no_draft or args.draft_layers:
         return None
     if args.draft is not None:
-        return args.draft
+        path = Path(args.draft)
+        if not (path / "config.json").is_file():
+            raise SystemExit(
+                f"--draft {args.draft!r}: not a draft checkpoint directory (no config.json)"
+            )
+        return path
     if args.gguf is not None:  # another model: the shipped head is SmolLM2's
         return None
     from .embedded import shipped_draft_path

@@ -205,11 +205,14 @@ class TargetRunner:
                 manager.capture(forward, self.builder, f"Capturing {kind} graphs (greedy={greedy})")
         self._last = None  # capture leaves dummy contents in the buffers
 
+    def _all_managers(self) -> list[SpeculatorCudaGraphManager]:
+        """Every graph family's managers: decode, mixed steps, feature steps, verification."""
+        families = (self._graphs, self._prefill_graphs, self._feature_graphs, self._verify_graphs)
+        return [m for family in families for m in family.values()]
+
     @property
     def capture_seconds(self) -> float:
-        managers = [*self._graphs.values(), *self._prefill_graphs.values()]
-        managers += [*self._verify_graphs.values(), *self._feature_graphs.values()]
-        return sum(getattr(m, "capture_seconds", 0.0) or 0.0 for m in managers)
+        return sum(getattr(m, "capture_seconds", 0.0) or 0.0 for m in self._all_managers())
 
     # ---- one step -------------------------------------------------------------------
 
@@ -298,10 +301,11 @@ class TargetRunner:
     # ---- target features for EAGLE drafts --------------------------------------------
 
     def keep_features(self, aux_layers: tuple[int, ...] | None = None) -> None:
-        """Keep the target's features of every token of later eager steps in
-        `last_features`: the final hidden states [T, h] (what an EAGLE-1 head reads), or
-        with aux_layers the residual streams entering those layers, concatenated
-        [T, len * h] (EAGLE-3)."""
+        """Which target features steps leave in `last_features` when asked to
+        (execute(features=True), and every verification): the final hidden states [T, h]
+        (what an EAGLE-1 head reads), or with aux_layers the residual streams entering
+        those layers, concatenated [T, len * h] (EAGLE-3). With graphs on, captures the
+        mixed-step graphs that also return them."""
         features = ("aux", tuple(aux_layers)) if aux_layers else ("hidden", None)
         if features == self._features:
             return
@@ -462,7 +466,5 @@ class TargetRunner:
         return Readback(toks, lps if with_logprobs else None, event, num_reqs)
 
     def teardown(self) -> None:
-        managers = [*self._graphs.values(), *self._prefill_graphs.values()]
-        managers += [*self._verify_graphs.values(), *self._feature_graphs.values()]
-        for manager in managers:
+        for manager in self._all_managers():
             manager.teardown()

@@ -129,3 +129,17 @@ def test_generate_command_speculates_with_a_layer_truncated_draft():
     )
     assert "greedy output identical  | yes" in proc.stdout, proc.stdout
     assert "acceptance length" in proc.stdout
+
+
+def test_generate_command_refuses_a_draft_that_is_not_a_checkpoint(tmp_path):
+    """--draft names a directory without config.json: a clear error naming the flag,
+    before the model is loaded or anything is generated."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdraft", "generate", "--draft", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "--draft" in proc.stderr and "config.json" in proc.stderr
+    assert "tokens/s" not in proc.stdout
