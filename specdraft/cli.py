@@ -45,15 +45,32 @@ def _add_train_draft(sub) -> None:
     p.add_argument("--dtype", default=None, help="target dtype (default bf16 GPU, fp32 CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-prompts", type=int, default=None, help="first N training prompts")
-    p.add_argument("--samples-per-prompt", type=int, default=16, help="sampled answers")
+    p.add_argument(
+        "--self-prompts",
+        type=int,
+        default=6000,
+        help="user turns the target writes itself (T = 1) to be answered after the listed "
+        "prompts; unfinished, duplicate and held-out-like ones are dropped (0: none)",
+    )
+    p.add_argument("--self-prompt-tokens", type=int, default=64, help="at most this long, each")
+    p.add_argument("--samples-per-prompt", type=int, default=1, help="sampled answers per prompt")
     p.add_argument("--no-greedy", action="store_true", help="no greedy answer per prompt")
-    p.add_argument("--temperature", type=float, default=1.0, help="of the sampled answers")
+    p.add_argument("--temperature", type=float, default=0.7, help="of the sampled answers")
+    p.add_argument(
+        "--data-minutes",
+        type=float,
+        default=2.0,
+        help="time for writing the data (self-written prompts and answers); no new "
+        "prompt is answered after it, the answers under way are finished",
+    )
     p.add_argument("--max-new-tokens", type=int, default=384, help="per training answer")
     p.add_argument("--gen-batch", type=int, default=256, help="requests generated at once")
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--no-graphs", action="store_true", help="generate without CUDA graphs")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: epochs)")
-    p.add_argument("--epochs", type=float, default=40.0, help="passes when --steps is unset")
+    p.add_argument(
+        "--epochs", type=float, default=10.0, help="passes when --steps is unset (or the budget)"
+    )
     p.add_argument("--batch-size", type=int, default=32, help="sequences per step")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--warmup-steps", type=int, default=50)

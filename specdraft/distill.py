@@ -2,25 +2,34 @@
 to the training prompts with specdraft's batched Engine (several samples per prompt at
 a temperature, each with its own seed, plus the greedy answer), then a dense forward of
 the target gives its features (final hidden states) at every position of prompt and
-answer. Everything lives in flat tensors on the target's device."""
+answer. Everything lives in flat tensors on the target's device.
+
+Prompts come from the shipped list and, optionally, from the target itself: sampled at
+temperature 1 from the chat template opened at the user turn (`user_turn_opener`,
+`write_self_prompts`), kept when they end at the end-of-turn token and are new
+(`keep_self_prompts`: no empty, unfinished or duplicate text, no word 8-gram shared with
+the held-out prompts). Answer writing can stop at a time budget (`write_samples`)."""
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Sequence
+import re
+import time
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .dense import target_hidden
-from .generate import Engine
+from .generate import Engine, GenerationOutput
 from .models.llama import LlamaForCausalLM
 from .sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _SEED_LIMIT = 2**31 - 1
+_USER_MARK = "\ue000specdraft-user-text\ue000"  # private-use characters: no template has them
 
 
 @dataclass
@@ -45,6 +54,122 @@ def chat_ids(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
     return out
 
 
+def words(text: str) -> list[str]:
+    """The lower-cased words of `text` (runs of \\w): the tokenization of the 8-gram check
+    between training and held-out prompts (tests/test_prompts.py)."""
+    return re.findall(r"\w+", text.lower())
+
+
+def word_ngrams(text: str, n: int = 8) -> set[tuple[str, ...]]:
+    w = words(text)
+    return {tuple(w[i : i + n]) for i in range(len(w) - n + 1)}
+
+
+def user_turn_opener(tokenizer) -> list[int]:
+    """The ids the chat template puts before a user's words when the user opens the
+    chat: everything it renders ahead of the user's text (for SmolLM2 its default
+    system turn, then the user header). The target continues it to write a user turn."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _USER_MARK}], add_generation_prompt=False
+    )
+    at = text.find(_USER_MARK)
+    if at < 0:
+        raise ValueError("the chat template does not write the user's text verbatim")
+    ids = tokenizer.encode(text[:at], add_special_tokens=False)
+    if not ids:
+        raise ValueError("the chat template writes nothing before the user's text")
+    return ids
+
+
+def write_self_prompts(
+    engine: Engine,
+    opener: Sequence[int],
+    n: int,
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    seed: int = 0,
+    stop_token_ids: Sequence[int] | None = None,
+) -> list[GenerationOutput]:
+    """n user turns the target writes itself: `opener` (user_turn_opener) continued at
+    `temperature` with distinct seeds drawn from `seed`, all through one batched
+    Engine.generate, each stopped at the stop ids (the tokenizer's end of turn by
+    default) or after max_new_tokens."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    rng = random.Random(seed)
+    seeds = rng.sample(range(_SEED_LIMIT), n)
+    params = [SamplingParams(temperature, seed=s) for s in seeds]
+    t0 = time.perf_counter()
+    outs = engine.generate(
+        [list(opener)] * n,
+        params=params,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=stop_token_ids,
+    )
+    secs = time.perf_counter() - t0
+    toks = sum(len(o.token_ids) for o in outs)
+    logger.info(
+        "target wrote %d user turns: %d tokens in %.1f s (%.0f tokens/s)",
+        n,
+        toks,
+        secs,
+        toks / max(secs, 1e-9),
+    )
+    return outs
+
+
+DROP_REASONS = ("unfinished", "special", "empty", "duplicate", "heldout")
+
+
+def keep_self_prompts(
+    outputs: Iterable[GenerationOutput],
+    decode: Callable[[list[int]], str],
+    *,
+    stop_ids: Collection[int],
+    special_ids: Collection[int] = (),
+    known: Iterable[str] = (),
+    heldout: Iterable[str] = (),
+    n: int = 8,
+) -> tuple[list[str], dict[str, int]]:
+    """The self-written user turns worth answering, in order, and how many were dropped
+    for each reason (DROP_REASONS): unfinished (no stop token at the end: cut at
+    max_new_tokens), special (another special token inside the text), empty (no word
+    once decoded and stripped), duplicate (the same words as an earlier one or as a
+    `known` prompt), heldout (the same words as a held-out prompt, or a word n-gram
+    shared with one). decode: token ids (the stop token removed) to text."""
+    stop_ids, special_ids = frozenset(stop_ids), frozenset(special_ids)
+    held = list(heldout)
+    held_grams = set().union(*(word_ngrams(p, n) for p in held)) if held else set()
+    held_words = {tuple(words(p)) for p in held}
+    seen = {tuple(words(p)) for p in known}
+    kept: list[str] = []
+    dropped = dict.fromkeys(DROP_REASONS, 0)
+    for o in outputs:
+        ids = list(o.token_ids)
+        if o.finish_reason != "stop" or not ids or ids[-1] not in stop_ids:
+            dropped["unfinished"] += 1
+            continue
+        body = ids[:-1]
+        if any(t in special_ids or t in stop_ids for t in body):
+            dropped["special"] += 1
+            continue
+        text = decode(body).strip()
+        key = tuple(words(text))
+        if not key:
+            dropped["empty"] += 1
+            continue
+        if key in held_words or word_ngrams(text, n) & held_grams:
+            dropped["heldout"] += 1
+            continue
+        if key in seen:
+            dropped["duplicate"] += 1
+            continue
+        seen.add(key)
+        kept.append(text)
+    return kept, dropped
+
+
 def _progress(total: int, desc: str, unit: str):
     try:
         from tqdm import tqdm
@@ -62,47 +187,98 @@ def write_samples(
     max_new_tokens: int = 256,
     temperature: float = 1.0,
     seed: int = 0,
+    max_seconds: float | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[Sample]:
-    """The target's answers to every prompt, all queued at once (continuous batching):
+    """The target's answers to the prompts, in prompt order (continuous batching):
     `samples_per_prompt` sampled at `temperature` with distinct seeds drawn from `seed`,
-    plus the greedy answer when `greedy`. Stops at the tokenizer's stop ids."""
+    plus the greedy answer when `greedy`. Stops at the tokenizer's stop ids; an answer
+    that would not fit max_model_len gets fewer than max_new_tokens.
+
+    A prompt's answers are queued together, and prompts are queued as rows free up
+    (enough to fill every free row at the next step). With max_seconds, no prompt is
+    queued once that many seconds have passed since the call (the first fill of the
+    rows is always queued); the answers already queued are finished and returned, so
+    the result may answer only the first prompts."""
     rng = random.Random(seed)
     n = len(prompt_ids) * samples_per_prompt
     seeds = iter(rng.sample(range(_SEED_LIMIT), n))
-    plan: list[tuple[int, int | None]] = []
+    plan: list[list[tuple[int, int | None]]] = []  # per prompt: (prompt, seed or None)
     for i in range(len(prompt_ids)):
-        if greedy:
-            plan.append((i, None))
-        plan.extend((i, next(seeds)) for _ in range(samples_per_prompt))
-    if not plan:
-        raise ValueError("no samples to write: samples_per_prompt is 0 and greedy is off")
-    requests = []
-    for i, s in plan:
-        if s is None:
-            params = SamplingParams(temperature=0.0)
-        else:
-            params = SamplingParams(temperature, seed=s)
-        req = engine.check_request(prompt_ids[i], params=params, max_new_tokens=max_new_tokens)
-        requests.append(req)
+        row = [(i, None)] if greedy else []
+        row.extend((i, next(seeds)) for _ in range(samples_per_prompt))
+        plan.append(row)
+    if not plan or not plan[0]:
+        raise ValueError(
+            "no samples to write: no prompts, or samples_per_prompt is 0 and greedy is off"
+        )
+    if max_seconds is not None and not max_seconds >= 0:
+        raise ValueError(f"max_seconds must be >= 0 or None, got {max_seconds!r}")
+    limit = engine.runner.limits.max_model_len
+    requests = []  # per prompt: the checked requests of its answers
+    for row in plan:
+        reqs = []
+        for i, s in row:
+            params = (
+                SamplingParams(temperature=0.0)
+                if s is None
+                else SamplingParams(temperature, seed=s)
+            )
+            room = min(max_new_tokens, limit - len(prompt_ids[i]))
+            reqs.append(
+                engine.check_request(prompt_ids[i], params=params, max_new_tokens=max(1, room))
+            )
+        requests.append(reqs)
     if engine.has_work():
         raise RuntimeError("write_samples needs an idle engine; finish the running requests")
-    first = None
-    for req in requests:
-        idx = engine.add_request(req.prompt, params=req.params, max_new_tokens=max_new_tokens)
-        first = idx if first is None else first
-    bar = _progress(len(plan), "target writes its answers", "answers")
-    done = 0
-    while engine.has_work():
+    t0 = clock()
+    rows = engine.runner.limits.max_num_reqs
+    per_prompt = len(plan[0])
+    queued: list[tuple[int, int | None, int]] = []  # (prompt, seed, engine index)
+    bar = _progress(len(plan) * per_prompt, "target writes its answers", "answers")
+    next_prompt, done, steps, cut = 0, 0, 0, False
+    while True:
+        # Queue enough to fill every row the next step may free; after a budget cut,
+        # only finish what is queued.
+        while (
+            not cut
+            and next_prompt < len(plan)
+            and len(engine.waiting) + len(engine.running) < rows + per_prompt
+        ):
+            if steps and max_seconds is not None and clock() - t0 >= max_seconds:
+                cut = True
+                break
+            for (i, s), req in zip(plan[next_prompt], requests[next_prompt]):
+                idx = engine.add_request(
+                    req.prompt, params=req.params, max_new_tokens=req.max_new_tokens
+                )
+                queued.append((i, s, idx))
+            next_prompt += 1
+        if not engine.has_work():
+            break
         engine.step()
+        steps += 1
         if bar is not None and len(engine.finished) != done:
             bar.update(len(engine.finished) - done)
             done = len(engine.finished)
     if bar is not None:
         bar.close()
     out = []
-    for j, (i, s) in enumerate(plan):
-        req = engine.finished.pop(first + j)
+    for i, s, idx in queued:
+        req = engine.finished.pop(idx)
         out.append(Sample(i, list(req.prompt) + list(req.output), len(req.prompt), s))
+    secs = clock() - t0
+    new = sum(len(x.tokens) - x.prompt_len for x in out)
+    logger.info(
+        "target wrote %d answers to %d of %d prompts: %d new tokens in %.1f s (%.0f tokens/s)%s",
+        len(out),
+        next_prompt,
+        len(plan),
+        new,
+        secs,
+        new / max(secs, 1e-9),
+        f"; time budget of {max_seconds:.0f} s reached" if next_prompt < len(plan) else "",
+    )
     return out
 
 

@@ -1,9 +1,10 @@
 """`specdraft train-draft`: the whole self-distillation run for the embedded target
-(SmolLM2-135M-Instruct from its GGUF, or a GGUF given): the target writes its answers to
-the shipped training prompts, its features are computed, an EAGLE-1 head is trained
-under a time budget, and the head is evaluated by real speculative decoding on the
-held-out prompts (greedy, acceptance read from the engine's counters). Writes the head,
-a loss plot, report.json and MODEL_CARD.md into --out."""
+(SmolLM2-135M-Instruct from its GGUF, or a GGUF given): the target writes user turns of
+its own (--self-prompts) beside the shipped training prompts and answers them all until
+the data time budget (--data-minutes) runs out, its features are computed, an EAGLE-1
+head is trained under the rest of the time budget, and the head is evaluated by real
+speculative decoding on the held-out prompts (greedy, acceptance read from the engine's
+counters). Writes the head, a loss plot, report.json and MODEL_CARD.md into --out."""
 
 from __future__ import annotations
 
@@ -19,7 +20,15 @@ from pathlib import Path
 
 import torch
 
-from .distill import DistillSet, Sample, chat_ids, write_samples
+from .distill import (
+    DistillSet,
+    Sample,
+    chat_ids,
+    keep_self_prompts,
+    user_turn_opener,
+    write_samples,
+    write_self_prompts,
+)
 from .generate import Engine, timed_generate
 from .png import write_loss_png
 from .runner import TargetRunner
@@ -31,6 +40,9 @@ SAMPLES_FILE = "samples.json"
 REPORT_FILE = "report.json"
 CARD_FILE = "MODEL_CARD.md"
 SHIPPED_FILES = ("config.json", "model.safetensors", CARD_FILE)
+# The features stay on the target's device when they take at most this share of its free
+# memory; a data set larger than that is cut to its first sequences that fit.
+FEATURE_MEMORY_FRACTION = 0.5
 
 
 @dataclass
@@ -131,13 +143,7 @@ Load it with `specdraft.loader.load_draft(path, target=model)`.
 
 ## Data
 
-- {d["prompts"]} training prompts (specdraft's shipped training list), as one user turn
-  of the target's chat template
-- per prompt: {d["samples_per_prompt"]} answer(s) sampled at temperature
-  {d["temperature"]} with distinct seeds{" plus the greedy answer" if d["greedy"] else ""};
-  at most {d["max_new_tokens"]} new tokens each
-- {d["sequences"]} sequences, {d["tokens"]} tokens ({d["answer_tokens"]} answer tokens)
-- written in {d["seconds"]:.1f} s; features in {d["feature_seconds"]:.1f} s
+{_data_lines(d)}
 
 ## Training
 
@@ -148,10 +154,11 @@ Load it with `specdraft.loader.load_draft(path, target=model)`.
 
 ## Held-out evaluation
 
-{e["prompts"]} held-out prompts (no 8-gram shared with the training list), greedy, at
-most {e["max_new_tokens"]} new tokens, through SpeculativeEngine. Acceptance length =
-1 + accepted drafts per verification step; per-position acceptance from the rejection
-sampler's counters. Target-only: {e["target_tokens_per_s"]:.1f} tokens/s.
+{e["prompts"]} held-out prompts (no word 8-gram shared with a training prompt, listed or
+self-written), greedy, at most {e["max_new_tokens"]} new tokens, through
+SpeculativeEngine. Acceptance length = 1 + accepted drafts per verification step;
+per-position acceptance from the rejection sampler's counters. Target-only:
+{e["target_tokens_per_s"]:.1f} tokens/s.
 
 Acceptance length at k = 3: **{al}**
 
@@ -170,16 +177,71 @@ Apache-2.0, the license of the target model whose outputs and features trained i
     return path
 
 
-def save_samples(out: Path, samples: list[Sample], key: dict, seconds: float) -> None:
-    """The generated samples with the settings that made them and the time it took."""
+def _data_lines(d: Mapping) -> str:
+    """The model card's data section, from the report's "data" entry."""
+    sp = d.get("self_prompts") or {}
+    why = {
+        "unfinished": "no end-of-turn token within the limit",
+        "special": "another special token inside",
+        "empty": "no words",
+        "duplicate": "the words of an earlier or listed prompt",
+        "heldout": "a word 8-gram or the words of a held-out prompt",
+    }
+    dropped = ", ".join(
+        f"{v} {k} ({why.get(k, k)})" for k, v in (sp.get("dropped") or {}).items() if v
+    )
+    lines = [
+        f"- {d['prompts']} prompts from specdraft's shipped training list"
+        + (
+            f" and {sp.get('kept', 0)} user turns the target wrote itself: "
+            f"{sp.get('requested', 0)} sampled at temperature {sp.get('temperature', 1.0)} "
+            "with distinct seeds from the chat template opened at the user turn (its "
+            f"system turn included), at most {sp.get('max_new_tokens')} tokens each, "
+            f"dropped: {dropped or 'none'}"
+            if sp.get("requested")
+            else ""
+        ),
+        "- each prompt as one user turn of the target's chat template; answered: "
+        f"{d.get('prompts_answered', d['prompts'])} prompts "
+        f"({d.get('listed_answered', d['prompts'])} listed, "
+        f"{d.get('self_answered', 0)} self-written)"
+        + (
+            f", the data time budget ({d['data_budget_s']:.0f} s) ended the writing"
+            if d.get("budget_cut")
+            else ""
+        ),
+        f"- per prompt: {'the greedy answer plus ' if d['greedy'] else ''}"
+        f"{d['samples_per_prompt']} answer(s) sampled at temperature {d['temperature']} "
+        f"with distinct seeds; at most {d['max_new_tokens']} new tokens each",
+        f"- {d['sequences']} sequences, {d['tokens']} tokens ({d['answer_tokens']} answer tokens)",
+    ]
+    if d.get("dropped_for_memory"):
+        lines.append(
+            f"- {d['dropped_for_memory']} sequences left out: their features did not fit "
+            "the device's memory"
+        )
+    rate = d.get("answer_tokens_per_s")
+    lines.append(
+        f"- written in {d['seconds']:.1f} s"
+        + (f" ({rate:.0f} answer tokens/s)" if rate else "")
+        + f"; features in {d['feature_seconds']:.1f} s"
+    )
+    return "\n".join(lines)
+
+
+def save_samples(
+    out: Path, samples: list[Sample], key: dict, seconds: float, info: dict | None = None
+) -> None:
+    """The generated samples with the settings that made them, the time it took and
+    what else the run records about them (info: the self-written prompts)."""
     rows = [dataclasses.asdict(s) for s in samples]
-    data = {"key": key, "seconds": seconds, "samples": rows}
+    data = {"key": key, "seconds": seconds, "info": info or {}, "samples": rows}
     (out / SAMPLES_FILE).write_text(json.dumps(data))
 
 
-def load_samples(out: Path, key: dict) -> tuple[list[Sample], float] | None:
-    """(samples, seconds it took to write them) saved in `out` with the same settings,
-    else None."""
+def load_samples(out: Path, key: dict) -> tuple[list[Sample], float, dict] | None:
+    """(samples, seconds it took to write them, info) saved in `out` with the same
+    settings, else None."""
     file = out / SAMPLES_FILE
     if not file.is_file():
         return None
@@ -187,7 +249,18 @@ def load_samples(out: Path, key: dict) -> tuple[list[Sample], float] | None:
     if saved.get("key") != key:
         logger.info("%s was written with other settings: writing the samples again", file)
         return None
-    return [Sample(**s) for s in saved["samples"]], float(saved.get("seconds", 0.0))
+    samples = [Sample(**s) for s in saved["samples"]]
+    return samples, float(saved.get("seconds", 0.0)), dict(saved.get("info") or {})
+
+
+def fit_samples(samples: list[Sample], max_tokens: int) -> list[Sample]:
+    """The longest prefix of `samples` holding at most max_tokens tokens."""
+    total = 0
+    for i, s in enumerate(samples):
+        total += len(s.tokens)
+        if total > max_tokens:
+            return samples[:i]
+    return samples
 
 
 def run_train_draft(args: argparse.Namespace) -> int:
@@ -208,16 +281,17 @@ def run_train_draft(args: argparse.Namespace) -> int:
         if not isinstance(dtype, torch.dtype):
             raise SystemExit(f"--dtype {args.dtype!r} is not a torch dtype")
     _parse_ks(args.eval_ks)  # refused before any work
+    _check_data_args(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gguf = args.gguf
     path = smollm2_gguf_path(wheel=gguf) if gguf is None or gguf.endswith(".whl") else gguf
-    prompts = load_prompts("train")
+    listed = load_prompts("train")
     if args.num_prompts:
-        prompts = prompts[: args.num_prompts]
+        listed = listed[: args.num_prompts]
     heldout = load_prompts("heldout")
     model, tok = load_gguf(path, device=device, dtype=dtype, max_positions=args.max_model_len)
-    ids, held_ids = chat_ids(tok, prompts), chat_ids(tok, heldout)
+    held_ids = chat_ids(tok, heldout)
     graphs = device == "cuda" and not args.no_graphs
 
     def new_runner(max_num_reqs: int) -> TargetRunner:
@@ -233,33 +307,64 @@ def run_train_draft(args: argparse.Namespace) -> int:
 
     key = dict(
         gguf=str(Path(path).name),
-        prompts=len(prompts),
+        prompts=len(listed),
+        self_prompts=args.self_prompts,
+        self_prompt_tokens=args.self_prompt_tokens,
         samples_per_prompt=args.samples_per_prompt,
         greedy=not args.no_greedy,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         seed=args.seed,
+        data_minutes=args.data_minutes,
     )
     t_gen = time.perf_counter()
     saved = None if args.fresh else load_samples(out, key)
     if saved is None:
         gen_runner = new_runner(args.gen_batch)
+        engine = Engine(gen_runner, tok)
+        info = _write_self_prompts(engine, tok, args, listed, heldout)
+        prompts = listed + info["texts"]
+        budget_s = args.data_minutes * 60 - (time.perf_counter() - t_gen)
+        t_ans = time.perf_counter()
         samples = write_samples(
-            Engine(gen_runner, tok),
-            ids,
+            engine,
+            chat_ids(tok, prompts),
             samples_per_prompt=args.samples_per_prompt,
             greedy=not args.no_greedy,
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             seed=args.seed,
+            max_seconds=max(0.0, budget_s),
         )
+        info["answer_seconds"] = time.perf_counter() - t_ans
+        info["answer_budget_s"] = max(0.0, budget_s)
         gen_runner.teardown()  # its graphs and KV cache are not needed again
-        del gen_runner
+        del gen_runner, engine
         gen_s = time.perf_counter() - t_gen
-        save_samples(out, samples, key, gen_s)
+        save_samples(out, samples, key, gen_s, info)
     else:
-        samples, gen_s = saved
+        samples, gen_s, info = saved
         logger.info("reusing %d samples from %s", len(samples), out / SAMPLES_FILE)
+    num_texts = len(info.get("texts", []))
+    answered = {s.prompt_index for s in samples}
+    listed_answered = sum(i < len(listed) for i in answered)
+    answer_tokens = sum(len(s.tokens) - s.prompt_len for s in samples)
+    dropped_for_memory = 0
+    if device == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        per_token = model.cfg.hidden_size * dtype.itemsize + 8  # features + token id
+        fit = fit_samples(samples, int(FEATURE_MEMORY_FRACTION * free / per_token))
+        dropped_for_memory = len(samples) - len(fit)
+        if dropped_for_memory:
+            logger.warning(
+                "features of %d tokens would take over %.0f%% of the free GPU memory: "
+                "training on the first %d of %d sequences",
+                sum(len(x.tokens) for x in samples),
+                100 * FEATURE_MEMORY_FRACTION,
+                len(fit),
+                len(samples),
+            )
+        samples = fit
     t_feat = time.perf_counter()
     data = DistillSet.from_samples(model, samples)
     if device == "cuda":
@@ -272,6 +377,30 @@ def run_train_draft(args: argparse.Namespace) -> int:
         data.num_answer_tokens,
         gen_s,
         feat_s,
+    )
+    data_info = dict(
+        key,
+        self_prompts=dict(
+            requested=args.self_prompts,
+            temperature=1.0,
+            max_new_tokens=args.self_prompt_tokens,
+            kept=num_texts,
+            **{k: info[k] for k in ("written", "dropped", "tokens", "seconds") if k in info},
+        ),
+        prompts_answered=len(answered),
+        listed_answered=listed_answered,
+        self_answered=len(answered) - listed_answered,
+        budget_cut=len(answered) < len(listed) + num_texts,
+        data_budget_s=args.data_minutes * 60,
+        answer_tokens_per_s=answer_tokens / info["answer_seconds"]
+        if info.get("answer_seconds")
+        else None,
+        dropped_for_memory=dropped_for_memory,
+        sequences=len(data),
+        tokens=data.num_tokens,
+        answer_tokens=data.num_answer_tokens,
+        seconds=gen_s,
+        feature_seconds=feat_s,
     )
     budget = args.max_minutes * 60 - (time.perf_counter() - t0) - args.eval_reserve_s
     if budget <= 0:
@@ -294,14 +423,6 @@ def run_train_draft(args: argparse.Namespace) -> int:
     )
     result = train_eagle_head(model, data, out, config, resume=not args.fresh)
     write_loss_png(out / "loss.png", [r["loss"] for r in result.history])
-    data_info = dict(
-        key,
-        sequences=len(data),
-        tokens=data.num_tokens,
-        answer_tokens=data.num_answer_tokens,
-        seconds=gen_s,
-        feature_seconds=feat_s,
-    )
     del data
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -333,7 +454,7 @@ def run_train_draft(args: argparse.Namespace) -> int:
             vocab_size=model.cfg.vocab_size,
         ),
         "device": torch.cuda.get_device_name() if device == "cuda" else "CPU",
-        "data": dict(data_info, prompts=len(prompts)),
+        "data": data_info,
         "training": dict(
             steps=result.steps,
             seconds=result.seconds,
@@ -361,6 +482,60 @@ def run_train_draft(args: argparse.Namespace) -> int:
         dest = ship(out)
         print(f"copied {', '.join(SHIPPED_FILES)} to {dest}")
     return 0
+
+
+def _check_data_args(args: argparse.Namespace) -> None:
+    """The data options, refused before any work."""
+    if args.self_prompts < 0:
+        raise SystemExit(f"--self-prompts must be >= 0, got {args.self_prompts}")
+    if args.self_prompt_tokens < 1:
+        raise SystemExit(f"--self-prompt-tokens must be >= 1, got {args.self_prompt_tokens}")
+    if not args.data_minutes > 0:
+        raise SystemExit(f"--data-minutes must be > 0, got {args.data_minutes}")
+    if args.data_minutes * 60 + args.eval_reserve_s >= args.max_minutes * 60:
+        raise SystemExit(
+            f"--data-minutes {args.data_minutes} and --eval-reserve-s {args.eval_reserve_s} "
+            f"leave no time to train within --max-minutes {args.max_minutes}"
+        )
+
+
+def _write_self_prompts(engine: Engine, tok, args, listed, heldout) -> dict:
+    """--self-prompts user turns written by the target and filtered (keep_self_prompts):
+    {"texts": kept, "written", "dropped": per reason, "tokens", "seconds"}."""
+    info: dict = dict(texts=[], written=0, dropped={}, tokens=0, seconds=0.0)
+    if not args.self_prompts:
+        return info
+    t = time.perf_counter()
+    outs = write_self_prompts(
+        engine,
+        user_turn_opener(tok),
+        args.self_prompts,
+        max_new_tokens=args.self_prompt_tokens,
+        temperature=1.0,
+        seed=args.seed + 1,  # not the answers' seed list
+    )
+    texts, dropped = keep_self_prompts(
+        outs,
+        lambda ids: tok.decode(ids, skip_special_tokens=False),
+        stop_ids=tok.stop_token_ids,
+        special_ids=tok.special_ids,
+        known=listed,
+        heldout=heldout,
+    )
+    info.update(
+        texts=texts,
+        written=len(outs),
+        dropped=dropped,
+        tokens=sum(len(o.token_ids) for o in outs),
+        seconds=time.perf_counter() - t,
+    )
+    logger.info(
+        "kept %d of %d self-written user turns (dropped: %s)",
+        len(texts),
+        len(outs),
+        ", ".join(f"{v} {k}" for k, v in dropped.items() if v) or "none",
+    )
+    return info
 
 
 def _parse_ks(text: str) -> list[int]:
