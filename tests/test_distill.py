@@ -320,3 +320,57 @@ def test_model_card_describes_the_data(tmp_path):
     plain = write_model_card(tmp_path / "plain.md", report()).read_text()
     assert "wrote itself" not in plain and "time budget" not in plain
     assert "answered: 1235 prompts (1235 listed, 0 self-written)" in plain
+
+
+class _WordTokenizer:
+    """For the tiny target (64 ids): 0 opens a turn, 1..8 end one, 9.. are words w9.."""
+
+    stop_token_ids = tuple(range(1, 9))
+    special_ids = frozenset(range(9))
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        text = "".join(f"<s> {m['role']} {m['content']} </s> " for m in messages)
+        return text + ("<s> assistant " if add_generation_prompt else "")
+
+    def encode(self, text, add_special_tokens=False):
+        names = {"<s>": 0, "</s>": 1, "user": 9, "assistant": 10}
+        return [names[w] if w in names else int(w[1:]) for w in text.split()]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(f"w{t}" for t in ids if t >= 9 or not skip_special_tokens)
+
+    def stream_decoder(self):
+        class _Quiet:
+            def push(self, ids):
+                return ""
+
+            def flush(self):
+                return ""
+
+        return _Quiet()
+
+
+def test_train_run_drops_self_written_prompts_like_listed_or_heldout_ones(target):
+    """train_run's self-prompt step on the tiny target: the same seeds write the same
+    turns; given one of them as a listed prompt and another inside a held-out prompt
+    (an 8-gram shared, the words not equal), the second run drops exactly those."""
+    from argparse import Namespace
+
+    from specdraft.train_run import _write_self_prompts
+
+    tok = _WordTokenizer()
+    args = Namespace(self_prompts=24, self_prompt_tokens=20, seed=0)
+
+    def run(listed, heldout):
+        runner = TargetRunner(target, max_num_reqs=8, max_num_tokens=128, max_model_len=64)
+        with ops.use_backend("torch"):
+            return _write_self_prompts(Engine(runner, tok), tok, args, listed, heldout)
+
+    first = run([], [])
+    texts = first["texts"]
+    assert first["written"] == 24 and len(texts) + sum(first["dropped"].values()) == 24
+    long = next(t for t in texts if len(t.split()) >= 8)
+    short = next(t for t in texts if t != long)
+    second = run([short.upper()], [f"Please {long} now"])
+    assert set(second["texts"]) == set(texts) - {short, long}
+    assert second["dropped"]["duplicate"] >= 1 and second["dropped"]["heldout"] >= 1
