@@ -351,7 +351,9 @@ def run_train_draft(args: argparse.Namespace) -> int:
     answer_tokens = sum(len(s.tokens) - s.prompt_len for s in samples)
     dropped_for_memory = 0
     if device == "cuda":
-        free, _ = torch.cuda.mem_get_info()
+        torch.cuda.empty_cache()  # the generation runner's cache and graphs are gone
+        free = torch.cuda.mem_get_info()[0]
+        free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
         per_token = model.cfg.hidden_size * dtype.itemsize + 8  # features + token id
         fit = fit_samples(samples, int(FEATURE_MEMORY_FRACTION * free / per_token))
         dropped_for_memory = len(samples) - len(fit)
