@@ -143,26 +143,55 @@ def launches_per_step(engine, batch: int) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
-def host_us_per_step(engine, ids: list[list[int]], new_tokens: int) -> float:
-    """Median host time of Engine._launch (schedule, build, dispatch, replay, readback
-    enqueue) over the decode steps of one generate() call."""
-    samples: list[float] = []
-    orig = engine._launch
+def host_us_per_step(engine, ids: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    """Host time per step over the decode steps of one generate() call, as medians:
+    (launch, busy). launch: from Engine.step's start until the step is enqueued
+    (schedule, build, dispatch, replay, readback enqueue; on the steady path one
+    decode_next); busy: the whole step minus the time blocked waiting for the previous
+    step's tokens (launch plus reading, stop checks and bookkeeping)."""
+    from specdraft import runner as runner_mod
 
-    def timed():
+    launch: list[float] = []
+    busy: list[float] = []
+    t = {"start": 0.0, "wait": 0.0, "launched": 0.0}
+    step, launch_slow, decode_next = engine.step, engine._launch, engine.runner.decode_next
+    wait = runner_mod.Readback.wait
+
+    def mark(fn):
+        def run(*a, **kw):
+            out = fn(*a, **kw)
+            t["launched"] = time.perf_counter()
+            return out
+
+        return run
+
+    def timed_wait(self):
         t0 = time.perf_counter()
-        out = orig()
-        samples.append(time.perf_counter() - t0)
+        out = wait(self)
+        t["wait"] += time.perf_counter() - t0
         return out
 
-    engine._launch = timed
+    def timed_step():
+        t["start"], t["wait"] = time.perf_counter(), 0.0
+        step()
+        end = time.perf_counter()
+        launch.append(t["launched"] - t["start"])
+        busy.append(end - t["start"] - t["wait"])
+
+    engine.step, engine._launch = timed_step, mark(launch_slow)
+    engine.runner.decode_next = mark(decode_next)
+    runner_mod.Readback.wait = timed_wait
     try:
         engine.generate(ids, max_new_tokens=new_tokens, stop_token_ids=[])
     finally:
-        engine._launch = orig
-    q = statistics.quantiles([1e6 * x for x in samples[2:]], n=10)
-    print(f"host us per step: p10 {q[0]:.1f} p50 {q[4]:.1f} p90 {q[8]:.1f} ({len(samples)} steps)")
-    return 1e6 * statistics.median(samples[2:]) if len(samples) > 3 else float("nan")
+        engine.step, engine._launch, engine.runner.decode_next = step, launch_slow, decode_next
+        runner_mod.Readback.wait = wait
+    out = []
+    for name, xs in (("launch", launch), ("busy", busy)):
+        q = statistics.quantiles([1e6 * x for x in xs[2:]], n=10)
+        print(f"host us per step, {name}: p10 {q[0]:.1f} p50 {q[4]:.1f} p90 {q[8]:.1f}")
+        out.append(1e6 * statistics.median(xs[2:]))
+    return out[0], out[1]
 
 
 def hf_greedy_tok_s(model, ids: list[list[int]], new_tokens: int) -> float:
@@ -241,7 +270,7 @@ def main(argv=None) -> int:
         ]
         tok_s = n / secs
         step_us = bare_step_us(engine, batch)
-        host_us = host_us_per_step(engine, ids, 32)
+        host_us, busy_us = host_us_per_step(engine, ids, 64)
         launches = launches_per_step(engine, batch)
         hf = None if hf_model is None else hf_greedy_tok_s(hf_model, ids, args.new_tokens)
         row = {
@@ -252,6 +281,7 @@ def main(argv=None) -> int:
             "bare_tok_s": round(batch * 1e6 / step_us, 1),
             "generate_over_bare": round(tok_s / (batch * 1e6 / step_us), 3),
             "host_us_per_step": round(host_us, 1),
+            "host_busy_us_per_step": round(busy_us, 1),
             "launches_per_step": launches,
             "load_s": round(load_s, 2),
             "capture_s": round(capture_s, 2),
@@ -281,6 +311,7 @@ def main(argv=None) -> int:
         "generate_over_bare",
         "bare_step_us",
         "host_us_per_step",
+        "host_busy_us_per_step",
         "launches_per_step",
         "load_s",
         "capture_s",

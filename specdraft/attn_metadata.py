@@ -321,6 +321,12 @@ class MetadataBuilder:
         self._advance(last.num_reqs, last.num_tokens)
         return last
 
+    def launch_advance(self, num_reqs: int, num_tokens: int) -> None:
+        """advance()'s device work alone, over the first num_reqs requests and num_tokens
+        tokens of the buffers: what a captured steady decode graph records. No commit and
+        no host state: the caller commits block-table writes before replaying."""
+        self._advance(num_reqs, num_tokens)
+
     def _metadata(self, rp: int, tp: int, mq: int, t: int, r: int) -> AttentionMetadata:
         views = self._views.get((rp, tp))
         if views is None:

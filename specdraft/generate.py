@@ -6,7 +6,8 @@ request when blocks run out: its blocks are freed and it is prefilled again late
 launches the step, and only then reads the tokens of the previous step through pinned
 memory. Stop checks, streaming and bookkeeping therefore run one step late and the host
 never waits for the step it has just launched. Requests join (`add_request`) and finish
-at any step.
+at any step. While the decode batch repeats unchanged, a step is one call,
+runner.decode_next (the steady path; see _Steady).
 """
 
 from __future__ import annotations
@@ -65,6 +66,19 @@ class _Request:
         return self.prompt + self.output
 
 
+@dataclass
+class _Steady:
+    """A decode batch that repeats unchanged: while it does, a step is one replay
+    (runner.decode_next) and no per-request work. The requests' counters lag by `lag`
+    steps (num_computed, launched and pending each lack `lag`) until _fold() adds it."""
+
+    reqs: list[_Request]
+    rows: list[tuple[_Request, bool]]  # what _process reads, the same every step
+    greedy: bool
+    room: int  # steps before a request's blocks or max_new_tokens run out
+    lag: int = 0
+
+
 class Engine:
     """A target model with its runner and tokenizer. `generate` runs a list of prompts
     to completion; `add_request` / `step` / `has_work` drive continuous batching."""
@@ -84,6 +98,8 @@ class Engine:
         # request ids of the last decode-only step, when it was one: an identical next
         # decode step takes the runner's no-upload path
         self._last_decode: tuple[int, ...] | None = None
+        self._steady: _Steady | None = None  # the steady decode batch, while there is one
+        self._finishing = 0  # finished requests not yet out of `running`
 
     # ---- requests -------------------------------------------------------------------
 
@@ -184,10 +200,31 @@ class Engine:
 
     def step(self) -> None:
         """Schedule and launch one step, then process the previous step's tokens."""
-        launched = self._launch()
+        st = self._steady
+        if (
+            st is not None
+            and st.room > 0
+            and (not self.waiting or len(self.running) >= self.runner.limits.max_num_reqs)
+        ):
+            # The steady path: the same batch one token on, nothing scheduled or uploaded.
+            st.room -= 1
+            st.lag += 1
+            launched = (self.runner.decode_next(greedy=st.greedy), st.rows)
+        else:
+            self._fold()
+            launched = self._launch()
         prev, self._prev = self._prev, launched
         if prev is not None:
             self._process(*prev)
+
+    def _fold(self) -> None:
+        """Leave the steady path: bring its requests' counters up to date."""
+        st, self._steady = self._steady, None
+        if st is not None and st.lag:
+            for req in st.reqs:
+                req.num_computed += st.lag
+                req.launched += st.lag
+                req.pending += st.lag
 
     def _schedule(self) -> list[tuple[_Request, int]]:
         """(request, tokens this step): decode rows first, then prefill chunks."""
@@ -233,10 +270,14 @@ class Engine:
 
     def _reserve(self, sched: list[tuple[_Request, int]]) -> list[tuple[_Request, int]]:
         """Grow every scheduled request to cover its step; while blocks run out, preempt
-        the newest running request that is not already kept for this step."""
+        the newest running request that is not already kept for this step. When any
+        request grew, every kept one is topped up one block past its step where blocks
+        are free (never preempting for it): growth and its block-table upload then come
+        about once per block_size steps for the whole batch, not every few steps."""
         tables = self.runner.tables
         kept: list[tuple[_Request, int]] = []
         dropped: set[int] = set()
+        grew = False
         for req, n in sched:
             need = req.num_computed + n
             if need <= req.capacity:  # the usual decode step: its blocks already cover it
@@ -259,6 +300,13 @@ class Engine:
                 dropped.add(victim.index)
             req.capacity = -(-need // tables.block_size) * tables.block_size
             kept.append((req, n))
+            grew = True
+        if grew and not dropped:
+            bs = tables.block_size
+            for req, n in kept:
+                want = min(req.num_computed + n + bs, len(req.prompt) + req.max_new_tokens)
+                if want > req.capacity and tables.grow(req.index, want):
+                    req.capacity = -(-want // bs) * bs
         return kept
 
     def _preempt(self, req: _Request) -> None:
@@ -284,10 +332,11 @@ class Engine:
                 decode = False
         ids_now = tuple(indices)
         if decode and ids_now == self._last_decode:
-            # The same decode batch one token on: nothing to upload (runner.execute_next).
-            r = self.runner.execute_next(greedy=greedy)
+            # The same decode batch one token on: nothing to upload.
+            handle = self.runner.decode_next(greedy=greedy)
         else:
             r = self._execute(sched, greedy)
+            handle = self.runner.readback(r, with_logprobs=not greedy)
         self._last_decode = ids_now if decode else None
         rows = []
         for req, n in sched:
@@ -297,7 +346,14 @@ class Engine:
                 req.launched += 1
                 req.pending += 1
             rows.append((req, samples))
-        handle = self.runner.readback(r, with_logprobs=not greedy)
+        if decode:
+            # Steps this batch can repeat unchanged: until a request's blocks or its
+            # max_new_tokens run out (a finished request or a new one ends it earlier).
+            room = min(
+                min(r.capacity - r.num_computed, r.max_new_tokens - r.launched) for r, _ in sched
+            )
+            reqs = [r for r, _ in sched]
+            self._steady = _Steady(reqs, rows, greedy, room) if room > 0 else None
         return handle, rows
 
     def _execute(self, sched: list[tuple[_Request, int]], greedy: bool) -> int:
@@ -344,14 +400,19 @@ class Engine:
                 piece = req.decoder.push(tok)
                 if piece:
                     self._stream(req.index, piece)
+        if not self._finishing:
+            return
+        self._fold()  # the batch changes: counters first, then the leaving check
         # A finished request leaves once nothing of it is in flight.
         for req in [r for r in self.running if r.finished and r.pending == 0]:
             self.running.remove(req)
             self.runner.remove_request(req.index)
             self.finished[req.index] = req
+            self._finishing -= 1
 
     def _finish(self, req: _Request, reason: str) -> None:
         req.finished = reason
+        self._finishing += 1  # finished requests still in `running`
         if req.decoder is not None and self._stream is not None:
             if reason == "length":
                 piece = req.decoder.push(req.output[-1]) + req.decoder.flush()

@@ -123,13 +123,16 @@ class TargetRunner:
         self.out_tokens = torch.zeros(max_num_reqs, dtype=torch.int64, device=dev)
         self.out_logprobs = torch.zeros(max_num_reqs, dtype=torch.float32, device=dev)
         pin = dev.type == "cuda"
+        # Two pinned readback slots, used in turn: a step's tokens are read (Readback.wait)
+        # before the step after the next one is launched, which the engines' one-step-late
+        # loop guarantees. The steady decode graphs copy into a slot themselves.
         self._host = [
             (
                 torch.zeros(max_num_reqs, dtype=torch.int64, pin_memory=pin),
                 torch.zeros(max_num_reqs, dtype=torch.float32, pin_memory=pin),
                 torch.cuda.Event() if pin else None,
             )
-            for _ in range(3)
+            for _ in range(2)
         ]
         self._next_host = 0
         self._stream = CurrentStream(dev) if pin else None
@@ -145,6 +148,14 @@ class TargetRunner:
         self._graph_mode = mode
         # Two graph sets: greedy (argmax, no log-probs) and general (filters, log-probs).
         self._graphs = {greedy: self._manager(sizes, uniform=1) for greedy in (True, False)}
+        # Steady decode steps (the same batch one token on): the advance launch, the step
+        # and the readback copy into pinned slot `slot`, all in one graph per
+        # (greedy, slot) and size, so such a step is one replay and one event record.
+        self._next_graphs = {
+            (greedy, slot): self._manager(sizes, uniform=1)
+            for greedy in (True, False)
+            for slot in range(len(self._host))
+        }
         # Mixed steps (prefill chunks beside decode rows) by token count: the kernels read
         # every length from the buffers, so one graph serves any mix that fits it.
         if prefill_sizes is None:
@@ -203,11 +214,34 @@ class TargetRunner:
                     return self._forward(meta, greedy=greedy)
 
                 manager.capture(forward, self.builder, f"Capturing {kind} graphs (greedy={greedy})")
+        for (greedy, slot), manager in self._next_graphs.items():
+            if not manager.descriptors:
+                continue
+
+            def forward(num_reqs, num_tokens, meta, slots, dp, mode, greedy=greedy, slot=slot):
+                # During capture the buffers hold dummy rows on the null block-table row:
+                # the advance moves them on and their K/V goes to the reserved null block.
+                self.builder.launch_advance(num_reqs, num_tokens)
+                out = self._forward(meta, greedy=greedy)
+                self._copy_out(slot, num_reqs, with_logprobs=not greedy)
+                return out
+
+            manager.capture(
+                forward,
+                self.builder,
+                f"Capturing steady decode graphs (greedy={greedy}, slot {slot})",
+            )
         self._last = None  # capture leaves dummy contents in the buffers
 
     def _all_managers(self) -> list[SpeculatorCudaGraphManager]:
         """Every graph family's managers: decode, mixed steps, feature steps, verification."""
-        families = (self._graphs, self._prefill_graphs, self._feature_graphs, self._verify_graphs)
+        families = (
+            self._graphs,
+            self._next_graphs,
+            self._prefill_graphs,
+            self._feature_graphs,
+            self._verify_graphs,
+        )
         return [m for family in families for m in family.values()]
 
     @property
@@ -288,6 +322,37 @@ class TargetRunner:
         self._run(meta, desc, greedy, self._graphs[greedy])
         self.advanced_steps += 1
         return r
+
+    def decode_next(self, *, greedy: bool) -> Readback:
+        """execute_next() and readback() in one: with graphs, the steady decode graph of
+        the batch's size does the advance, the step and the copy of its tokens into the
+        next pinned slot, so the host does one replay and one event record."""
+        if self._last is None or not self._last[2]:
+            raise RuntimeError("decode_next() needs a decode step executed just before")
+        r, desc, _ = self._last
+        slot = self._next_host
+        manager = self._next_graphs[(greedy, slot)]
+        if desc is None or not manager.captured:
+            self.execute_next(greedy=greedy)
+            return self.readback(r, with_logprobs=not greedy)
+        if desc not in manager._graphs:
+            desc = manager.dispatch(r, r, uniform_token_count=1, max_query_len=1)
+        self.tables.commit()  # block-table growth, which the graph's gather reads
+        manager.replay(desc)
+        self.graph_steps += 1
+        self.steps += 1
+        self.advanced_steps += 1
+        toks, lps, event = self._host[slot]
+        self._next_host = 1 - slot
+        if event is not None:
+            event.record(self._stream())
+        return Readback(toks, None if greedy else lps, event, r)
+
+    def _copy_out(self, slot: int, num_reqs: int, *, with_logprobs: bool) -> None:
+        toks, lps, _ = self._host[slot]
+        toks[:num_reqs].copy_(self.out_tokens[:num_reqs], non_blocking=True)
+        if with_logprobs:
+            lps[:num_reqs].copy_(self.out_logprobs[:num_reqs], non_blocking=True)
 
     def _run(self, meta: AttentionMetadata, desc, greedy: bool, manager):
         if desc is None:
@@ -456,11 +521,10 @@ class TargetRunner:
     def readback(self, num_reqs: int, *, with_logprobs: bool) -> Readback:
         """Start copying this step's tokens to pinned host memory; read them a step
         later with Readback.wait()."""
-        toks, lps, event = self._host[self._next_host]
-        self._next_host = (self._next_host + 1) % len(self._host)
-        toks[:num_reqs].copy_(self.out_tokens[:num_reqs], non_blocking=True)
-        if with_logprobs:
-            lps[:num_reqs].copy_(self.out_logprobs[:num_reqs], non_blocking=True)
+        slot = self._next_host
+        toks, lps, event = self._host[slot]
+        self._next_host = 1 - slot
+        self._copy_out(slot, num_reqs, with_logprobs=with_logprobs)
         if event is not None:
             event.record(self._stream())
         return Readback(toks, lps if with_logprobs else None, event, num_reqs)

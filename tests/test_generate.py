@@ -228,19 +228,23 @@ def test_gpu_graphs_equal_eager_and_transformers(hf_tokens):
     )
     runner.capture()
     e = Engine(runner)
-    launch = e._launch
 
-    def strict_launch():
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return launch()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    def strict(fn):
+        def run(**kw):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(**kw)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
 
-    e._launch = strict_launch
+        return run
+
+    e._launch = strict(e._launch)
+    runner.decode_next = strict(runner.decode_next)  # the steady path's whole launch
     out = e.generate(PROMPTS, max_new_tokens=STEPS)
     assert [o.token_ids for o in out] == hf_tokens
-    assert runner.graph_steps > 0
+    # the steady decode graphs (advance + step + readback copy) ran most steps
+    assert runner.advanced_steps >= STEPS // 2 and runner.graph_steps >= runner.advanced_steps
     eager = Engine(
         TargetRunner(
             model,
@@ -256,6 +260,57 @@ def test_gpu_graphs_equal_eager_and_transformers(hf_tokens):
     b = eager.generate(PROMPTS, params=params, max_new_tokens=STEPS)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     runner.teardown()
+
+
+def _per_step(e: Engine) -> None:
+    """Engine.step without the steady path: every step scheduled and reserved."""
+    launched = e._launch()
+    e._steady = None
+    prev, e._prev = e._prev, launched
+    if prev is not None:
+        e._process(*prev)
+
+
+def test_steady_decode_path_and_batched_block_growth(model):
+    """A decode batch that repeats runs the steady path (runner.decode_next, nothing
+    scheduled), its requests' counters come right when it ends (same tokens as the
+    per-step path, with stop ids hit mid-run), and block growth comes for the whole batch
+    at once: block-table uploads about once per block_size steps, not once per request
+    boundary. (The torch backend: this is the engine's bookkeeping, not the kernels'.)"""
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(10, 33)), [200]]
+
+    def run(steady: bool, **kw):
+        e = engine(model, max_model_len=128, num_blocks=40)
+        calls = {"next": 0, "uploads": 0}
+        next_, commit = e.runner.decode_next, e.runner.tables.commit
+
+        def counting_next(**a):
+            calls["next"] += 1
+            return next_(**a)
+
+        def counting_commit():
+            calls["uploads"] += bool(e.runner.tables._pending)
+            return commit()
+
+        e.runner.decode_next = counting_next
+        e.runner.tables.commit = counting_commit
+        if not steady:
+            e.step = lambda: _per_step(e)
+        with ops.use_backend("torch"):
+            return e.generate(prompts, max_new_tokens=48, **kw), calls
+
+    fast, calls = run(True)
+    slow, slow_calls = run(False)
+    assert [o.token_ids for o in fast] == [o.token_ids for o in slow]
+    assert calls["next"] >= 40  # 48 tokens: all but the prefill and the growth steps
+    # 4 requests cross 12 block boundaries in 48 steps; batched top-ups upload far less
+    assert calls["uploads"] <= 5, calls
+    stop = fast[1].token_ids[20]  # a stop id sampled mid-run ends the steady batch
+    fast2, _ = run(True, stop_token_ids=[stop])
+    slow2, _ = run(False, stop_token_ids=[stop])
+    assert [o.token_ids for o in fast2] == [o.token_ids for o in slow2]
+    assert any(o.finish_reason == "stop" for o in fast2)
+    assert any(o.finish_reason == "length" for o in fast2)
 
 
 def test_decode_graphs_cover_a_batch_of_every_request(model):
