@@ -90,31 +90,50 @@ def write_self_prompts(
     temperature: float = 1.0,
     seed: int = 0,
     stop_token_ids: Sequence[int] | None = None,
+    max_seconds: float | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[GenerationOutput]:
-    """n user turns the target writes itself: `opener` (user_turn_opener) continued at
-    `temperature` with distinct seeds drawn from `seed`, all through one batched
-    Engine.generate, each stopped at the stop ids (the tokenizer's end of turn by
-    default) or after max_new_tokens."""
+    """Up to n user turns the target writes itself: `opener` (user_turn_opener)
+    continued at `temperature` with distinct seeds drawn from `seed`, batched on the
+    Engine, each stopped at the stop ids (the tokenizer's end of turn by default) or
+    after max_new_tokens. With max_seconds, as write_samples: no new turn is started
+    after that many seconds, the ones under way are finished (fewer than n come back)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be an int >= 1, got {n!r}")
     rng = random.Random(seed)
-    seeds = rng.sample(range(_SEED_LIMIT), n)
-    params = [SamplingParams(temperature, seed=s) for s in seeds]
-    t0 = time.perf_counter()
-    outs = engine.generate(
-        [list(opener)] * n,
-        params=params,
-        max_new_tokens=max_new_tokens,
-        stop_token_ids=stop_token_ids,
-    )
-    secs = time.perf_counter() - t0
+    groups = [
+        [
+            engine.check_request(
+                opener,
+                params=SamplingParams(temperature, seed=s),
+                max_new_tokens=max_new_tokens,
+                stop_token_ids=stop_token_ids,
+            )
+        ]
+        for s in rng.sample(range(_SEED_LIMIT), n)
+    ]
+    t0 = clock()
+    done = _run_groups(engine, groups, max_seconds, clock, "target writes user turns", "turns")
+    secs = clock() - t0
+    tok = engine.tokenizer
+    outs = [
+        GenerationOutput(
+            list(r.prompt),
+            list(r.output),
+            None if tok is None else tok.decode(r.output, skip_special_tokens=True),
+            r.finished,
+        )
+        for (r,) in done
+    ]
     toks = sum(len(o.token_ids) for o in outs)
     logger.info(
-        "target wrote %d user turns: %d tokens in %.1f s (%.0f tokens/s)",
+        "target wrote %d of %d user turns: %d tokens in %.1f s (%.0f tokens/s)%s",
+        len(outs),
         n,
         toks,
         secs,
         toks / max(secs, 1e-9),
+        f"; time budget of {max_seconds:.0f} s reached" if len(outs) < n else "",
     )
     return outs
 
@@ -212,8 +231,6 @@ def write_samples(
         raise ValueError(
             "no samples to write: no prompts, or samples_per_prompt is 0 and greedy is off"
         )
-    if max_seconds is not None and not max_seconds >= 0:
-        raise ValueError(f"max_seconds must be >= 0 or None, got {max_seconds!r}")
     limit = engine.runner.limits.max_model_len
     requests = []  # per prompt: the checked requests of its answers
     for row in plan:
@@ -229,31 +246,63 @@ def write_samples(
                 engine.check_request(prompt_ids[i], params=params, max_new_tokens=max(1, room))
             )
         requests.append(reqs)
+    t0 = clock()
+    done = _run_groups(engine, requests, max_seconds, clock, "target writes its answers", "answers")
+    out = []
+    for row, reqs in zip(plan, done):
+        for (i, s), req in zip(row, reqs):
+            out.append(Sample(i, list(req.prompt) + list(req.output), len(req.prompt), s))
+    secs = clock() - t0
+    new = sum(len(x.tokens) - x.prompt_len for x in out)
+    logger.info(
+        "target wrote %d answers to %d of %d prompts: %d new tokens in %.1f s (%.0f tokens/s)%s",
+        len(out),
+        len(done),
+        len(plan),
+        new,
+        secs,
+        new / max(secs, 1e-9),
+        f"; time budget of {max_seconds:.0f} s reached" if len(done) < len(plan) else "",
+    )
+    return out
+
+
+def _run_groups(engine: Engine, groups, max_seconds, clock, desc: str, unit: str) -> list:
+    """Run groups of checked requests (Engine.check_request) on an idle engine, each
+    group queued at once, groups queued in order as rows free up (enough waiting to
+    fill every row the next step may free). With max_seconds, no group is queued once
+    that many seconds have passed (the first fill is always queued) and the queued ones
+    are finished. Returns the finished requests of the groups queued, in order."""
+    if max_seconds is not None and not max_seconds >= 0:
+        raise ValueError(f"max_seconds must be >= 0 or None, got {max_seconds!r}")
     if engine.has_work():
-        raise RuntimeError("write_samples needs an idle engine; finish the running requests")
+        raise RuntimeError("the engine must be idle; finish the running requests")
     t0 = clock()
     rows = engine.runner.limits.max_num_reqs
-    per_prompt = len(plan[0])
-    queued: list[tuple[int, int | None, int]] = []  # (prompt, seed, engine index)
-    bar = _progress(len(plan) * per_prompt, "target writes its answers", "answers")
-    next_prompt, done, steps, cut = 0, 0, 0, False
+    width = max(map(len, groups), default=0)
+    queued: list[list[int]] = []  # engine indices per queued group
+    bar = _progress(sum(map(len, groups)), desc, unit)
+    done, steps, cut = 0, 0, False
     while True:
-        # Queue enough to fill every row the next step may free; after a budget cut,
-        # only finish what is queued.
         while (
             not cut
-            and next_prompt < len(plan)
-            and len(engine.waiting) + len(engine.running) < rows + per_prompt
+            and len(queued) < len(groups)
+            and len(engine.waiting) + len(engine.running) < rows + width
         ):
             if steps and max_seconds is not None and clock() - t0 >= max_seconds:
                 cut = True
                 break
-            for (i, s), req in zip(plan[next_prompt], requests[next_prompt]):
-                idx = engine.add_request(
-                    req.prompt, params=req.params, max_new_tokens=req.max_new_tokens
-                )
-                queued.append((i, s, idx))
-            next_prompt += 1
+            queued.append(
+                [
+                    engine.add_request(
+                        r.prompt,
+                        params=r.params,
+                        max_new_tokens=r.max_new_tokens,
+                        stop_token_ids=sorted(r.stop_ids),
+                    )
+                    for r in groups[len(queued)]
+                ]
+            )
         if not engine.has_work():
             break
         engine.step()
@@ -263,23 +312,7 @@ def write_samples(
             done = len(engine.finished)
     if bar is not None:
         bar.close()
-    out = []
-    for i, s, idx in queued:
-        req = engine.finished.pop(idx)
-        out.append(Sample(i, list(req.prompt) + list(req.output), len(req.prompt), s))
-    secs = clock() - t0
-    new = sum(len(x.tokens) - x.prompt_len for x in out)
-    logger.info(
-        "target wrote %d answers to %d of %d prompts: %d new tokens in %.1f s (%.0f tokens/s)%s",
-        len(out),
-        next_prompt,
-        len(plan),
-        new,
-        secs,
-        new / max(secs, 1e-9),
-        f"; time budget of {max_seconds:.0f} s reached" if next_prompt < len(plan) else "",
-    )
-    return out
+    return [[engine.finished.pop(idx) for idx in idxs] for idxs in queued]
 
 
 class DistillSet:

@@ -43,6 +43,9 @@ SHIPPED_FILES = ("config.json", "model.safetensors", CARD_FILE)
 # The features stay on the target's device when they take at most this share of its free
 # memory; a data set larger than that is cut to its first sequences that fit.
 FEATURE_MEMORY_FRACTION = 0.5
+# Self-written prompts stop being started after this share of --data-minutes (a slow
+# device still leaves time to answer them; on an H200 they take a small part of it).
+SELF_PROMPT_SHARE = 1 / 3
 
 
 @dataclass
@@ -190,11 +193,15 @@ def _data_lines(d: Mapping) -> str:
     dropped = ", ".join(
         f"{v} {k} ({why.get(k, k)})" for k, v in (sp.get("dropped") or {}).items() if v
     )
+    written = sp.get("written", sp.get("requested", 0))
+    asked = ""
+    if written < sp.get("requested", 0):
+        asked = f" (of {sp['requested']} asked for: the time budget ended the writing)"
     lines = [
         f"- {d['prompts']} prompts from specdraft's shipped training list"
         + (
             f" and {sp.get('kept', 0)} user turns the target wrote itself: "
-            f"{sp.get('requested', 0)} sampled at temperature {sp.get('temperature', 1.0)} "
+            f"{written} sampled{asked} at temperature {sp.get('temperature', 1.0)} "
             "with distinct seeds from the chat template opened at the user turn (its "
             f"system turn included), at most {sp.get('max_new_tokens')} tokens each, "
             f"dropped: {dropped or 'none'}"
@@ -322,7 +329,9 @@ def run_train_draft(args: argparse.Namespace) -> int:
     if saved is None:
         gen_runner = new_runner(args.gen_batch)
         engine = Engine(gen_runner, tok)
-        info = _write_self_prompts(engine, tok, args, listed, heldout)
+        info = _write_self_prompts(
+            engine, tok, args, listed, heldout, SELF_PROMPT_SHARE * args.data_minutes * 60
+        )
         prompts = listed + info["texts"]
         budget_s = args.data_minutes * 60 - (time.perf_counter() - t_gen)
         t_ans = time.perf_counter()
@@ -501,9 +510,12 @@ def _check_data_args(args: argparse.Namespace) -> None:
         )
 
 
-def _write_self_prompts(engine: Engine, tok, args, listed, heldout) -> dict:
-    """--self-prompts user turns written by the target and filtered (keep_self_prompts):
-    {"texts": kept, "written", "dropped": per reason, "tokens", "seconds"}."""
+def _write_self_prompts(
+    engine: Engine, tok, args, listed, heldout, max_seconds: float | None = None
+) -> dict:
+    """--self-prompts user turns written by the target (none started after max_seconds)
+    and filtered (keep_self_prompts): {"texts": kept, "written", "dropped": per reason,
+    "tokens", "seconds"}."""
     info: dict = dict(texts=[], written=0, dropped={}, tokens=0, seconds=0.0)
     if not args.self_prompts:
         return info
@@ -515,6 +527,7 @@ def _write_self_prompts(engine: Engine, tok, args, listed, heldout) -> dict:
         max_new_tokens=args.self_prompt_tokens,
         temperature=1.0,
         seed=args.seed + 1,  # not the answers' seed list
+        max_seconds=max_seconds,
     )
     texts, dropped = keep_self_prompts(
         outs,

@@ -174,6 +174,23 @@ def test_self_prompts_on_a_tiny_target_are_sampled_and_filtered(target):
     assert len(set(kept)) == len(kept) and dropped["duplicate"] >= 1
 
 
+def test_time_budget_stops_starting_self_prompts(target):
+    """A clock that moves one second per reading: the first fill (every row and one
+    more waiting) and the turns started before max_seconds come back, finished."""
+    ticks = itertools.count()
+    with ops.use_backend("torch"):
+        outs = write_self_prompts(
+            engine_for(target, 2),
+            [7, 8],
+            20,
+            max_new_tokens=4,
+            max_seconds=3,
+            clock=lambda: next(ticks),
+        )
+    assert 3 <= len(outs) < 20
+    assert all(len(o.token_ids) == 4 or o.finish_reason == "stop" for o in outs)
+
+
 def test_bad_self_prompt_count(target):
     with pytest.raises(ValueError, match="n must be"):
         write_self_prompts(engine_for(target, 2), [1], 0)
@@ -291,6 +308,7 @@ def test_model_card_describes_the_data(tmp_path):
     r = report(
         self_prompts=dict(
             requested=6000,
+            written=5000,
             temperature=1.0,
             max_new_tokens=64,
             kept=4012,
@@ -307,7 +325,7 @@ def test_model_card_describes_the_data(tmp_path):
     for part in (
         "1235 prompts from specdraft's shipped training list",
         "4012 user turns the target wrote itself",
-        "6000 sampled at temperature 1.0",
+        "5000 sampled (of 6000 asked for: the time budget ended the writing) at temperature 1.0",
         "1900 unfinished",
         "10 heldout",
         "answered: 3000 prompts (1235 listed, 1765 self-written)",
