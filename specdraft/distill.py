@@ -209,30 +209,33 @@ def write_samples(
     max_seconds: float | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> list[Sample]:
-    """The target's answers to the prompts, in prompt order (continuous batching):
-    `samples_per_prompt` sampled at `temperature` with distinct seeds drawn from `seed`,
-    plus the greedy answer when `greedy`. Stops at the tokenizer's stop ids; an answer
-    that would not fit max_model_len gets fewer than max_new_tokens.
+    """The target's answers to the prompts (continuous batching): the greedy answer
+    when `greedy`, and `samples_per_prompt` answers sampled at `temperature` with
+    distinct seeds drawn from `seed`. Stops at the tokenizer's stop ids; an answer that
+    would not fit max_model_len gets fewer than max_new_tokens.
 
-    A prompt's answers are queued together, and prompts are queued as rows free up
-    (enough to fill every free row at the next step). With max_seconds, no prompt is
-    queued once that many seconds have passed since the call (the first fill of the
-    rows is always queued); the answers already queued are finished and returned, so
-    the result may answer only the first prompts."""
+    The greedy answers to every prompt come first (in prompt order), then the sampled
+    ones (prompt by prompt, a prompt's samples together): the text a greedy evaluation
+    sees, for as many prompts as possible, before more of the same prompts. Requests are
+    queued as rows free up. With max_seconds, nothing new is queued once that many
+    seconds have passed since the call (the first fill of the rows is always queued);
+    what was queued is finished and returned, in the order above."""
     rng = random.Random(seed)
-    n = len(prompt_ids) * samples_per_prompt
-    seeds = iter(rng.sample(range(_SEED_LIMIT), n))
-    plan: list[list[tuple[int, int | None]]] = []  # per prompt: (prompt, seed or None)
-    for i in range(len(prompt_ids)):
-        row = [(i, None)] if greedy else []
-        row.extend((i, next(seeds)) for _ in range(samples_per_prompt))
-        plan.append(row)
-    if not plan or not plan[0]:
+    seeds = iter(rng.sample(range(_SEED_LIMIT), len(prompt_ids) * samples_per_prompt))
+    plan: list[list[tuple[int, int | None]]] = []  # groups of (prompt, seed or None)
+    sampled = [
+        [(i, next(seeds)) for _ in range(samples_per_prompt)] for i in range(len(prompt_ids))
+    ]
+    if greedy:
+        plan.extend([(i, None)] for i in range(len(prompt_ids)))
+    if samples_per_prompt:
+        plan.extend(sampled)
+    if not plan:
         raise ValueError(
             "no samples to write: no prompts, or samples_per_prompt is 0 and greedy is off"
         )
     limit = engine.runner.limits.max_model_len
-    requests = []  # per prompt: the checked requests of its answers
+    requests = []  # per group: the checked requests of its answers
     for row in plan:
         reqs = []
         for i, s in row:
@@ -254,11 +257,13 @@ def write_samples(
             out.append(Sample(i, list(req.prompt) + list(req.output), len(req.prompt), s))
     secs = clock() - t0
     new = sum(len(x.tokens) - x.prompt_len for x in out)
+    n_greedy = sum(x.seed is None for x in out)
     logger.info(
-        "target wrote %d answers to %d of %d prompts: %d new tokens in %.1f s (%.0f tokens/s)%s",
-        len(out),
-        len(done),
-        len(plan),
+        "target wrote %d greedy and %d sampled answers to %d prompts: %d new tokens in "
+        "%.1f s (%.0f tokens/s)%s",
+        n_greedy,
+        len(out) - n_greedy,
+        len({x.prompt_index for x in out}),
         new,
         secs,
         new / max(secs, 1e-9),

@@ -217,9 +217,7 @@ def _data_lines(d: Mapping) -> str:
             if d.get("budget_cut")
             else ""
         ),
-        f"- per prompt: {'the greedy answer plus ' if d['greedy'] else ''}"
-        f"{d['samples_per_prompt']} answer(s) sampled at temperature {d['temperature']} "
-        f"with distinct seeds; at most {d['max_new_tokens']} new tokens each",
+        _answers_line(d),
         f"- {d['sequences']} sequences, {d['tokens']} tokens ({d['answer_tokens']} answer tokens)",
     ]
     if d.get("dropped_for_memory"):
@@ -234,6 +232,20 @@ def _data_lines(d: Mapping) -> str:
         + f"; features in {d['feature_seconds']:.1f} s"
     )
     return "\n".join(lines)
+
+
+def _answers_line(d: Mapping) -> str:
+    asked = (
+        f"{'the greedy answer and ' if d['greedy'] else ''}{d['samples_per_prompt']} "
+        f"sampled at temperature {d['temperature']} with distinct seeds"
+    )
+    if "greedy_answers" not in d:
+        return f"- per prompt: {asked}; at most {d['max_new_tokens']} new tokens each"
+    return (
+        f"- answers: {d['greedy_answers']} greedy and {d['sampled_answers']} sampled "
+        f"(asked per prompt: {asked}; the greedy answers to every prompt are written "
+        f"first, then the sampled ones), at most {d['max_new_tokens']} new tokens each"
+    )
 
 
 def save_samples(
@@ -355,8 +367,7 @@ def run_train_draft(args: argparse.Namespace) -> int:
         samples, gen_s, info = saved
         logger.info("reusing %d samples from %s", len(samples), out / SAMPLES_FILE)
     num_texts = len(info.get("texts", []))
-    answered = {s.prompt_index for s in samples}
-    listed_answered = sum(i < len(listed) for i in answered)
+    written = len(samples)
     answer_tokens = sum(len(s.tokens) - s.prompt_len for s in samples)
     dropped_for_memory = 0
     if device == "cuda":
@@ -376,6 +387,8 @@ def run_train_draft(args: argparse.Namespace) -> int:
                 len(samples),
             )
         samples = fit
+    answered = {s.prompt_index for s in samples}
+    listed_answered = sum(i < len(listed) for i in answered)
     t_feat = time.perf_counter()
     data = DistillSet.from_samples(model, samples)
     if device == "cuda":
@@ -401,7 +414,10 @@ def run_train_draft(args: argparse.Namespace) -> int:
         prompts_answered=len(answered),
         listed_answered=listed_answered,
         self_answered=len(answered) - listed_answered,
-        budget_cut=len(answered) < len(listed) + num_texts,
+        greedy_answers=sum(x.seed is None for x in samples),
+        sampled_answers=sum(x.seed is not None for x in samples),
+        budget_cut=written
+        < (len(listed) + num_texts) * (args.samples_per_prompt + (not args.no_greedy)),
         data_budget_s=args.data_minutes * 60,
         answer_tokens_per_s=answer_tokens / info["answer_seconds"]
         if info.get("answer_seconds")

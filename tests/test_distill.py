@@ -199,23 +199,28 @@ def test_bad_self_prompt_count(target):
 # ---- answers under a time budget ------------------------------------------------------
 
 
-def test_time_budget_stops_answering_new_prompts(target):
-    """A clock that moves one second per reading: the first fill of the rows is queued,
-    then no new prompt after max_seconds; what was queued is finished, each prompt with
-    all of its answers, in prompt order."""
+@pytest.mark.parametrize("max_seconds, phase", [(4, "greedy"), (12, "sampled")])
+def test_time_budget_stops_answering_new_prompts(target, max_seconds, phase):
+    """A clock that moves one second per reading: the greedy answers to every prompt
+    come first, then each prompt's samples together; after max_seconds nothing new is
+    queued and what was queued is finished: the result is a prefix of the full plan."""
     prompts = [[3 + i, 4, 5, 6 + i] for i in range(12)]
-    kw = dict(samples_per_prompt=1, max_new_tokens=8, seed=1)
+    kw = dict(samples_per_prompt=2, max_new_tokens=8, seed=1)
     with ops.use_backend("torch"):
         full = write_samples(engine_for(target, 4), prompts, **kw)
         ticks = itertools.count()
         cut = write_samples(
-            engine_for(target, 4), prompts, max_seconds=5, clock=lambda: next(ticks), **kw
+            engine_for(target, 4), prompts, max_seconds=max_seconds, clock=lambda: next(ticks), **kw
         )
-    assert [s.prompt_index for s in full] == [i for i in range(12) for _ in range(2)]
-    answered = sorted({s.prompt_index for s in cut})
-    assert 2 <= len(answered) < 12 and answered == list(range(len(answered)))
-    assert [s.prompt_index for s in cut] == [i for i in answered for _ in range(2)]
-    assert [s.seed for s in cut] == [s.seed for s in full[: len(cut)]], "the same seed plan"
+    plan = [(i, None) for i in range(12)] + [(i, "s") for i in range(12) for _ in range(2)]
+    assert [(s.prompt_index, s.seed and "s") for s in full] == plan
+    assert len({s.seed for s in full}) == 25, "distinct seeds for the sampled answers"
+    assert 4 <= len(cut) < len(full)
+    assert [(s.prompt_index, s.seed) for s in cut] == [
+        (s.prompt_index, s.seed) for s in full[: len(cut)]
+    ], "a prefix of the same plan, seeds included"
+    assert (len(cut) <= 12) == (phase == "greedy")
+    assert (len(cut) - 12) % 2 == 0 or phase == "greedy", "a prompt's samples together"
     assert all(len(s.tokens) == s.prompt_len + 8 for s in cut), "queued answers finished"
 
 
@@ -320,6 +325,8 @@ def test_model_card_describes_the_data(tmp_path):
         budget_cut=True,
         data_budget_s=120.0,
         answer_tokens_per_s=25000.0,
+        greedy_answers=2000,
+        sampled_answers=1000,
     )
     text = write_model_card(tmp_path / "card.md", r).read_text()
     for part in (
@@ -330,7 +337,8 @@ def test_model_card_describes_the_data(tmp_path):
         "10 heldout",
         "answered: 3000 prompts (1235 listed, 1765 self-written)",
         "the data time budget (120 s) ended the writing",
-        "the greedy answer plus 1 answer(s) sampled at temperature 0.7",
+        "asked per prompt: the greedy answer and 1 sampled at temperature 0.7",
+        "answers: 2000 greedy and 1000 sampled",
         "100 sequences, 20000 tokens (15000 answer tokens)",
         "25000 answer tokens/s",
     ):
