@@ -32,7 +32,7 @@ from .distill import (
 from .generate import Engine, timed_generate
 from .png import write_loss_png
 from .runner import TargetRunner
-from .train import TrainConfig, train_eagle_head
+from .train import STATE_FILE, TrainConfig, train_eagle_head
 
 logger = logging.getLogger(__name__)
 
@@ -448,7 +448,12 @@ def run_train_draft(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_seconds=budget,
     )
-    result = train_eagle_head(model, data, out, config, resume=not args.fresh)
+    # A saved training state belongs to the samples it trained on: resume it only with
+    # those samples reused, never over newly written ones.
+    resume = not args.fresh and saved is not None
+    if saved is None and (out / STATE_FILE).is_file():
+        logger.info("new samples: %s is not resumed, training starts over", out / STATE_FILE)
+    result = train_eagle_head(model, data, out, config, resume=resume)
     write_loss_png(out / "loss.png", [r["loss"] for r in result.history])
     del data
     if device == "cuda":
