@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import logging
 import shutil
@@ -327,6 +328,7 @@ def run_train_draft(args: argparse.Namespace) -> int:
     key = dict(
         gguf=str(Path(path).name),
         prompts=len(listed),
+        prompt_list=hashlib.sha256("\n".join(listed).encode()).hexdigest()[:16],
         self_prompts=args.self_prompts,
         self_prompt_tokens=args.self_prompt_tokens,
         samples_per_prompt=args.samples_per_prompt,
