@@ -31,6 +31,7 @@ from .distill import (
     write_self_prompts,
 )
 from .generate import Engine, timed_generate
+from .near_ties import explain_differences, summary
 from .png import write_loss_png
 from .runner import TargetRunner
 from .train import STATE_FILE, TrainConfig, train_eagle_head
@@ -57,6 +58,7 @@ class EvalRow:
     per_position: list[float]
     tokens_per_s: float
     identical: bool  # greedy output equals target-only greedy output
+    differences: str = "yes"  # near_ties.summary: how many differ, how many at near-ties
 
 
 def evaluate_drafts(
@@ -95,6 +97,11 @@ def evaluate_drafts(
             spec.stats.proposed, spec.stats.accepted = [0] * k, [0] * k
             outs, secs = timed_generate(spec, prompt_ids, max_new_tokens=max_new_tokens)
             st = spec.stats
+            got = [o.token_ids for o in outs]
+            differ = sum(a != b for a, b in zip(got, want))
+            diffs = explain_differences(runner.model, prompt_ids, want, got) if differ else []
+            for d in diffs:
+                logger.info("%s k=%d greedy difference: %s", name, k, d.line())
             rows.append(
                 EvalRow(
                     name,
@@ -102,7 +109,8 @@ def evaluate_drafts(
                     st.acceptance_length,
                     [a / p if p else float("nan") for a, p in zip(st.accepted, st.proposed)],
                     sum(len(o.token_ids) for o in outs) / secs,
-                    [o.token_ids for o in outs] == want,
+                    not differ,
+                    summary(diffs, differ),
                 )
             )
             logger.info("%s k=%d: acceptance length %.3f", name, k, st.acceptance_length)
@@ -121,7 +129,7 @@ def eval_table(target_tok_s: float, rows: Sequence[EvalRow]) -> str:
         per = ", ".join(f"{a:.3f}" for a in r.per_position)
         lines.append(
             f"| {r.draft} | {r.k} | {r.acceptance_length:.3f} | {per} | "
-            f"{'yes' if r.identical else 'NO'} |"
+            f"{'yes' if r.identical else r.differences} |"
         )
     return "\n".join(lines)
 
