@@ -3,6 +3,7 @@ preparation under pytest-benchmark, graph capture and replay, draft models, end 
 the embedded model, attention), then short tables.
 
     python -m bench.suite [--out results] [--quick] [--sweep] [--no-flex] [--only a,b] [--jobs 8]
+                          [--test-budget-s S]
 
 --only picks parts: tests, host, capture, models, e2e, spec, draft, rejection, attention
 (default: all).
@@ -19,39 +20,72 @@ from pathlib import Path
 
 import torch
 
+DURATIONS = Path(__file__).parent / "results" / "h200" / "test_durations.json"
 
-def run_tests(out_dir: Path, jobs: int = 1) -> tuple[int, str]:
-    """Every test file in its own pytest process, `jobs` of them at once, largest file
-    first and the next file to the first free worker (Triton compiles on the host's
-    cores, and a static split left one group running minutes after the rest); returns
-    the exit status and one combined summary line."""
-    from concurrent.futures import ThreadPoolExecutor
+
+def _parse_counts(text: str) -> dict[str, int]:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    found = re.findall(
+        r"(\d+) (passed|failed|skipped|xfailed|xpassed|errors?)", lines[-1] if lines else ""
+    )
+    return {word: int(n) for n, word in found}
+
+
+def run_tests(out_dir: Path, jobs: int = 1, budget_s: float | None = None) -> tuple[int, str]:
+    """Every test file in its own pytest process, `jobs` of them at once, the longest
+    first (by the last recorded GPU durations, else by file size) and the next file to
+    the first free worker; each file's result is printed as it ends. With budget_s, no
+    file starts after that many seconds: the summary then names the files not run, so a
+    cut run still reports what it saw. Returns the exit status and one summary line;
+    writes every file's log and gpu_tests/durations.json (seconds per file)."""
+    import json
+    import time
+    from concurrent.futures import ThreadPoolExecutor, as_completed
 
     log_dir = out_dir / "gpu_tests"
     log_dir.mkdir(parents=True, exist_ok=True)
-    files = sorted(Path("tests").glob("test_*.py"), key=lambda f: f.stat().st_size, reverse=True)
+    known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    files = sorted(
+        Path("tests").glob("test_*.py"),
+        key=lambda f: (known.get(f.name, float("inf")), f.stat().st_size),
+        reverse=True,
+    )
+    start = time.perf_counter()
 
-    def one(f: Path) -> tuple[int, str]:
+    def one(f: Path) -> tuple[Path, int | None, str, float]:
+        if budget_s is not None and time.perf_counter() - start > budget_s:
+            return f, None, "", 0.0
+        t0 = time.perf_counter()
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", str(f)]
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         (log_dir / f"{f.stem}.log").write_text(proc.stdout)
-        return proc.returncode, proc.stdout
+        return f, proc.returncode, proc.stdout, time.perf_counter() - t0
 
-    rc, counts = 0, {}
+    rc, counts, durations, not_run = 0, {}, {}, []
     with ThreadPoolExecutor(max(1, jobs)) as pool:
-        for code, text in pool.map(one, files):
+        for fut in as_completed([pool.submit(one, f) for f in files]):
+            f, code, text, secs = fut.result()
+            if code is None:
+                not_run.append(f.name)
+                continue
             # 5: no tests collected (a file whose tests are all CPU-only is still collected)
             rc = rc or (code if code != 5 else 0)
+            durations[f.name] = round(secs, 1)
+            got = _parse_counts(text)
+            for word, n in got.items():
+                counts[word] = counts.get(word, 0) + n
+            line = ", ".join(f"{n} {w}" for w, n in got.items()) or f"exit {code}"
+            print(f"{f.name}: {line} in {secs:.0f} s", flush=True)
             for ln in text.splitlines():
                 if ln.startswith(("FAILED", "ERROR")):
-                    print(ln, flush=True)
-            lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-            for n, word in re.findall(
-                r"(\d+) (passed|failed|skipped|xfailed|xpassed|errors?)", lines[-1] if lines else ""
-            ):
-                counts[word] = counts.get(word, 0) + int(n)
+                    print("  " + ln, flush=True)
+    (log_dir / "durations.json").write_text(json.dumps(durations, indent=1, sort_keys=True))
     summary = ", ".join(f"{n} {w}" for w, n in counts.items()) or "(no pytest output)"
-    return rc, f"{summary} ({len(files)} files, {jobs} at a time)"
+    summary += f" ({len(files) - len(not_run)} files, {jobs} at a time"
+    summary += f"; not run, over the budget: {', '.join(sorted(not_run))})" if not_run else ")"
+    if not_run:
+        rc = rc or 1
+    return rc, summary
 
 
 def run_host_prep(out_dir: Path) -> tuple[int, str]:
@@ -85,6 +119,9 @@ def main() -> int:
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--jobs", type=int, default=8, help="pytest processes at once")
     ap.add_argument(
+        "--test-budget-s", type=float, default=None, help="start no test file after this"
+    )
+    ap.add_argument(
         "--only", default="tests,host,capture,models,e2e,spec,draft,rejection,attention"
     )
     args = ap.parse_args()
@@ -94,7 +131,11 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench.suite needs an NVIDIA GPU; run `pytest` for the CPU tests")
         return 2
-    rc, summary = run_tests(args.out, args.jobs) if "tests" in parts else (0, "tests skipped")
+    rc, summary = (
+        run_tests(args.out, args.jobs, args.test_budget_s)
+        if "tests" in parts
+        else (0, "tests skipped")
+    )
     print(f"tests: {summary}", flush=True)
     host_line, codes = "host prep: skipped", [rc]
     if "host" in parts:
