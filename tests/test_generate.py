@@ -256,9 +256,13 @@ def test_gpu_graphs_equal_eager_and_transformers(hf_tokens):
         )
     )
     params = [SamplingParams(temperature=0.9, top_p=0.8, seed=s) for s in range(4)]
-    a = e.generate(PROMPTS, params=params, max_new_tokens=STEPS)
-    b = eager.generate(PROMPTS, params=params, max_new_tokens=STEPS)
+    a = e.generate(PROMPTS, params=params, max_new_tokens=STEPS, logprobs=True)
+    b = eager.generate(PROMPTS, params=params, max_new_tokens=STEPS, logprobs=True)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    # log-probabilities come back through the steady graphs' own pinned copy
+    for x, y in zip(a, b):
+        assert len(x.logprobs) == len(x.token_ids)
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs))
     runner.teardown()
 
 
@@ -311,6 +315,28 @@ def test_steady_decode_path_and_batched_block_growth(model):
     assert [o.token_ids for o in fast2] == [o.token_ids for o in slow2]
     assert any(o.finish_reason == "stop" for o in fast2)
     assert any(o.finish_reason == "length" for o in fast2)
+
+
+def test_a_request_joins_a_steady_batch(model):
+    """Continuous batching across the steady path: two requests decode on it, a third
+    joins mid-run (the batch changes, the counters catch up, the new batch goes steady
+    again), and every request's tokens equal its run alone."""
+    prompts, lengths = [[1, 2, 3], [9, 8], [7, 7, 7, 7]], [40, 40, 20]
+    with ops.use_backend("torch"):
+        alone = [
+            engine(model, max_model_len=128).generate([p], max_new_tokens=n)[0].token_ids
+            for p, n in zip(prompts, lengths)
+        ]
+        e = engine(model, max_model_len=128)
+        ids = [e.add_request(p, max_new_tokens=n) for p, n in zip(prompts[:2], lengths)]
+        for _ in range(20):
+            e.step()
+        assert e._steady is not None and e._steady.lag > 0  # on the steady path now
+        ids.append(e.add_request(prompts[2], max_new_tokens=lengths[2]))
+        while e.has_work():
+            e.step()
+    assert [e.finished[i].output for i in ids] == alone
+    assert not e.running and e._finishing == 0
 
 
 def test_decode_graphs_cover_a_batch_of_every_request(model):
