@@ -332,11 +332,11 @@ class TargetRunner:
         r, desc, _ = self._last
         slot = self._next_host
         manager = self._next_graphs[(greedy, slot)]
+        if desc is not None and desc not in manager._graphs and manager.captured:
+            desc = manager.dispatch(r, r, uniform_token_count=1, max_query_len=1)
         if desc is None or not manager.captured:
             self.execute_next(greedy=greedy)
             return self.readback(r, with_logprobs=not greedy)
-        if desc not in manager._graphs:
-            desc = manager.dispatch(r, r, uniform_token_count=1, max_query_len=1)
         self.tables.commit()  # block-table growth, which the graph's gather reads
         manager.replay(desc)
         self.graph_steps += 1
