@@ -255,3 +255,27 @@ def test_out_of_blocks_is_reported_before_any_write(setup, torch_layers):
     d.remove_request(rids[1])
     assert d.tables.num_free_blocks == 1
     assert not d.reserve(rids[0], 16 * 3 + 1)
+
+
+def test_host_stage_uploads_only_what_changed():
+    """A round's host inputs (width, slots, k) go to the device once per change: the
+    same batch with the same k again uploads nothing, any difference uploads it all."""
+    import numpy as np
+
+    from specdraft.draft_buffers import HostStage
+
+    packed = torch.full((1 + 2 * 4,), -7, dtype=torch.int64)
+    stage = HostStage(packed, 4, depth=2)
+    slots, k = np.array([3, 1], dtype=np.int64), np.array([2, 0], dtype=np.int64)
+    stage.upload(4, slots, k, 3)
+    want = [4, 3, 1, -1]  # width, slots, padding row
+    assert packed[:4].tolist() == want and packed[5:8].tolist() == [2, 0, 0]
+    packed[0] = 99  # a write the memo cannot see would stay: upload is the only writer
+    stage.upload(4, slots.copy(), k.copy(), 3)
+    assert stage.skipped == 1 and packed[0] == 99
+    for width, s, kk, pad in [(4, slots, np.array([2, 1]), 3), (3, slots, k, 3),
+                              (4, slots[::-1].copy(), k, 3), (4, slots, k, 2)]:  # fmt: skip
+        before = stage.skipped
+        stage.upload(width, s, kk.astype(np.int64), pad)
+        assert stage.skipped == before
+        assert packed[0] == width and packed[1 : 1 + len(s)].tolist() == s.tolist()
