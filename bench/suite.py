@@ -5,8 +5,8 @@ the embedded model, attention), then short tables.
     python -m bench.suite [--out results] [--quick] [--sweep] [--no-flex] [--only a,b] [--jobs 8]
                           [--test-budget-s S]
 
---only picks parts: tests, host, capture, models, e2e, spec, draft, rejection, attention
-(default: all).
+--only picks parts: tests, host, capture, models, e2e, spec, hostprof, draft, rejection,
+attention (default: all).
 
 Exit status is non-zero when a test or a benchmark fails."""
 
@@ -122,7 +122,7 @@ def main() -> int:
         "--test-budget-s", type=float, default=None, help="start no test file after this"
     )
     ap.add_argument(
-        "--only", default="tests,host,capture,models,e2e,spec,draft,rejection,attention"
+        "--only", default="tests,host,capture,models,e2e,spec,hostprof,draft,rejection,attention"
     )
     args = ap.parse_args()
     parts = set(args.only.split(","))
@@ -163,6 +163,10 @@ def main() -> int:
         from bench import draft_round
 
         codes.append(draft_round.main(out))
+    if "hostprof" in parts:
+        from bench import host_profile
+
+        codes.append(host_profile.main(out))
     if "rejection" in parts:
         from bench import rejection
 
@@ -174,6 +178,7 @@ def main() -> int:
         bench_argv += ["--no-flex"] * args.no_flex
         codes.append(attention.main(bench_argv))
     for name in ("models", "capture", "e2e", "spec_step", "draft_round", "rejection"):
+        # (host_profile.md is long: it stays in --out)
         md = args.out / f"{name}.md"
         if md.exists():
             print("\n" + md.read_text().strip())
