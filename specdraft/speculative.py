@@ -49,6 +49,7 @@ class _Req:
     stop_ids: frozenset[int]
     output: list[int] = field(default_factory=list)
     finished: str | None = None
+    capacity: int = 0  # tokens its target KV blocks cover
 
 
 @dataclass
@@ -182,9 +183,11 @@ class SpeculativeEngine:
         tables = runner.tables
         ids = [self._new_id() for _ in group]
         rows = []
+        bs = tables.block_size
         for req, rid in zip(group, ids):
             req.params = self.seeds.resolve(req.params)
             tables.add_request(rid, len(req.prompt) + 2 * w)
+            req.capacity = -(-(len(req.prompt) + 2 * w) // bs) * bs
             rows.append(tables.row_of(rid))
         runner.sampling.write_rows(rows, [r.params for r in group])
         greedy = all(r.params.greedy for r in group)
@@ -203,16 +206,14 @@ class SpeculativeEngine:
         accepted = torch.zeros(len(group), dtype=torch.int32, device=dev)
         pending = self._readback_first(first)
         active = list(range(len(group)))  # positions in `group` of the batch rows
+        unchecked = 0  # steps that may run before a request can need another block
         while active:
             batch = [group[i] for i in active]
             batch_ids = [ids[i] for i in active]
             batch_rows = [rows[i] for i in active]
-            for req, rid in zip(batch, batch_ids):  # blocks by upper bound, then launch
-                known = len(req.prompt) + len(req.output)
-                if not tables.grow(rid, known + 2 * w):
-                    raise RuntimeError(
-                        f"the target's KV cache is out of blocks for request {req.index}"
-                    )
+            if unchecked <= 0:
+                unchecked = self._grow(batch, batch_ids)
+            unchecked -= 1
             proposal = drafter.propose(
                 batch_ids, verified, accepted, k=[k] * len(batch), k_max=k, target_hidden=hidden_in
             )
@@ -248,6 +249,29 @@ class SpeculativeEngine:
         if pending is not None:
             self._process(group, *pending, stream)
         self.rejection_counters()
+
+    def _grow(self, batch: list[_Req], batch_ids: list[int]) -> int:
+        """Blocks by upper bound before a step: a request's committed length is at most
+        its read-back tokens plus one step in flight (w each), and this step adds w more.
+        A request that needs blocks gets one block more than that (up to its longest
+        possible length), so growth comes every few steps, not every step. Returns how
+        many steps may run before any request can need a block again (each step adds at
+        most w tokens)."""
+        tables, w = self.runner.tables, self.k + 1
+        bs = tables.block_size
+        steps = None
+        for req, rid in zip(batch, batch_ids):
+            need = len(req.prompt) + len(req.output) + 2 * w
+            if need > req.capacity:
+                want = min(need + bs, len(req.prompt) + req.max_new_tokens + 2 * w)
+                if not tables.grow(rid, max(want, need)):
+                    raise RuntimeError(
+                        f"the target's KV cache is out of blocks for request {req.index}"
+                    )
+                req.capacity = -(-max(want, need) // bs) * bs
+            margin = (req.capacity - need) // w + 1  # this step, then `margin - 1` more
+            steps = margin if steps is None else min(steps, margin)
+        return steps or 1
 
     def _prefill(self, group: list[_Req], ids: list[int], greedy: bool):
         """The prompts through the target in chunks under the token budget; the last

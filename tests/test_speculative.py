@@ -140,6 +140,26 @@ def test_gpu_verification_graphs_equal_target_only():
         assert torch.isfinite(runner.cache.data[:, :, 0]).all()
 
 
+def test_target_blocks_grow_every_few_steps_not_every_step(models):
+    """Blocks by upper bound, a block ahead: the target's block tables grow a few times
+    per request over a run, not once per request and step; output unchanged (the cache
+    is NaN outside what was written)."""
+    target, same, _ = models
+    se = spec_engine(target, same, k=3)
+    calls = []
+    grow = se.runner.tables.grow
+    se.runner.tables.grow = lambda rid, n: calls.append(n) or grow(rid, n)
+    with ops.use_backend("torch"):
+        want = Engine(se.runner).generate(PROMPTS, max_new_tokens=40)
+        calls.clear()  # the speculative run's growth only
+        got = se.generate(PROMPTS, max_new_tokens=40)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    steps = se.stats.steps
+    assert steps >= 10
+    # 3 requests of up to 23 + 40 + 8 tokens in 16-token blocks: at most 4 growths each
+    assert len(calls) <= 3 * 4, (len(calls), steps)
+
+
 def test_rows_of_finished_sampled_requests_go_back_to_greedy(models):
     """A runner that served sampled requests, then greedy speculation on it: the rows
     the sampled requests left are greedy again (they used to keep the runner's host
