@@ -36,21 +36,25 @@ class RandomSetup:
         self.cfg = smollm2_135m_config()
         self.weights = random_weights(self.cfg, seed=0)
 
-    def engine(self, batch: int):
+    def engine(self, batch: int, device: str = "cuda"):
+        """(Engine, load s, capture s); bf16 with graphs on CUDA, float32 eager on a CPU."""
         from specdraft.generate import Engine
         from specdraft.loader import Checkpoint, load_causal_lm
         from specdraft.runner import TargetRunner
 
+        cuda = device == "cuda"
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
         t0 = time.perf_counter()
         ckpt = Checkpoint.from_tensors(self.cfg.to_hf(), self.weights)
-        model = load_causal_lm(ckpt, dtype=torch.bfloat16, device="cuda", max_positions=1024)
+        dtype = torch.bfloat16 if cuda else torch.float32
+        model = load_causal_lm(ckpt, dtype=dtype, device=device, max_positions=1024)
         runner = TargetRunner(
             model, max_num_reqs=batch, max_num_tokens=max(512, batch), max_model_len=1024
         )
-        torch.cuda.synchronize()
+        sync()
         t1 = time.perf_counter()
         runner.capture()
-        torch.cuda.synchronize()
+        sync()
         return Engine(runner), t1 - t0, time.perf_counter() - t1
 
     def prompts(self, batch: int) -> list[list[int]]:

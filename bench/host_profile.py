@@ -67,7 +67,7 @@ def profile_target(batch: int, new_tokens: int) -> dict:
     from bench.e2e import RandomSetup
 
     setup = RandomSetup()
-    engine, _, _ = setup.engine(batch) if torch.cuda.is_available() else _cpu_engine(batch)
+    engine, _, _ = setup.engine(batch, "cuda" if torch.cuda.is_available() else "cpu")
     ids = setup.prompts(batch)
     engine.generate(ids, max_new_tokens=8, stop_token_ids=[])  # warm-up
     t, runner = Timers(), engine.runner
@@ -147,19 +147,6 @@ def _busy(t: Timers, whole: str) -> float:
     if len(waits) >= len(steps):  # one wait per step: subtract them pairwise
         return round(1e6 * statistics.median(s - w for s, w in zip(steps, waits)), 1)
     return round(1e6 * (sum(steps) - sum(waits)) / max(1, len(steps)), 1)
-
-
-def _cpu_engine(batch: int):
-    from bench.e2e import RandomSetup
-    from specdraft.generate import Engine
-    from specdraft.loader import Checkpoint, load_causal_lm
-    from specdraft.runner import TargetRunner
-
-    setup = RandomSetup()
-    ckpt = Checkpoint.from_tensors(setup.cfg.to_hf(), setup.weights)
-    model = load_causal_lm(ckpt, dtype=torch.float32, device="cpu", max_positions=1024)
-    runner = TargetRunner(model, max_num_reqs=batch, max_num_tokens=512, max_model_len=1024)
-    return Engine(runner), 0.0, 0.0
 
 
 def _markdown(results: list[dict]) -> str:

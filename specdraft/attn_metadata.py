@@ -318,7 +318,7 @@ class MetadataBuilder:
         if last is None:
             raise RuntimeError("advance() needs a batch built by build() first")
         self.block_tables.commit()
-        self._advance(last.num_reqs, last.num_tokens)
+        self.launch_advance(last.num_reqs, last.num_tokens)
         return last
 
     def launch_advance(self, num_reqs: int, num_tokens: int) -> None:

@@ -174,6 +174,10 @@ class BlockTables:
         """Blocks the request holds (no copy of the list, for per-step checks)."""
         return len(self._lookup(req_id)[1])
 
+    def capacity_of(self, req_id: Hashable) -> int:
+        """Tokens the request's blocks cover."""
+        return len(self._lookup(req_id)[1]) * self.block_size
+
     def row_of(self, req_id: Hashable) -> int:
         return self._lookup(req_id)[0]
 

@@ -195,17 +195,15 @@ def _speculate(engine, ids, params, max_new, args, target_tok_s, target_out, dra
     per_pos = ", ".join(f"{a / p:.2f}" if p else "-" for a, p in zip(st.accepted, st.proposed))
     rows = []
     if params.greedy:
+        from .near_ties import explain_differences, summary
+
         got = [o.token_ids for o in outs]
         differ = sum(a != b for a, b in zip(got, target_out))
         diffs = []
         if differ:  # score each first difference again in float32: a bf16 near-tie?
-            from .near_ties import explain_differences
-
             diffs = explain_differences(runner.model, ids, target_out, got)
             for d in diffs:
                 logger.warning("greedy difference: %s", d.line())
-        from .near_ties import summary
-
         rows.append(("speculative: greedy output identical", summary(diffs, differ)))
     return rows + [
         ("speculative: draft", what),

@@ -265,7 +265,7 @@ class Engine:
         if tables.num_free_blocks < need or len(tables) >= tables.max_num_reqs:
             return False
         tables.add_request(req.index, 1)
-        req.capacity = tables.block_size
+        req.capacity = tables.capacity_of(req.index)
         return True
 
     def _reserve(self, sched: list[tuple[_Request, int]]) -> list[tuple[_Request, int]]:
@@ -298,15 +298,15 @@ class Engine:
                     )
                 self._preempt(victim)
                 dropped.add(victim.index)
-            req.capacity = -(-need // tables.block_size) * tables.block_size
+            req.capacity = tables.capacity_of(req.index)
             kept.append((req, n))
             grew = True
         if grew and not dropped:
-            bs = tables.block_size
             for req, n in kept:
-                want = min(req.num_computed + n + bs, len(req.prompt) + req.max_new_tokens)
+                want = req.num_computed + n + tables.block_size
+                want = min(want, len(req.prompt) + req.max_new_tokens)
                 if want > req.capacity and tables.grow(req.index, want):
-                    req.capacity = -(-want // bs) * bs
+                    req.capacity = tables.capacity_of(req.index)
         return kept
 
     def _preempt(self, req: _Request) -> None:

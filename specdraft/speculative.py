@@ -183,11 +183,10 @@ class SpeculativeEngine:
         tables = runner.tables
         ids = [self._new_id() for _ in group]
         rows = []
-        bs = tables.block_size
         for req, rid in zip(group, ids):
             req.params = self.seeds.resolve(req.params)
             tables.add_request(rid, len(req.prompt) + 2 * w)
-            req.capacity = -(-(len(req.prompt) + 2 * w) // bs) * bs
+            req.capacity = tables.capacity_of(rid)
             rows.append(tables.row_of(rid))
         runner.sampling.write_rows(rows, [r.params for r in group])
         greedy = all(r.params.greedy for r in group)
@@ -258,17 +257,16 @@ class SpeculativeEngine:
         many steps may run before any request can need a block again (each step adds at
         most w tokens)."""
         tables, w = self.runner.tables, self.k + 1
-        bs = tables.block_size
         steps = None
         for req, rid in zip(batch, batch_ids):
             need = len(req.prompt) + len(req.output) + 2 * w
-            if need > req.capacity:
-                want = min(need + bs, len(req.prompt) + req.max_new_tokens + 2 * w)
-                if not tables.grow(rid, max(want, need)):
+            if need > req.capacity:  # need <= the longest length, so want >= need
+                want = min(need + tables.block_size, len(req.prompt) + req.max_new_tokens + 2 * w)
+                if not tables.grow(rid, want):
                     raise RuntimeError(
                         f"the target's KV cache is out of blocks for request {req.index}"
                     )
-                req.capacity = -(-max(want, need) // bs) * bs
+                req.capacity = tables.capacity_of(rid)
             margin = (req.capacity - need) // w + 1  # this step, then `margin - 1` more
             steps = margin if steps is None else min(steps, margin)
         return steps or 1

@@ -339,6 +339,19 @@ def test_a_request_joins_a_steady_batch(model):
     assert not e.running and e._finishing == 0
 
 
+def test_decode_next_needs_a_decode_step_before_it(model):
+    """decode_next() on a runner whose last step was not a decode step: RuntimeError
+    naming it, and no slot, step count or buffer changed."""
+    runner = engine(model).runner
+    before = (runner._next_host, runner.steps, runner.buffers.positions.clone())
+    with pytest.raises(RuntimeError, match="decode_next"):
+        runner.decode_next(greedy=True)
+    assert (runner._next_host, runner.steps) == before[:2]
+    assert torch.equal(runner.buffers.positions, before[2])
+    runner.tables.add_request("a", 20)
+    assert runner.tables.capacity_of("a") == 32  # two blocks of 16
+
+
 def test_decode_graphs_cover_a_batch_of_every_request(model):
     """The default decode capture sizes end at max_num_reqs itself (a 5-request batch
     had no graph: sizes stopped at 4), and verification sizes follow them."""
