@@ -71,8 +71,8 @@ def _add_train_draft(sub) -> None:
     p.add_argument(
         "--epochs", type=float, default=10.0, help="passes when --steps is unset (or the budget)"
     )
-    p.add_argument("--batch-size", type=int, default=32, help="sequences per step")
-    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--batch-size", type=int, default=64, help="sequences per step")
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--cls-weight", type=float, default=0.1, help="cross-entropy weight")
     p.add_argument("--ttt-steps", type=int, default=2, help="draft steps unrolled in training")

@@ -53,8 +53,8 @@ class TrainConfig:
 
     steps: int | None = None
     epochs: float = 1.0
-    batch_size: int = 32
-    lr: float = 5e-4
+    batch_size: int = 64
+    lr: float = 1e-3
     warmup_steps: int = 50
     min_lr_ratio: float = 0.05
     weight_decay: float = 0.01

@@ -80,12 +80,12 @@ def test_layer_truncated_draft_acceptance_is_as_recorded(setup):
 
 
 # The EAGLE-1 head shipped for the model (trained on the H200), same prompts and set-up:
-# measured on the CPU PyTorch path in fp32: AL 1.623 (24 tokens per prompt, stop ids off).
-# (The head it replaced measured 1.938 here but less on the held-out prompts: 1.68
-# against this head's 1.76 on the CPU at 48 tokens, 1.83 against 1.99 on the H200.)
+# measured on the CPU PyTorch path in fp32: AL 1.722 (24 tokens per prompt, stop ids off).
+# (The heads it replaced measured 1.623 and 1.938 here; on the H200's held-out run they
+# reached 1.99 and 1.83 at k = 3, this one 2.02.)
 # A head that does not load into the right places, or a feature path that feeds it the
 # wrong states, falls far below (an untrained head: about 1.0).
-RECORDED_SHIPPED_AL = 1.623
+RECORDED_SHIPPED_AL = 1.722
 
 
 def test_shipped_head_acceptance_is_as_recorded(setup):
