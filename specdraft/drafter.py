@@ -51,6 +51,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from . import kernels
 from .block_table import OutOfBlocksError
 from .config import CacheConfig, LimitsConfig, _check_int
 from .cuda_graph import CudaGraphBackend, CUDAGraphMode, SpeculatorCudaGraphManager
@@ -72,6 +73,7 @@ logger = logging.getLogger(__name__)
 GREEDY = SamplingParams(temperature=0.0)
 _MODES = tuple(SamplingMode)
 _DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+_HEADROOM_ROUNDS = 16
 
 
 class DraftOutOfBlocksError(OutOfBlocksError):
@@ -206,8 +208,9 @@ class Drafter:
         self._slot_filter = np.zeros(slots, dtype=bool)
         self._slot_mark = np.zeros(slots, dtype=np.int64)  # duplicate-id check
         self._arange = np.arange(max_num_reqs, dtype=np.int64)
-        self.rounds = self.graph_rounds = 0
+        self.rounds = self.graph_rounds = self.steady_rounds = 0
         self._views: dict[tuple, Proposal] = {}
+        self._steady: _Steady | None = None  # the last graph round, while it may repeat
         # (data pointer, strides) of input_views(): inputs written there are not copied
         self._own = [(t.data_ptr(), t.stride()) for t in self.input_views(1) if t is not None]
         self._own += [(0, ())] * (3 - len(self._own))
@@ -271,6 +274,7 @@ class Drafter:
         todo.sort(key=lambda x: (-x[0].num_tokens, -x[1][0], -int(x[1][1])))
         if order_seed is not None:
             random.Random(order_seed).shuffle(todo)
+        self._leave_steady()
         counters = self.buffers.counters.clone()
         start = time.perf_counter()
         with torch.no_grad():
@@ -319,6 +323,7 @@ class Drafter:
         Raises before anything changes: ValueError / TypeError for bad input,
         OutOfBlocksError when the cache cannot hold the prompt."""
         ids, hidden = check_prompt(self, req_id, prompt_token_ids, target_hidden)
+        self._leave_steady()
         params = GREEDY if params is None else params
         if not isinstance(params, SamplingParams):
             raise DraftInputTypeError(
@@ -343,12 +348,14 @@ class Drafter:
         whole budget at admission, so that later rounds allocate nothing). False, with
         nothing allocated, when the cache is short."""
         num_tokens = _check_int("num_tokens", num_tokens, 1, self.tables.max_tokens_per_req)
+        self._leave_steady()
         return self.tables.grow(req_id, num_tokens)
 
     def remove_request(self, req_id: Hashable) -> None:
         """Free the request's blocks and slot. A later request in that slot starts from
         its own prompt, parameters, k and length: nothing of this one is read again."""
         slot = self.tables.row_of(req_id)  # ValueError for an unknown id
+        self._leave_steady()
         self.tables.remove_request(req_id)
         self.lengths.set_exact(slot, 0)
         self._slot_k[slot] = 0
@@ -387,7 +394,17 @@ class Drafter:
         each request's own k, capped at K_max); k_max: one of the captured options
         (default: the table's value for B, or the smallest option covering max(k)).
         eager=True runs the round without its graph (same padding as the graph).
-        Returns Proposal(tokens [B, K_max], q [B, K_max, V] or None)."""
+        Returns Proposal(tokens [B, K_max], q [B, K_max, V] or None).
+
+        A round that repeats the previous graph round (the same req_ids, k and k_max,
+        inputs at the same addresses and shapes, no request added, removed or grown
+        since, and KV blocks known to suffice) skips the checks and the bookkeeping:
+        it copies the inputs that are not already in place and replays the graph."""
+        st = self._steady
+        if st is not None and not eager and st.repeats(req_ids, verified_tokens, num_accepted,
+                                                      target_hidden, k, k_max):  # fmt: skip
+            return self._steady_round(st, verified_tokens, num_accepted, target_hidden)
+        self._leave_steady()
         self.lengths.poll()
         inp = check_propose_inputs(
             self, req_ids, verified_tokens, num_accepted, target_hidden, k, k_max
@@ -413,11 +430,16 @@ class Drafter:
         rows = desc.num_reqs if desc is not None else b
         self.loop.stage.upload(w, slots, inp.k, rows)
         bufs, own = self.buffers, self._own
-        if not _is_view_of(verified_tokens, own[0]):
+        in_place = (
+            _is_view_of(verified_tokens, own[0]),
+            _is_view_of(num_accepted, own[1]),
+            target_hidden is not None and _is_view_of(target_hidden, own[2]),
+        )
+        if not in_place[0]:
             bufs.verified[:b, :w].copy_(verified_tokens, non_blocking=True)
-        if not _is_view_of(num_accepted, own[1]):
+        if not in_place[1]:
             bufs.accepted[:b].copy_(num_accepted, non_blocking=True)
-        if target_hidden is not None and not _is_view_of(target_hidden, own[2]):
+        if target_hidden is not None and not in_place[2]:
             self.loop.hidden.view(-1, self.width, self.hidden_in)[:b, :w].copy_(
                 target_hidden, non_blocking=True
             )
@@ -435,7 +457,55 @@ class Drafter:
                 self._views.clear()
             out = Proposal(tokens[:b], None if q is None else q[:b])
             self._views[(tokens.data_ptr(), tokens.shape[0], tokens.shape[1], q is None, b)] = out
+        if desc is not None and not eager and not kernels.validation_enabled(verified_tokens):
+            budget = self._steady_budget(inp)
+            if budget > 0:
+                self._steady = _Steady(
+                    inp, k, k_max, verified_tokens, num_accepted, target_hidden,
+                    self._managers[(kk, run_mode)], desc, out, budget, in_place,
+                )  # fmt: skip
         return out
+
+    def _steady_budget(self, inp: ProposeInputs) -> int:
+        """How many more rounds of this batch may run without a KV block or the length
+        check: each adds at most W_in tokens to a request's upper bound and writes up to
+        W_in + K_max - 1 positions past it."""
+        upper = self.lengths.upper[inp.slots]  # after this round's launch
+        _, blocks = self.tables.rows_of(inp.req_ids)
+        cap = np.minimum(blocks * self.block_size, self.tables.max_tokens_per_req)
+        w, reach = inp.width, inp.width + inp.k_max - 1
+        fits = (cap - upper - reach) // w + 1
+        in_len = (self.max_model_len - 1 - upper) // w + 1
+        return int(max(0, min(fits.min(), in_len.min())))
+
+    def _steady_round(self, st: _Steady, verified, accepted, hidden) -> Proposal:
+        bufs = self.buffers
+        if not st.own[0]:
+            bufs.verified[: st.b, : st.w].copy_(verified, non_blocking=True)
+        if not st.own[1]:
+            bufs.accepted[: st.b].copy_(accepted, non_blocking=True)
+        if hidden is not None and not st.own[2]:
+            self.loop.hidden.view(-1, self.width, self.hidden_in)[: st.b, : st.w].copy_(
+                hidden, non_blocking=True
+            )
+        st.manager.replay(st.desc)
+        st.budget -= 1
+        st.rounds += 1
+        self.rounds += 1
+        self.graph_rounds += 1
+        self.steady_rounds += 1
+        return st.out
+
+    def _leave_steady(self) -> None:
+        """Fold the steady rounds into the length bounds (each added 1 to 1 + ... W_in
+        tokens) and drop the steady state."""
+        st = self._steady
+        if st is None:
+            return
+        self._steady = None
+        if st.rounds:
+            self.lengths.state[st.slots, 0] += st.rounds
+            self.lengths.state[st.slots, 1] += st.rounds * st.w
 
     def _reserve(self, inp: ProposeInputs) -> None:
         """Grow every request's blocks to its upper bound for this round, all or none."""
@@ -458,6 +528,12 @@ class Drafter:
         t = self.tables
         blocks = np.where(short, -(-want // self.block_size) - inp.num_blocks, 0)
         needed = int(blocks.sum())
+        # A request that grows gets room for _HEADROOM_ROUNDS more rounds too when the
+        # cache has it, so that growth (and the slow path) comes every few rounds.
+        roomy = np.minimum(want + _HEADROOM_ROUNDS * inp.width, self.tables.max_tokens_per_req)
+        more = np.where(short, -(-roomy // self.block_size) - inp.num_blocks, 0)
+        if int(more.sum()) <= t.num_free_blocks:
+            want, needed = roomy, int(more.sum())
         if needed > t.num_free_blocks:
             worst = inp.req_ids[int(np.argmax(blocks))]
             raise DraftOutOfBlocksError(
@@ -484,8 +560,41 @@ class Drafter:
         return {"rounds": c[0], "rows": c[1], "proposed_per_position": c[2:]}
 
     def teardown(self) -> None:
+        self._leave_steady()
         for m in self._managers.values():
             m.teardown()
+
+
+def _geometry(t) -> tuple | None:
+    if not isinstance(t, torch.Tensor):
+        return None
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+
+
+class _Steady:
+    """The last graph round, kept so that an identical next round can skip to the
+    replay: its arguments (copies of the host ones, the tensors' geometry), what it
+    dispatched to and how many more rounds its KV blocks and max_model_len allow."""
+
+    __slots__ = ("ids", "k", "k_max", "geo", "slots", "b", "w", "own", "manager", "desc",
+                 "out", "budget", "rounds")  # fmt: skip
+
+    def __init__(self, inp, k, k_max, verified, accepted, hidden, manager, desc, out, budget,
+                 own):  # fmt: skip
+        self.ids = list(inp.req_ids)
+        self.k = list(k) if type(k) is list else k
+        self.k_max = k_max
+        self.geo = (_geometry(verified), _geometry(accepted), _geometry(hidden))
+        self.slots, self.b, self.w = inp.slots.copy(), inp.num_reqs, inp.width
+        self.manager, self.desc, self.out = manager, desc, out
+        self.budget, self.rounds, self.own = budget, 0, own
+
+    def repeats(self, req_ids, verified, accepted, hidden, k, k_max) -> bool:
+        if self.budget <= 0 or k_max != self.k_max or req_ids != self.ids:
+            return False
+        if k is not self.k and not (type(k) is list and k == self.k):
+            return False  # None == None, the same int; arrays and tensors: the full path
+        return (_geometry(verified), _geometry(accepted), _geometry(hidden)) == self.geo
 
 
 def _is_view_of(src: torch.Tensor, own: tuple[int, tuple[int, ...]]) -> bool:

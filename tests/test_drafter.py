@@ -140,6 +140,67 @@ def test_padded_graph_path_equals_unpadded_eager(setup, torch_layers):
     assert torch.count_nonzero(g.cache.data[:, :, 0]) == 0
 
 
+def test_steady_rounds_equal_the_full_path(setup, torch_layers):
+    """Rounds that repeat the previous graph round (same ids, k, k_max and input
+    addresses) take the steady path: the same drafts as an unpadded eager drafter, the
+    length bounds still hold the exact lengths and the blocks cover them, and a join, a
+    leave, a different k or new input tensors send the next round down the full path."""
+    from specdraft.kernels import use_validation
+
+    g = drafter(
+        setup, capture_sizes=[2, 4], graph_backend=EagerBackend(), cuda_graphs=True,
+        max_model_len=256,
+    )  # fmt: skip
+    e = drafter(setup, max_model_len=256)
+    sims = [EngineSim(setup, x, seed=9) for x in (g, e)]
+    rids = [[s.join(n=5) for _ in range(3)] for s in sims]
+    plan = [3] * 12 + ["join"] + [3] * 6 + ["k"] * 3 + ["new"] + [3] * 20 + ["leave"] + [3] * 5
+    own = [x.input_views(4) for x in (g, e)]  # inputs written in place: fixed addresses
+    with use_validation(False):
+        for step in plan:
+            if step == "join":
+                for s, rr in zip(sims, rids):
+                    rr.append(s.join(n=4))
+            if step == "leave":
+                for s, rr in zip(sims, rids):
+                    s.leave(rr.pop(0))
+            before = g.steady_rounds
+            outs = []
+            for s, x, rr, (v, a, h) in zip(sims, (g, e), rids, own):
+                ver, acc, hid = s.inputs(rr, x.width)
+                b = len(rr)
+                if step == "new":  # fresh tensors: another address, the full path
+                    v, a, h = ver, acc, hid
+                else:
+                    v[:b].copy_(ver), a[:b].copy_(acc)
+                    v, a = v[:b], a[:b]
+                    if hid is not None:
+                        h[:b].copy_(hid)
+                        h = h[:b]
+                k = [2] * b if step == "k" else None
+                outs.append(x.propose(rr, v, a, target_hidden=hid if h is None else h, k=k))
+            assert torch.equal(outs[0].tokens, outs[1].tokens), step
+            steady = g.steady_rounds > before
+            if step in ("join", "leave", "new"):
+                assert not steady, step
+            for s, x, rr in zip(sims, (g, e), rids):
+                for r in rr:
+                    length = len(s.context(r)[0]) - setup.shift
+                    slot = x.tables.row_of(r)
+                    assert int(x.buffers.base[slot]) == length
+                s.commit(rr)
+            st = g._steady  # steady rounds are folded into the bounds when it ends
+            n, w = (st.rounds, st.w) if st is not None else (0, 0)
+            for r in rids[0]:
+                slot = g.tables.row_of(r)
+                length = int(g.buffers.base[slot])
+                lo, hi = g.lengths.lower[slot] + n, g.lengths.upper[slot] + n * w
+                assert lo <= length <= hi
+                assert g.tables.num_blocks_of(r) * g.block_size >= hi
+    assert e.steady_rounds == 0
+    assert g.steady_rounds >= 20, g.steady_rounds
+
+
 def test_sampled_rows_q_and_tokens(setup):
     """Greedy and sampled rows (temperature, top-k, top-p) in one round: q is exactly
     filtered_probs of the reference logits, rows sum to 1, and each token is the draw
