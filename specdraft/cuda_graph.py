@@ -95,6 +95,9 @@ class CudaGraphBackend:
     """The CUDA calls the manager makes, behind one seam so that CPU tests can stand in
     for them."""
 
+    # A CUDA capture records the work and runs none of it; a stand-in may run it.
+    executes_on_capture = False
+
     def pool(self) -> Any:
         if not torch.cuda.is_available():
             # torch's own message here is "Tried to instantiate dummy base class
@@ -113,7 +116,9 @@ class CudaGraphBackend:
             outputs = fn()
         return graph, outputs
 
-    def replay(self, graph: Any) -> None:
+    def replay(self, graph: Any) -> Any:
+        """None: a graph's outputs stay at the addresses capture returned (a stand-in
+        that runs the work anew returns its fresh outputs instead)."""
         graph.replay()
 
     def synchronize(self) -> None:

@@ -23,12 +23,14 @@ request leaves the batch at the next step (its outputs in flight are discarded).
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from .batch import ScheduledBatch
+from .cuda_graph import CudaGraphBackend
 from .draft_inputs import DraftKind
 from .drafter import Drafter
 from .generate import Engine, GenerationOutput
@@ -50,6 +52,16 @@ class _Req:
     output: list[int] = field(default_factory=list)
     finished: str | None = None
     capacity: int = 0  # tokens its target KV blocks cover
+
+
+_MAX_STEP_GRAPHS = 8
+
+
+class _StepGraph:
+    __slots__ = ("graph", "feats", "out")
+
+    def __init__(self, graph, feats, out):
+        self.graph, self.feats, self.out = graph, feats, out
 
 
 @dataclass
@@ -79,6 +91,8 @@ class SpeculativeEngine:
         tokenizer=None,
         seed: int | None = None,
         aux_layers: Sequence[int] | None = None,
+        step_graphs: bool | None = None,
+        graph_backend: CudaGraphBackend | None = None,
     ):
         if not isinstance(runner, TargetRunner):
             raise TypeError(f"runner must be a TargetRunner, got {type(runner).__name__}")
@@ -128,6 +142,15 @@ class SpeculativeEngine:
         ]
         self._next_host = 0
         self._count = 0
+        # Steady steps: verification, rejection sampling and the bookkeeping of a batch
+        # that repeats, captured into one graph per (batch, mode, input addresses).
+        self.step_graphs = (runner.device.type == "cuda") if step_graphs is None else step_graphs
+        self._backend = graph_backend or CudaGraphBackend()
+        self._steps: OrderedDict[tuple, _StepGraph] = OrderedDict()
+        self._stage = torch.zeros((r, k + 2), dtype=torch.int64, device=runner.device)
+        self._host_stage = [torch.zeros((r, k + 2), dtype=torch.int64, pin_memory=pin)
+                            for _ in range(3)]  # fmt: skip
+        self.graph_steps = 0
 
     # ---- generate -------------------------------------------------------------------
 
@@ -206,6 +229,7 @@ class SpeculativeEngine:
         pending = self._readback_first(first)
         active = list(range(len(group)))  # positions in `group` of the batch rows
         unchecked = 0  # steps that may run before a request can need another block
+        settled = False  # the batch and its verify rows as in the step before
         while active:
             batch = [group[i] for i in active]
             batch_ids = [ids[i] for i in active]
@@ -217,17 +241,25 @@ class SpeculativeEngine:
                 batch_ids, verified, accepted, k=[k] * len(batch), k_max=k, target_hidden=hidden_in
             )
             b = len(batch)
-            runner.verify_first[:b].copy_(verified.gather(1, accepted.long()[:, None])[:, 0])
-            runner.verify_drafts[:b, :k].copy_(proposal.tokens)
-            logits = runner.execute_verify(b, k, rows=batch_rows)
+            out = None
+            if settled and self.step_graphs:
+                out = self._steady_step(b, greedy, proposal, verified, accepted)
+            if out is None:
+                first = verified.gather(1, accepted.long()[:, None])[:, 0]
+                runner.verify_first[:b].copy_(first)
+                runner.verify_drafts[:b, :k].copy_(proposal.tokens)
+                logits = runner.execute_verify(b, k, rows=batch_rows)
+                vrows = runner.verify_rows[:b]
+                params = runner.sampling.select(vrows)
+                positions = runner.committed.index_select(0, vrows) + 1
+                out = self.rejection(logits, proposal.tokens, proposal.q, params, positions)
+                runner.committed.index_add_(0, vrows, out.num_accepted.long() + 1)
+                readback = self._readback(out, b)
+            else:
+                readback = self._readback_stage(b)
             if self.eagle:  # the state at verify row j predicted the token after it
                 hidden_in = runner.last_features.view(b, w, -1)
-            vrows = runner.verify_rows[:b]
-            params = runner.sampling.select(vrows)
-            positions = runner.committed.index_select(0, vrows) + 1
-            out = self.rejection(logits, proposal.tokens, proposal.q, params, positions)
-            runner.committed.index_add_(0, vrows, out.num_accepted.long() + 1)
-            prev, pending = pending, (*self._readback(out, b), list(active))
+            prev, pending = pending, (*readback, list(active))
             self._process(group, *prev, stream)
             # next step: the requests still running, their verified rows gathered
             keep = [j for j, i in enumerate(active) if not group[i].finished]
@@ -241,7 +273,9 @@ class SpeculativeEngine:
                 if hidden_in is not None:
                     hidden_in = hidden_in.index_select(0, idx)
                 active = [active[j] for j in keep]
+                settled = False
             else:
+                settled = True
                 # Views, no copies: the next propose() and verify_first read them before
                 # the rejection sampler and the verification overwrite their buffers.
                 verified, accepted = out.tokens, out.num_accepted
@@ -293,6 +327,83 @@ class SpeculativeEngine:
                 for i, start, n in spans:
                     feats[i].append(self.runner.last_features[start : start + n].clone())
         return feats
+
+    # ---- steady steps -----------------------------------------------------------------
+
+    def _step_body(self, b: int, proposal, verified, accepted):
+        """One verification step on the device, after the draft round: the last emitted
+        token and the drafts into the target's verify inputs, verification, rejection
+        sampling, committed lengths, the emitted tokens and counts into the stage.
+        Fixed shapes and no host reads: capturable. Returns the target's features (or
+        None) and the sampler's output."""
+        runner, k, w = self.runner, self.k, self.k + 1
+        runner.verify_first[:b].copy_(verified.gather(1, accepted.long()[:, None])[:, 0])
+        runner.verify_drafts[:b, :k].copy_(proposal.tokens)
+        logits, feats = runner._verify_forward(b, w)
+        vrows = runner.verify_rows[:b]
+        params = runner.sampling.select(vrows)
+        positions = runner.committed.index_select(0, vrows) + 1
+        out = self.rejection(logits, proposal.tokens, proposal.q, params, positions)
+        runner.committed.index_add_(0, vrows, out.num_accepted.long() + 1)
+        self._stage[:b, :w].copy_(out.tokens)
+        self._stage[:b, w].copy_(out.num_emitted)
+        return feats, out
+
+    def _steady_step(self, b: int, greedy: bool, proposal, verified, accepted):
+        """The step of a batch that repeats the previous one (its verify rows already on
+        the device) as one graph replay. The first step for a key (batch size, sampling
+        flags, input addresses) runs eagerly, which also warms every kernel at these
+        shapes, and captures the graph for the next; the cache keeps the last few keys."""
+        runner = self.runner
+        q = proposal.q
+        table = runner.sampling  # its host flags pick the sampler's launches
+        key = (
+            (b, greedy, table.any_filter, table.all_greedy),
+            (proposal.tokens.data_ptr(), 0 if q is None else q.data_ptr()),
+            (verified.data_ptr(), accepted.data_ptr()),
+        )
+        g = self._steps.get(key)
+        runner.tables.commit()
+        runner.builder._last = None  # the buffers no longer hold a built batch
+        if g is not None:
+            self._steps.move_to_end(key)
+            fresh = self._backend.replay(g.graph)  # a stand-in's own outputs, or None
+            feats, out = (g.feats, g.out) if fresh is None else fresh
+            if feats is not None:
+                runner.last_features = feats
+        else:
+            eager = not self._backend.executes_on_capture
+            if eager:  # this step's work; a capture then only records
+                feats, out = self._step_body(b, proposal, verified, accepted)
+            if len(self._steps) >= _MAX_STEP_GRAPHS:
+                self._steps.popitem(last=False)
+            with torch.no_grad():
+                graph, (g_feats, g_out) = self._backend.capture(
+                    lambda: self._step_body(b, proposal, verified, accepted), self._pool()
+                )
+            self._steps[key] = _StepGraph(graph, g_feats, g_out)
+            if not eager:
+                feats, out = g_feats, g_out
+            if feats is not None:
+                runner.last_features = feats
+        runner.steps += 1
+        runner.graph_steps += 1
+        self.graph_steps += 1
+        return out
+
+    def _pool(self):
+        if self.runner.device.type != "cuda":
+            return None
+        from .cuda_graph import shared_graph_pool
+
+        return shared_graph_pool()
+
+    def _readback_stage(self, b: int):
+        host = self._host_stage[self._next_host]
+        self._next_host = (self._next_host + 1) % len(self._host_stage)
+        host = host[:b]
+        host.copy_(self._stage[:b], non_blocking=True)
+        return self._event(), (host[:, : self.k + 1], host[:, self.k + 1])
 
     def _readback_first(self, first: torch.Tensor):
         toks = torch.empty((first.shape[0], 1), dtype=torch.int64, pin_memory=first.is_cuda)

@@ -288,6 +288,8 @@ def decode_batch() -> ScheduledBatch:
 class EagerBackend(CudaGraphBackend):
     """Runs the 'graph' eagerly: the manager's bookkeeping without CUDA."""
 
+    executes_on_capture = True
+
     def pool(self):
         return None
 

@@ -33,6 +33,8 @@ class EagerBackend(CudaGraphBackend):
     """Stands in for CUDA graphs on the CPU: 'capture' runs the callable and keeps it,
     'replay' runs it again on whatever the persistent buffers hold."""
 
+    executes_on_capture = True
+
     def __init__(self):
         self.captures = 0
 
@@ -44,7 +46,7 @@ class EagerBackend(CudaGraphBackend):
         return fn, fn()
 
     def replay(self, graph):
-        graph()
+        return graph()
 
     def synchronize(self):
         pass

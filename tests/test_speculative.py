@@ -22,7 +22,8 @@ CFG = tiny_config()
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(10, 33))]
 
 
-def spec_engine(target, draft, *, k=3, max_num_reqs=4, **kw):
+def spec_engine(target, draft, *, k=3, max_num_reqs=4, step_graphs=None, graph_backend=None,
+                **kw):  # fmt: skip
     args = dict(
         max_num_reqs=max_num_reqs,
         max_num_tokens=256,
@@ -41,7 +42,9 @@ def spec_engine(target, draft, *, k=3, max_num_reqs=4, **kw):
     # NaN in every block but the null one: nothing may read K/V it did not write.
     for cache in (runner.cache, drafter.loop.cache):
         cache.data[:, :, 1:].fill_(float("nan"))
-    return SpeculativeEngine(runner, drafter, k=k)
+    return SpeculativeEngine(
+        runner, drafter, k=k, step_graphs=step_graphs, graph_backend=graph_backend
+    )
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +97,36 @@ def test_eagle_heads_greedy_equals_target_only():
             assert [o.token_ids for o in out] == [o.token_ids for o in ref], type(head)
 
 
+def test_step_graphs_equal_the_full_path(models):
+    """Steady steps (verification, rejection sampling and bookkeeping as one captured
+    step, stood in for by an eager backend on the CPU) give the same tokens as the full
+    path: greedy, and sampled with top-k / top-p under the same seeds; requests finish
+    at different lengths, so the batch shrinks and new keys are captured."""
+    from specdraft.models.tiny import eagle_config, random_eagle_head
+    from tests.test_cuda_graph import EagerBackend
+
+    target, same, other = models
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.9, top_k=20, seed=3),
+        SamplingParams(temperature=1.1, top_p=0.8, seed=4),
+    ]
+    with ops.use_backend("torch"):
+        for draft in (other, random_eagle_head(eagle_config(CFG), target, seed=1)):
+            for p in (None, params):
+                runs = []
+                for steady in (False, True):
+                    se = spec_engine(
+                        target, draft, k=3, step_graphs=steady, graph_backend=EagerBackend()
+                    )
+                    out = se.generate(PROMPTS, params=p, max_new_tokens=14, stop_token_ids=[])
+                    runs.append([o.token_ids for o in out])
+                    assert (se.graph_steps > 0) == steady
+                    if steady:
+                        assert len(se._steps) >= 1
+                assert runs[0] == runs[1], (type(draft).__name__, p is None)
+
+
 @pytest.mark.gpu
 def test_gpu_verification_graphs_equal_target_only():
     """fp32 on the GPU: verification replayed from captured graphs (3 requests run in
@@ -136,6 +169,7 @@ def test_gpu_verification_graphs_equal_target_only():
         out = se.generate(PROMPTS, max_new_tokens=12)
         assert [o.token_ids for o in out] == want, type(draft).__name__
         assert runner.graph_steps > before  # verification ran from its graphs
+        assert se.graph_steps > 0  # and steady steps from their own
         # the null block (padded requests' block) holds no NaN written by a padded row
         assert torch.isfinite(runner.cache.data[:, :, 0]).all()
 
