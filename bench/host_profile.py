@@ -111,6 +111,8 @@ def profile_spec(batch: int, k: int, new_tokens: int) -> dict:
     for m in drafter._managers.values():
         t.wrap(m, "replay", "  draft graph replay")
     t.wrap(runner, "execute_verify", "TargetRunner.execute_verify")
+    t.wrap(se, "_steady_step", "SpeculativeEngine._steady_step (graph)")
+    t.wrap(se, "_readback_stage", "SpeculativeEngine._readback_stage")
     t.wrap(runner.tables, "grow", "BlockTables.grow")
     t.wrap(se, "_readback", "SpeculativeEngine._readback")
     t.wrap(se, "_process", "SpeculativeEngine._process")
@@ -130,14 +132,59 @@ def profile_spec(batch: int, k: int, new_tokens: int) -> dict:
             return getattr(rejection, name)
 
     se.rejection = Timed()
+    marks = _step_marks(drafter)
     steps0 = se.stats.steps
     se.generate(ids, max_new_tokens=new_tokens, stop_token_ids=[])
     steps = se.stats.steps - steps0
     whole = t.samples.pop("SpeculativeEngine._run_group (whole)")
     waits = sum(t.samples.get("(wait) Event.synchronize", []))
     busy = 1e6 * (sum(whole) - waits) / max(1, steps)
+    per = marks.busy_us()
     return {"part": "spec", "batch": batch, "k": k, "steps": steps, "rows": t.table(steps),
-            "busy_us": round(busy, 1)}  # fmt: skip
+            "busy_us": round(busy, 1), "step_busy_p50_us": per[0],
+            "step_busy_p90_us": per[1], "graph_steps": se.graph_steps}  # fmt: skip
+
+
+class _StepMarks:
+    """Per-step host time of a speculative step: from one draft round's start to the
+    next, minus the time spent waiting on events in between (the one-step-late read)."""
+
+    def __init__(self):
+        self.starts: list[float] = []
+        self.waits: list[tuple[float, float]] = []  # (start, duration)
+
+    def busy_us(self) -> tuple[float, float]:
+        busy = []
+        for a, b in zip(self.starts, self.starts[1:]):
+            wait = sum(d for t0, d in self.waits if a <= t0 < b)
+            busy.append(1e6 * (b - a - wait))
+        if not busy:
+            return float("nan"), float("nan")
+        busy.sort()
+        return round(statistics.median(busy), 1), round(busy[int(0.9 * (len(busy) - 1))], 1)
+
+
+def _step_marks(drafter) -> _StepMarks:
+    marks = _StepMarks()
+    propose = drafter.propose
+
+    def marked(*a, **kw):
+        marks.starts.append(time.perf_counter())
+        return propose(*a, **kw)
+
+    drafter.propose = marked
+    if torch.cuda.is_available():
+        sync = torch.cuda.Event.synchronize
+
+        def timed_sync(ev):
+            t0 = time.perf_counter()
+            try:
+                return sync(ev)
+            finally:
+                marks.waits.append((t0, time.perf_counter() - t0))
+
+        torch.cuda.Event.synchronize = timed_sync
+    return marks
 
 
 def _busy(t: Timers, whole: str) -> float:
@@ -156,6 +203,13 @@ def _markdown(results: list[dict]) -> str:
     for r in results:
         head = f"{r['part']} batch {r['batch']}" + (f" k {r['k']}" if "k" in r else "")
         out += [f"### {head}: {r['steps']} steps, busy {r['busy_us']} µs per step", ""]
+        if "step_busy_p50_us" in r:
+            out += [
+                f"Per step (round start to round start, waits removed): p50 "
+                f"{r['step_busy_p50_us']} µs, p90 {r['step_busy_p90_us']} µs; "
+                f"{r['graph_steps']} steps ran as one verification graph.",
+                "",
+            ]
         out += ["| piece | calls / step | p50 µs |", "|---|---|---|"]
         out += [f"| {x['piece']} | {x['calls_per_step']} | {x['p50_us']} |" for x in r["rows"]]
         out.append("")
