@@ -34,7 +34,7 @@ MODES = {
     "greedy": SamplingParams(temperature=0.0),
     "top-p 0.9": SamplingParams(temperature=1.0, top_p=0.9),
     "no filter": SamplingParams(temperature=1.0),
-    "top-k 50, top-p 0.9": SamplingParams(temperature=1.0, top_k=50, top_p=0.9),
+    "top-k 50 + top-p 0.9": SamplingParams(temperature=1.0, top_k=50, top_p=0.9),
 }
 BARS_US = {("greedy", 49152): 15.0, ("top-p 0.9", 49152): 40.0}
 
@@ -132,9 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocabs", default="49152,128256")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--k", type=int, default=5)
-    ap.add_argument("--modes", default=",".join(MODES))
+    # Comma-separated; mode names hold no comma (a "top-k 50, top-p 0.9" once split in two).
+    ap.add_argument("--modes", default=",".join(MODES), help=f"any of {list(MODES)}")
     ap.add_argument("--dists", default="peaked,gaussian")
     args = ap.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",")]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        ap.error(f"--modes: unknown {unknown}; choose from {list(MODES)}")
     if not torch.cuda.is_available():
         print("bench.rejection needs an NVIDIA GPU; tests/test_rejection.py covers correctness")
         return 2
@@ -146,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{env['gpu']}: read {env['read_tbps']:.2f} TB/s, copy {env['copy_tbps']:.2f} TB/s")
     rows = []
     for v in (int(x) for x in args.vocabs.split(",")):
-        for mode in args.modes.split(","):
+        for mode in modes:
             for dist in args.dists.split(","):
                 row = bench_case(v, mode, dist, args.batch, args.k, env["read_tbps"])
                 rows.append(row)

@@ -1,4 +1,4 @@
-"""Lossless rejection sampler for speculative decoding, in four launches.
+"""Lossless rejection sampler for speculative decoding: four launches, six with top-k / top-p.
 
 Request b owns target rows b * (K + 1) + j (j = 0..K) and drafts x_j, j < k[b]. Row j's
 target distribution p_j is specdraft.sampling's filtered_probs (temperature, then top-k,
@@ -9,31 +9,44 @@ Greedy requests accept while x_j == argmax(row j) and emit the argmax at r.
 
 1. partials (rows x vocab blocks): per block max, first argmax, sum exp(z - max), min and
    second max, with z = logits / T. Nothing [B, K, V]-sized is written.
-2. threshold (row tiles): row max and sum from the partials; for rows using top-k / top-p
-   the smallest kept value, found exactly (below), and the kept mass.
-3. resample (request tiles x vocab blocks): each program repeats its requests' walk
+2. init (row tiles): row max and sum from the partials; for rows using top-k / top-p
+   the band, a key interval known to hold the threshold (below).
+3. band (rows x vocab blocks; filtered launches only): compacts each filtered row's band
+   into its scratch row and sums the mass inside and below the band.
+4. threshold (row tiles; filtered launches only): the smallest kept value, found
+   exactly from the compacted band (below), and the kept mass.
+5. resample (request tiles x vocab blocks): each program repeats its requests' walk
    over the drafts (a few loads and hashes) to find r, then runs an exponential race
    over its vocabulary block of the residual (or of p for the bonus).
-4. finalize (request tiles): the walk again, the race winner, tokens, counts and the
+6. finalize (request tiles): the walk again, the race winner, tokens, counts and the
    per-position counters (atomics).
-Greedy-only launches (no q) run 1 and 4.
+Greedy-only launches (no q) run 1 and 6. Passes over the [B * (K + 1), V] logits: greedy
+and unfiltered 1, filtered 2 (partials, band) while every band fits the scratch.
 
 Top-k / top-p thresholds. Keys are the int32 images of z's float32 bits ordered like the
 values (-0 folded into +0), so "kept iff z >= thr" is a key comparison and tie groups are
 single keys. The k-th largest value (with multiplicity) and the top-p cut (the largest
 value v with mass(z >= v) >= top_p * mass) are found by narrowing a key interval (lo, hi]
-known to hold the answer. A pass over the row compacts the interval's candidates into a
-scratch row; once they fit (CAP) the answer is read off exactly by comparing them
-pairwise. Otherwise the pass also counted them and summed their mass per key bucket
-(NSPLIT power-of-two buckets) and the next pass keeps the bucket holding the answer,
-reading the first pass's candidates (up to CAP_BIG) instead of the row when they fit.
-Starting intervals: top-k from the k-th largest block maximum; top-p from a floor below
-which every token is provably cut, from the block partials (max, second max, sum; see
-_band_floor), so that a peaked row resolves in one pass over the row. Sums are float32
-in a different order from torch's cumsum: a token whose preceding mass is within float
-rounding of top_p * mass may fall the other way (the rules and ties are the same).
-Cost: a flat row (N(0, 3^2) logits at V 49152: ~16k tokens in the top-p band) takes a few
-passes; see bench/rejection.py.
+known to hold the answer. Starting intervals (the band): top-k from the k-th largest of
+the block maxima and second maxima (2 per block: k <= 2 * blocks gets a tight band);
+top-p from a floor below which every token is provably cut, from the block partials
+(max, second max, sum; see _band_floor), so that a peaked row has a band of a few dozen
+to a few thousand tokens. The band kernel compacts the band in parallel over the whole
+grid (per-row atomic offsets, up to cap_big candidates). The threshold kernel then works
+on the compacted band only: once the interval's candidates fit (CAP) the answer is read
+off exactly by comparing them pairwise; otherwise a pass over the band counts them and
+sums their mass per key bucket (NSPLIT power-of-two buckets), keeps the bucket holding
+the answer and compacts its candidates for the next pass. A band over cap_big (a top-k
+with k > 2 * blocks, a very flat row) is searched the same way over the vocabulary row
+(correct, slower: one serial pass per narrowing step). Top-p after top-k reads the
+top-k band, which holds every top-k survivor.
+
+Masses in the search are int64 fixed point (exp(z - max) * 2^S, S = 62 - bits(V - 1)):
+sums are exact, so they do not depend on the compaction's order and the thresholds are
+bit-for-bit reproducible (graph replays); the resolution (2^-46 at V 49152) is far finer
+than float32. The kept mass is converted to float32 once. Sums are in a different order
+from torch's cumsum: a token whose preceding mass is within float rounding of top_p * mass
+may fall the other way (the rules and ties are the same).
 
 Random draws are specdraft.sampling's keyed uniforms, bit for bit: SplitMix64 over
 (seed, position, stream, counter) in uint64. Acceptance: counter 0 at the draft's
@@ -191,93 +204,97 @@ def _partials_kernel(
 
 
 @triton.jit
+def _fx(z, m, FXS: tl.constexpr):
+    """exp(z - m) <= 1 as an int64 of FXS units (the vocabulary's worth fits 2^62). Sums
+    of these are exact, so they do not depend on the order of the candidates, which the
+    band compaction's atomics leave unspecified: the thresholds stay deterministic."""
+    return (tl.exp(z - m) * FXS).to(tl.int64)
+
+
+@triton.jit
 def _select(
     logits_ptr, stride_lm, cand_ptr, stride_c, rows, active, t, m, V,
-    floor_key, klo, khi, target_cnt, frac, hist_first,
+    floor_key, klo, khi, target_cnt, target_fx, src_big, nbig, hist_first,
     MASS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
     CAPB: tl.constexpr, NSPLIT: tl.constexpr, LOG2_NSPLIT: tl.constexpr,
-    MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr,
+    MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
 ):  # fmt: skip
-    """Per row, the threshold value and the kept mass (module docstring). Candidates are
-    survivors (key >= floor_key) with key in (klo, khi]; count mode finds the
-    target_cnt-th largest value, mass mode the top-p cut with target frac * mass.
+    """Per row, the threshold value and the kept mass (int64, FXS units; module
+    docstring). Candidates are survivors (key >= floor_key) with key in (klo, khi];
+    count mode finds the target_cnt-th largest value, mass mode the top-p cut: the
+    largest v whose mass of values >= v reaches target_fx (float64, FXS units).
 
-    Scratch row: [0, CAP) the candidates being resolved, [CAP, CAP + CAPB) the first
-    pass's candidates. When those fit (CAPB), later passes read them instead of the
-    vocabulary row: a wide band of a few thousand tokens costs one pass over the row."""
+    Scratch row: [0, CAP) the candidates being resolved, [CAP, CAP + CAPB) the band's
+    candidates. A row with src_big set reads its nbig band candidates there (the band
+    kernel compacted them, or this search's first pass did); the others read the
+    vocabulary row, and their first pass fills the band region when it fits."""
     cols = tl.arange(0, BLOCK)
     slots = tl.arange(0, CAP)
     dvec = tl.arange(0, NSPLIT)
     done = active == 0
     thr = tl.full([ROWS], float("-inf"), tl.float32)
-    kept = tl.zeros([ROWS], tl.float32)
+    kept = tl.zeros([ROWS], tl.int64)
     above_c = tl.zeros([ROWS], tl.int32)
-    above_m = tl.zeros([ROWS], tl.float32)
-    target_m = tl.zeros([ROWS], tl.float32)
+    above_m = tl.zeros([ROWS], tl.int64)
     cbase = cand_ptr + rows[:, None] * stride_c
-    nbig = tl.zeros([ROWS], tl.int32)
-    use_big = tl.full([], 0, tl.int32)
     for it in range(MAX_PASSES):
         if tl.sum((done == 0).to(tl.int32), axis=0) > 0:
             live = done == 0
-            first = it == 0
-            out0 = tl.where(first, CAP, 0)  # the first pass fills the big region
-            length = tl.where(use_big > 0, tl.max(tl.where(live, nbig, 0), axis=0), V)
-            hist = (it > 0) | hist_first
+            from_big = live & (src_big > 0)
+            fill = live & (src_big == 0) & (it == 0)  # this pass fills the band region
+            out0 = tl.where(fill, CAP, 0)
+            capr = tl.where(fill, CAPB, CAP)
+            length = tl.max(tl.where(live, tl.where(from_big, nbig, V), 0), axis=0)
+            # Reading the band region, the first pass is already a narrowing one.
+            hist = (it > 0) | hist_first | (tl.sum(from_big.to(tl.int32), axis=0) > 0)
             shift = tl.maximum(_nbits(khi - klo - 1) - LOG2_NSPLIT, 0)
             gc = tl.zeros([ROWS, NSPLIT], tl.int32)
-            gm = tl.zeros([ROWS, NSPLIT], tl.float32)
+            gm = tl.zeros([ROWS, NSPLIT], tl.int64)
             n = tl.zeros([ROWS], tl.int32)
-            inside = tl.zeros([ROWS], tl.float32)
-            below = tl.zeros([ROWS], tl.float32)
             tl.debug_barrier()  # the previous pass's scratch reads are finished
             for v0 in range(0, length, BLOCK):
                 offs = v0 + cols
-                if use_big > 0:
-                    mask = live[:, None] & (offs[None, :] < nbig[:, None])
-                    z = tl.load(cbase + CAP + offs[None, :], mask=mask, other=float("-inf"))
-                else:
-                    mask = live[:, None] & (offs < V)[None, :]
-                    z = _load_z(logits_ptr, stride_lm, rows, offs, mask, t)
+                mask_b = from_big[:, None] & (offs[None, :] < nbig[:, None])
+                zb = tl.load(cbase + CAP + offs[None, :], mask=mask_b, other=float("-inf"))
+                mask_l = (live & (from_big == 0))[:, None] & (offs < V)[None, :]
+                zl = _load_z(logits_ptr, stride_lm, rows, offs, mask_l, t)
+                z = tl.where(from_big[:, None], zb, zl)
+                mask = mask_b | mask_l
                 key = _key(z)
                 surv = mask & (key >= floor_key[:, None])
                 cand = surv & (key > klo[:, None]) & (key <= khi[:, None])
-                e = tl.exp(z - m[:, None])
-                inside += tl.sum(tl.where(cand, e, 0.0), axis=1)
-                below += tl.sum(tl.where(surv & (key <= klo[:, None]), e, 0.0), axis=1)
                 if hist:
+                    e = _fx(z, m[:, None], FXS)
                     # Suffix form: bucket >= d, so the scan below needs no cumsum.
                     b = (key - klo[:, None] - 1) >> shift[:, None]
                     ge = cand[:, :, None] & (b[:, :, None] >= dvec[None, None, :])
                     gc += tl.sum(ge.to(tl.int32), axis=1)
-                    gm += tl.sum(tl.where(ge, e[:, :, None], 0.0), axis=1)
+                    gm += tl.sum(tl.where(ge, e[:, :, None], 0), axis=1)
                 ci = cand.to(tl.int32)
-                cap = tl.where(first, CAPB, CAP)
-                if tl.min(n, axis=0) <= cap:  # once every row overflowed, only count
+                if tl.min(n - capr, axis=0) <= 0:  # once every row overflowed, only count
                     idx = n[:, None] + tl.cumsum(ci, axis=1) - 1
-                    tl.store(cbase + out0 + idx, z, mask=cand & (idx < cap))
+                    tl.store(cbase + out0[:, None] + idx, z, mask=cand & (idx < capr[:, None]))
                 n += tl.sum(ci, axis=1)
-            if MASS:
-                # The total is summed in this first pass, in the same order as the rest.
-                target_m = tl.where(it == 0, frac * (above_m + inside + below), target_m)
             # Candidates that fit: the answer is the largest candidate v whose count or
             # mass of values >= v (plus what lies above the interval) reaches the
             # target; pairwise in CHUNK slices, no sort (ties count whole by >=).
             small = live & (n <= CAP)
             tl.debug_barrier()  # compaction stores are visible to every thread
             valid = small[:, None] & (slots[None, :] < n[:, None])
-            vals = tl.load(cbase + out0 + slots[None, :], mask=valid, other=float("-inf"))
-            ev = tl.where(valid, tl.exp(vals - m[:, None]), 0.0)
+            vals = tl.load(cbase + out0[:, None] + slots[None, :], mask=valid,
+                           other=float("-inf"))  # fmt: skip
+            ev = tl.where(valid, _fx(vals, m[:, None], FXS), 0)
             v_hit = tl.full([ROWS], float("-inf"), tl.float32)
             any_hit = tl.zeros([ROWS], tl.int32)
             for c0 in tl.static_range(0, CAP, CHUNK):
                 ci = c0 + tl.arange(0, CHUNK)
                 vi_ok = small[:, None] & (ci[None, :] < n[:, None])
-                vi = tl.load(cbase + out0 + ci[None, :], mask=vi_ok, other=float("-inf"))
+                vi = tl.load(cbase + out0[:, None] + ci[None, :], mask=vi_ok,
+                             other=float("-inf"))  # fmt: skip
                 ge = valid[:, None, :] & (vals[:, None, :] >= vi[:, :, None])
                 if MASS:
-                    got = tl.sum(tl.where(ge, ev[:, None, :], 0.0), axis=2)
-                    hit = vi_ok & (above_m[:, None] + got >= target_m[:, None])
+                    got = tl.sum(tl.where(ge, ev[:, None, :], 0), axis=2)
+                    hit = vi_ok & ((above_m[:, None] + got).to(tl.float64) >= target_fx[:, None])
                 else:
                     got = tl.sum(ge.to(tl.int32), axis=2)
                     hit = vi_ok & (above_c[:, None] + got >= target_cnt[:, None])
@@ -286,14 +303,14 @@ def _select(
             # Float rounding can leave the target unreached: keep every candidate.
             v_last = tl.min(tl.where(valid, vals, float("inf")), axis=1)
             v = tl.where(any_hit > 0, v_hit, v_last)
-            kept_s = above_m + tl.sum(tl.where(valid & (vals >= v[:, None]), ev, 0.0), axis=1)
+            kept_s = above_m + tl.sum(tl.where(valid & (vals >= v[:, None]), ev, 0), axis=1)
             thr = tl.where(small, v, thr)
             kept = tl.where(small, kept_s, kept)
             done = done | small
             # The rest: keep the bucket that holds the answer.
             narrow = live & (small == 0) & hist
             if MASS:
-                ok = above_m[:, None] + gm >= target_m[:, None]
+                ok = (above_m[:, None] + gm).to(tl.float64) >= target_fx[:, None]
             else:
                 ok = above_c[:, None] + gc >= target_cnt[:, None]
             dstar = tl.max(tl.where(ok, dvec[None, :], -1), axis=1)
@@ -301,8 +318,8 @@ def _select(
             dstar = tl.where(dstar < 0, lowest, dstar)
             at_d = dvec[None, :] == dstar[:, None]
             nx_d = dvec[None, :] == dstar[:, None] + 1
-            m_at = tl.sum(tl.where(at_d, gm, 0.0), axis=1)
-            m_nx = tl.sum(tl.where(nx_d, gm, 0.0), axis=1)
+            m_at = tl.sum(tl.where(at_d, gm, 0), axis=1)
+            m_nx = tl.sum(tl.where(nx_d, gm, 0), axis=1)
             c_nx = tl.sum(tl.where(nx_d, gc, 0), axis=1)
             d64 = dstar.to(tl.int64)
             new_lo = klo + (d64 << shift)
@@ -315,15 +332,14 @@ def _select(
             khi = tl.where(narrow, new_hi, khi)
             above_c = tl.where(narrow, above_c + c_nx, above_c)
             above_m = tl.where(narrow, above_m + m_nx, above_m)
-            # Rows left after the first pass: read its candidates if they all fit.
-            left = tl.max(tl.where(done, 0, n), axis=0)
-            use_big = tl.where(first, (left <= CAPB).to(tl.int32), use_big)
-            nbig = tl.where(first, n, nbig)
+            # Rows that filled the band region read it from now on, if it all fit.
+            src_big = tl.where(fill & (n <= CAPB), 1, src_big)
+            nbig = tl.where(fill, n, nbig)
     # Unreachable with MAX_PASSES from the launcher (the key width shrinks NSPLIT-fold
     # per pass); keep the interval's top value rather than garbage.
     thr = tl.where(done, thr, _value(khi))
     kept = tl.where(done, kept, above_m)
-    return thr, kept
+    return thr, kept, src_big, nbig
 
 
 @triton.jit
@@ -360,69 +376,182 @@ def _band_floor(pm, ps, pmax2_ptr, rows, blocks, pmask, m, total, kept, p, z_lo,
 
 
 @triton.jit
-def _threshold_kernel(
-    logits_ptr, stride_lm, greedy_ptr, temp_ptr, topk_ptr, topp_ptr,
-    pmax_ptr, psum_ptr, pmin_ptr, pmax2_ptr, rmax_ptr, rthr_ptr, rsum_ptr, cand_ptr, stride_c,
-    num_rows, V, K1, NB, BV,
-    ROWS: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
-    CAPB: tl.constexpr, NSPLIT: tl.constexpr, LOG2_NSPLIT: tl.constexpr,
-    MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FILTER: tl.constexpr,
-):  # fmt: skip
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    rmask = rows < num_rows
-    blocks = tl.arange(0, NBP)
-    pmask = rmask[:, None] & (blocks < NB)[None, :]
+def _row_stats(pmax_ptr, psum_ptr, rows, rmask, blocks, pmask, NB):
     pm = tl.load(pmax_ptr + rows[:, None] * NB + blocks[None, :], mask=pmask, other=float("-inf"))
     ps = tl.load(psum_ptr + rows[:, None] * NB + blocks[None, :], mask=pmask, other=0.0)
     m = tl.where(rmask, tl.max(pm, axis=1), 0.0)  # finite on rows past the batch
     scale = tl.where(pm == float("-inf"), 0.0, tl.exp(pm - m[:, None]))
     total = tl.sum(ps * scale, axis=1)
+    return pm, ps, m, total
+
+
+@triton.jit
+def _row_filter(greedy_ptr, temp_ptr, topk_ptr, topp_ptr, rows, rmask, K1, V):
+    req = rows // K1
+    g = tl.load(greedy_ptr + req, mask=rmask, other=1) != 0
+    t = tl.where(g, 1.0, tl.load(temp_ptr + req, mask=rmask, other=1.0))
+    k = tl.load(topk_ptr + req, mask=rmask, other=0)
+    p = tl.load(topp_ptr + req, mask=rmask, other=1.0)
+    use_k = rmask & (g == 0) & (k > 0) & (k < V)
+    use_p = rmask & (g == 0) & (p < 1.0)
+    return t, k, p, use_k, use_p
+
+
+@triton.jit
+def _init_kernel(
+    greedy_ptr, temp_ptr, topk_ptr, topp_ptr,
+    pmax_ptr, psum_ptr, pmin_ptr, pmax2_ptr, rmax_ptr, rthr_ptr, rsum_ptr,
+    blo_ptr, bon_ptr, bcnt_ptr, bin_ptr, bbelow_ptr,
+    num_rows, V, K1, NB, BV,
+    ROWS: tl.constexpr, NBP: tl.constexpr, FILTER: tl.constexpr,
+):  # fmt: skip
+    """Row max and mass from the partials; with FILTER, each filtered row's band: the
+    key interval (lo, key(max)] that the band kernel compacts. Top-k rows: lo below the
+    k-th largest of the block maxima and second maxima (k of them reach it, so t_k is at
+    least that); top-p rows: lo at the floor below which every token is cut."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rmask = rows < num_rows
+    blocks = tl.arange(0, NBP)
+    pmask = rmask[:, None] & (blocks < NB)[None, :]
+    pm, ps, m, total = _row_stats(pmax_ptr, psum_ptr, rows, rmask, blocks, pmask, NB)
     tl.store(rmax_ptr + rows, m, mask=rmask)
-    thr = tl.full([ROWS], float("-inf"), tl.float32)
-    kept = total
+    tl.store(rthr_ptr + rows, tl.full([ROWS], float("-inf"), tl.float32), mask=rmask)
+    tl.store(rsum_ptr + rows, total, mask=rmask)
     if FILTER:
-        req = rows // K1
-        g = tl.load(greedy_ptr + req, mask=rmask, other=1) != 0
-        t = tl.where(g, 1.0, tl.load(temp_ptr + req, mask=rmask, other=1.0))
-        k = tl.load(topk_ptr + req, mask=rmask, other=0)
-        p = tl.load(topp_ptr + req, mask=rmask, other=1.0)
-        use_k = rmask & (g == 0) & (k > 0) & (k < V)
-        use_p = rmask & (g == 0) & (p < 1.0)
-        key_m = _key(m)
-        all_keys = tl.full([ROWS], KEY_NEG_INF, tl.int64)
+        t, k, p, use_k, use_p = _row_filter(greedy_ptr, temp_ptr, topk_ptr, topp_ptr, rows,
+                                            rmask, K1, V)  # fmt: skip
+        lo = tl.full([ROWS], KEY_NEG_INF, tl.int64)
         if tl.sum(use_k.to(tl.int32), axis=0) > 0:
-            # t_k is at least the k-th largest block maximum (k blocks reach it).
-            ge = pm[:, None, :] >= pm[:, :, None]  # pairwise: no tl.sort (slow interpreted)
-            reach = tl.sum(ge.to(tl.int32), axis=2) >= k[:, None]
-            kth = tl.max(tl.where(pmask & reach, pm, float("-inf")), axis=1)
+            pm2 = tl.load(pmax2_ptr + rows[:, None] * NB + blocks[None, :], mask=pmask,
+                          other=float("-inf"))  # fmt: skip
+            # Pairwise counts (no tl.sort: slow interpreted) of maxima and second maxima
+            # (distinct tokens) >= each of them.
+            c1 = tl.sum((pm[:, None, :] >= pm[:, :, None]).to(tl.int32), axis=2)
+            c1 += tl.sum((pm2[:, None, :] >= pm[:, :, None]).to(tl.int32), axis=2)
+            c2 = tl.sum((pm[:, None, :] >= pm2[:, :, None]).to(tl.int32), axis=2)
+            c2 += tl.sum((pm2[:, None, :] >= pm2[:, :, None]).to(tl.int32), axis=2)
+            kth = tl.maximum(
+                tl.max(tl.where(pmask & (c1 >= k[:, None]), pm, float("-inf")), axis=1),
+                tl.max(tl.where(pmask & (c2 >= k[:, None]), pm2, float("-inf")), axis=1),
+            )
             zmin = tl.min(tl.load(pmin_ptr + rows[:, None] * NB + blocks[None, :], mask=pmask,
                                   other=float("inf")), axis=1)  # fmt: skip
-            lb = tl.where(k <= NB, kth, zmin)
-            tight = tl.sum((use_k & (k > NB)).to(tl.int32), axis=0) == 0
-            thr_k, kept_k = _select(
-                logits_ptr, stride_lm, cand_ptr, stride_c, rows, use_k, t, m, V,
-                all_keys, _key(lb) - 1, key_m, k, 0.0, tight == 0,
-                False, ROWS, BLOCK, CAP, CAPB, NSPLIT, LOG2_NSPLIT, MAX_PASSES, CHUNK,
-            )  # fmt: skip
-            thr = tl.where(use_k, thr_k, thr)
-            kept = tl.where(use_k, kept_k, kept)
-        if tl.sum(use_p.to(tl.int32), axis=0) > 0:
-            floor_key = tl.where(use_k, _key(thr), all_keys)
+            lb = tl.where(kth > float("-inf"), kth, zmin)
+            lo = tl.where(use_k, _key(tl.where(lb == 0.0, 0.0, lb)) - 1, lo)
+        p_only = use_p & (use_k == 0)
+        if tl.sum(p_only.to(tl.int32), axis=0) > 0:
             # Tokens with e < (1 - top_p) * mass / V together hold under (1 - top_p) of
             # the mass, so the cut is above them (one e of margin for rounding).
-            z_lo = m + tl.log(tl.where(use_p, (1.0 - p) * kept / V, 1.0)) - 1.0
-            z_lo = _band_floor(pm, ps, pmax2_ptr, rows, blocks, pmask, m, total, kept, p, z_lo,
+            z_lo = m + tl.log(tl.where(p_only, (1.0 - p) * total / V, 1.0)) - 1.0
+            z_lo = _band_floor(pm, ps, pmax2_ptr, rows, blocks, pmask, m, total, total, p, z_lo,
                                V, NB, BV)  # fmt: skip
-            klo = tl.maximum(_key(tl.where(z_lo == 0.0, 0.0, z_lo)), floor_key) - 1
-            thr_p, kept_p = _select(
-                logits_ptr, stride_lm, cand_ptr, stride_c, rows, use_p, t, m, V,
-                floor_key, klo, key_m, k, p, False,
-                True, ROWS, BLOCK, CAP, CAPB, NSPLIT, LOG2_NSPLIT, MAX_PASSES, CHUNK,
-            )  # fmt: skip
-            thr = tl.where(use_p, thr_p, thr)
-            kept = tl.where(use_p, kept_p, kept)
-    tl.store(rthr_ptr + rows, thr, mask=rmask)
-    tl.store(rsum_ptr + rows, kept, mask=rmask)
+            lo = tl.where(p_only, _key(tl.where(z_lo == 0.0, 0.0, z_lo)) - 1, lo)
+        tl.store(blo_ptr + rows, lo, mask=rmask)
+        tl.store(bon_ptr + rows, (use_k | use_p).to(tl.int32), mask=rmask)
+        tl.store(bcnt_ptr + rows, tl.zeros([ROWS], tl.int32), mask=rmask)
+        tl.store(bin_ptr + rows, tl.zeros([ROWS], tl.int64), mask=rmask)
+        tl.store(bbelow_ptr + rows, tl.zeros([ROWS], tl.int64), mask=rmask)
+
+
+@triton.jit
+def _band_kernel(
+    logits_ptr, stride_lm, greedy_ptr, temp_ptr, rmax_ptr, blo_ptr, bon_ptr,
+    bcnt_ptr, bin_ptr, bbelow_ptr, cand_ptr, stride_c, num_rows, V, K1,
+    ROWS: tl.constexpr, BLOCK_V: tl.constexpr, CAP: tl.constexpr, CAPB: tl.constexpr,
+    FXS: tl.constexpr,
+):  # fmt: skip
+    """(rows x vocabulary blocks): compact each filtered row's band candidates into its
+    scratch row (offsets from a per-row atomic counter, so in no fixed order) and add up
+    the mass inside and below the band (int64: exact, order-free)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rmask = rows < num_rows
+    on = tl.load(bon_ptr + rows, mask=rmask, other=0) != 0
+    if tl.sum(on.to(tl.int32), axis=0) == 0:
+        return
+    offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    req = rows // K1
+    g = tl.load(greedy_ptr + req, mask=on, other=1) != 0
+    t = tl.where(g, 1.0, tl.load(temp_ptr + req, mask=on, other=1.0))
+    m = tl.load(rmax_ptr + rows, mask=on, other=0.0)
+    lo = tl.load(blo_ptr + rows, mask=on, other=0)
+    hi = _key(m)
+    mask = on[:, None] & (offs < V)[None, :]
+    z = _load_z(logits_ptr, stride_lm, rows, offs, mask, t)
+    key = _key(z)
+    cand = mask & (key > lo[:, None]) & (key <= hi[:, None])
+    e = _fx(z, m[:, None], FXS)
+    inside = tl.sum(tl.where(cand, e, 0), axis=1)
+    below = tl.sum(tl.where(mask & (key <= lo[:, None]), e, 0), axis=1)
+    tl.atomic_add(bin_ptr + rows, inside, mask=on & (inside > 0))
+    tl.atomic_add(bbelow_ptr + rows, below, mask=on & (below > 0))
+    ci = cand.to(tl.int32)
+    cnt = tl.sum(ci, axis=1)
+    base = tl.atomic_add(bcnt_ptr + rows, cnt, mask=on & (cnt > 0))
+    idx = base[:, None] + tl.cumsum(ci, axis=1) - 1
+    ptrs = cand_ptr + rows[:, None] * stride_c + CAP + idx
+    tl.store(ptrs, z, mask=cand & (cnt > 0)[:, None] & (idx < CAPB))
+
+
+@triton.jit
+def _threshold_kernel(
+    logits_ptr, stride_lm, greedy_ptr, temp_ptr, topk_ptr, topp_ptr,
+    pmax_ptr, psum_ptr, pmax2_ptr, rthr_ptr, rsum_ptr,
+    blo_ptr, bcnt_ptr, bin_ptr, bbelow_ptr, cand_ptr, stride_c,
+    num_rows, V, K1, NB, BV,
+    ROWS: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
+    CAPB: tl.constexpr, NSPLIT: tl.constexpr, LOG2_NSPLIT: tl.constexpr,
+    MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
+):  # fmt: skip
+    """Filtered rows' thresholds and kept mass, from the band the band kernel compacted
+    (or from the vocabulary row where the band overflowed the scratch)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rmask = rows < num_rows
+    blocks = tl.arange(0, NBP)
+    pmask = rmask[:, None] & (blocks < NB)[None, :]
+    t, k, p, use_k, use_p = _row_filter(greedy_ptr, temp_ptr, topk_ptr, topp_ptr, rows, rmask,
+                                        K1, V)  # fmt: skip
+    if tl.sum((use_k | use_p).to(tl.int32), axis=0) == 0:
+        return
+    pm, ps, m, total = _row_stats(pmax_ptr, psum_ptr, rows, rmask, blocks, pmask, NB)
+    on = use_k | use_p
+    lo = tl.load(blo_ptr + rows, mask=on, other=0)
+    nbig = tl.load(bcnt_ptr + rows, mask=on, other=0)
+    src = (on & (nbig <= CAPB)).to(tl.int32)
+    band_fx = tl.load(bin_ptr + rows, mask=on, other=0) + tl.load(bbelow_ptr + rows, mask=on,
+                                                                   other=0)  # fmt: skip
+    key_m = _key(m)
+    all_keys = tl.full([ROWS], KEY_NEG_INF, tl.int64)
+    thr = tl.full([ROWS], float("-inf"), tl.float32)
+    kept = band_fx
+    if tl.sum(use_k.to(tl.int32), axis=0) > 0:
+        thr_k, kept_k, src, nbig = _select(
+            logits_ptr, stride_lm, cand_ptr, stride_c, rows, use_k, t, m, V,
+            all_keys, lo, key_m, k, tl.zeros([ROWS], tl.float64), src, nbig, True,
+            False, ROWS, BLOCK, CAP, CAPB, NSPLIT, LOG2_NSPLIT, MAX_PASSES, CHUNK, FXS,
+        )  # fmt: skip
+        thr = tl.where(use_k, thr_k, thr)
+        kept = tl.where(use_k, kept_k, kept)
+    if tl.sum(use_p.to(tl.int32), axis=0) > 0:
+        floor_key = tl.where(use_k, _key(thr), all_keys)
+        if tl.sum((use_p & use_k).to(tl.int32), axis=0) > 0:
+            # After top-k the band floor depends on the kept mass: found here.
+            kept_f = (kept.to(tl.float64) * (1.0 / FXS)).to(tl.float32)
+            z_lo = m + tl.log(tl.where(use_p, (1.0 - p) * kept_f / V, 1.0)) - 1.0
+            z_lo = _band_floor(pm, ps, pmax2_ptr, rows, blocks, pmask, m, total, kept_f, p,
+                               z_lo, V, NB, BV)  # fmt: skip
+            lo_k = tl.maximum(_key(tl.where(z_lo == 0.0, 0.0, z_lo)), floor_key) - 1
+            lo = tl.where(use_k, lo_k, lo)
+        target = p.to(tl.float64) * kept.to(tl.float64)
+        thr_p, kept_p, src, nbig = _select(
+            logits_ptr, stride_lm, cand_ptr, stride_c, rows, use_p, t, m, V,
+            floor_key, lo, key_m, k, target, src, nbig, False,
+            True, ROWS, BLOCK, CAP, CAPB, NSPLIT, LOG2_NSPLIT, MAX_PASSES, CHUNK, FXS,
+        )  # fmt: skip
+        thr = tl.where(use_p, thr_p, thr)
+        kept = tl.where(use_p, kept_p, kept)
+    kept_f = (kept.to(tl.float64) * (1.0 / FXS)).to(tl.float32)
+    tl.store(rthr_ptr + rows, thr, mask=on)
+    tl.store(rsum_ptr + rows, kept_f, mask=on)
 
 
 # ----------------------------------------------------------------------------- the walk
@@ -599,8 +728,9 @@ def _finalize_kernel(
 @dataclass(frozen=True)
 class RejectionConfig:
     """Tile sizes (all powers of two). block_v / rows_p: partials tile; block_t / rows_t:
-    threshold chunk; cap: candidates resolved pairwise; cap_big: first-pass candidates
-    that later passes read instead of the row; nsplit: key buckets per
+    threshold chunk; cap: candidates resolved pairwise; cap_big: band candidates per row
+    that the band kernel compacts and the search reads instead of the row (16384 on the
+    GPU: the N(0, 3^2) top-p 0.9 band at V 49152 is ~11k tokens); nsplit: key buckets per
     narrowing pass; block_r / rows_r: race tile; rows_w: requests per finalize program."""
 
     block_v: int
@@ -646,7 +776,7 @@ def choose_rejection_config(
         block_t=block_t,
         rows_t=max(1, min(tile_t // block_t, _p2(rows))),
         cap=_p2(cap) if cap is not None else min(256, _p2(vocab)),
-        cap_big=min(4096, _p2(vocab)),
+        cap_big=min(1024 if INTERPRET else 16384, _p2(vocab)),
         nsplit=8,
         block_r=block_r,
         rows_r=max(1, min(tile // block_r, _p2(num_reqs))),
@@ -658,7 +788,8 @@ def choose_rejection_config(
 class RejectionWorkspace:
     """Scratch the launches share, allocated once (graphs keep its addresses):
     per (row, vocab block) partials, per-row max / threshold / kept mass, the
-    candidate scratch of the threshold search and the per-block race winners."""
+    candidate scratch of the threshold search with its band state (reset by the init
+    kernel on every call) and the per-block race winners."""
 
     config: RejectionConfig
     vocab: int
@@ -671,6 +802,11 @@ class RejectionWorkspace:
     row_thr: torch.Tensor  # [rows] float32
     row_sum: torch.Tensor  # [rows] float32
     cand: torch.Tensor  # [rows, cap + cap_big] float32
+    band_lo: torch.Tensor  # [rows] int64: key below each filtered row's band
+    band_on: torch.Tensor  # [rows] int32: the row is filtered
+    band_cnt: torch.Tensor  # [rows] int32: band candidates (compacted while <= cap_big)
+    band_in: torch.Tensor  # [rows] int64: mass inside the band, fixed point
+    band_below: torch.Tensor  # [rows] int64: mass below the band, fixed point
     race_val: torch.Tensor  # [reqs, nb2] float32
     race_idx: torch.Tensor  # [reqs, nb2] int32
 
@@ -690,6 +826,9 @@ class RejectionWorkspace:
             torch.empty(rows, nb, **f32),
             torch.empty(rows, **f32), torch.empty(rows, **f32), torch.empty(rows, **f32),
             torch.empty(rows, cfg.cap + cfg.cap_big, **f32),
+            torch.empty(rows, device=device, dtype=torch.int64), torch.empty(rows, **i32),
+            torch.empty(rows, **i32), torch.empty(rows, device=device, dtype=torch.int64),
+            torch.empty(rows, device=device, dtype=torch.int64),
             torch.empty(num_reqs, nb2, **f32), torch.empty(num_reqs, nb2, **i32),
         )  # fmt: skip
 
@@ -807,6 +946,8 @@ class _Launcher:
 
 
 _PARTIALS = _Launcher(_partials_kernel)
+_INIT = _Launcher(_init_kernel)
+_BAND = _Launcher(_band_kernel)
 _THRESHOLD = _Launcher(_threshold_kernel)
 _RESAMPLE = _Launcher(_resample_kernel)
 _FINALIZE = _Launcher(_finalize_kernel)
@@ -907,16 +1048,37 @@ def _plan(
         4,
     )  # fmt: skip
     if sampled:
+        nbp = _p2(nb)
+        _INIT.add(
+            launches,
+            (triton.cdiv(rows, cfg.rows_t),),
+            (greedy, temperature, top_k, top_p, ws.part_max, ws.part_sum, ws.part_min,
+             ws.part_max2, ws.row_max, ws.row_thr, ws.row_sum, ws.band_lo, ws.band_on,
+             ws.band_cnt, ws.band_in, ws.band_below, rows, v, k + 1, nb, cfg.block_v,
+             cfg.rows_t, nbp, bool(any_filter)),
+            4,
+        )  # fmt: skip
+    if sampled and any_filter:
+        fxs = float(2 ** (62 - (v - 1).bit_length()))  # v * 2^S <= 2^62: int64 sums fit
+        _BAND.add(
+            launches,
+            (triton.cdiv(rows, cfg.rows_p), triton.cdiv(v, cfg.block_v)),
+            (target_logits, lm, greedy, temperature, ws.row_max, ws.band_lo, ws.band_on,
+             ws.band_cnt, ws.band_in, ws.band_below, ws.cand, ws.cand.stride(0), rows, v,
+             k + 1, cfg.rows_p, cfg.block_v, cfg.cap, cfg.cap_big, fxs),
+            4,
+        )  # fmt: skip
         _THRESHOLD.add(
             launches,
             (triton.cdiv(rows, cfg.rows_t),),
             (target_logits, lm, greedy, temperature, top_k, top_p, ws.part_max, ws.part_sum,
-             ws.part_min, ws.part_max2, ws.row_max, ws.row_thr, ws.row_sum, ws.cand,
-             ws.cand.stride(0), rows, v, k + 1, nb, cfg.block_v, cfg.rows_t, _p2(nb),
-             cfg.block_t, cfg.cap, cfg.cap_big, cfg.nsplit, cfg.nsplit.bit_length() - 1,
-             cfg.max_passes, min(cfg.cap, 32), bool(any_filter)),
+             ws.part_max2, ws.row_thr, ws.row_sum, ws.band_lo, ws.band_cnt, ws.band_in,
+             ws.band_below, ws.cand, ws.cand.stride(0), rows, v, k + 1, nb, cfg.block_v,
+             cfg.rows_t, nbp, cfg.block_t, cfg.cap, cfg.cap_big, cfg.nsplit,
+             cfg.nsplit.bit_length() - 1, cfg.max_passes, min(cfg.cap, 32), fxs),
             8 if cfg.block_t >= 1024 else 4,
         )  # fmt: skip
+    if sampled:
         _RESAMPLE.add(
             launches,
             (triton.cdiv(b, cfg.rows_r), nb2),

@@ -216,6 +216,20 @@ NARROW_TILES = kr.RejectionConfig(
     rows_r=4,
     rows_w=4,
 )
+# The band kernel's compaction fits (cap_big 256 at v 203) but the pairwise scratch is tiny
+# (cap 4) and buckets halve the interval per pass: many narrowing passes read the band.
+BAND_TILES = kr.RejectionConfig(
+    block_v=32,
+    rows_p=4,
+    block_t=64,
+    rows_t=4,
+    cap=4,
+    cap_big=256,
+    nsplit=2,
+    block_r=64,
+    rows_r=4,
+    rows_w=4,
+)
 KINDS = [SP(0.0), SP(1.0), SP(0.7, top_k=5), SP(1.3, top_p=0.8), SP(0.5, top_k=9, top_p=0.6),
          SP(2.0, top_k=1), SP(1.0, top_p=0.05), SP(1.0, top_k=40)]  # fmt: skip
 
@@ -371,7 +385,9 @@ def _top_p_boundary(logits: torch.Tensor, sp: SP) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("v, tiles", [(16, "default"), (16, "small"), (203, "narrow")])
+@pytest.mark.parametrize(
+    "v, tiles", [(16, "default"), (16, "small"), (203, "narrow"), (203, "band")]
+)
 def test_threshold_matches_sampling(v, tiles, device):
     """Kept set exactly filtered_probs' (ties, boundaries, -inf, k >= V), probabilities
     equal to float32 rounding. Small scratch (2 or 4 candidates) makes the narrowing
@@ -382,7 +398,7 @@ def test_threshold_matches_sampling(v, tiles, device):
     st = SamplingTensors.from_params(
         [SP(p.temperature, p.top_k, p.top_p, seed=1) for p in params], device
     )
-    cfg = {"default": None, "small": SMALL_TILES, "narrow": NARROW_TILES}[tiles]
+    cfg = {"default": None, "small": SMALL_TILES, "narrow": NARROW_TILES, "band": BAND_TILES}[tiles]
     p, keep, z = (t.cpu() for t in _kernel_probs(logits.to(device), st, cfg))
     want = filtered_probs(logits, _cpu(st))
     ref = ref_filtered64(logits, *(getattr(_cpu(st), f) for f in SamplingTensors._FIELDS[:4]))
@@ -395,6 +411,58 @@ def test_threshold_matches_sampling(v, tiles, device):
         assert not (differ & ~_top_p_boundary(logits[i], params[i])).any(), (i, params[i])
         assert torch.equal(want[i] > 0, ref[i] > 0), (i, params[i])
     torch.testing.assert_close(p, want, atol=1e-6, rtol=1e-5)
+
+
+MIXED = [SP(0.0), SP(1.0), SP(1.0, top_p=0.9), SP(0.8, top_p=0.5), SP(1.0, top_k=9),
+         SP(1.2, top_k=40, top_p=0.9), SP(1.0, top_k=3, top_p=0.2),
+         SP(0.5, top_p=0.99)]  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tiles", ["band", "narrow", "default"])
+@pytest.mark.parametrize("ties", [False, True])
+def test_wide_band_mixed_modes_match_reference(tiles, ties, device):
+    """Flat N(0, 3^2) rows (a top-p band of many tokens, the cut deep inside it: several
+    narrowing passes over the compacted band, or over the row where it overflows the
+    scratch) with every mode in one batch, tie groups at the boundary when quantized.
+    The workspace's per-row outputs are poisoned first: every row must be written; the
+    kept sets and the tokens are the references'."""
+    b, k, v = 8, 2, 203
+    g = torch.Generator().manual_seed(2000 + ties * 7 + len(tiles))
+    logits = torch.randn(b * (k + 1), v, generator=g) * 3
+    if ties:
+        logits = (logits * 1.5).round() / 1.5
+    q = torch.softmax(torch.randn(b, k, v, generator=g) * 2, -1)
+    am = logits.view(b, k + 1, v)[:, :k].argmax(-1)
+    drafts = torch.where(torch.rand(b, k, generator=g) < 0.5, am,
+                         torch.randint(0, v, (b, k), generator=g))  # fmt: skip
+    st = make_params(b, MIXED, seed0=int(torch.randint(0, 1000, (1,), generator=g)))
+    pos = torch.randint(0, 10**6, (b,), generator=g)
+    cfg = {"default": None, "narrow": NARROW_TILES, "band": BAND_TILES}[tiles]
+    batch = Batch(logits.to(device), drafts.to(device), q.to(device), _on(st, device),
+                  pos.to(device), cfg)  # fmt: skip
+    for t in (batch.ws.row_thr, batch.ws.row_sum, batch.ws.row_max):
+        t.fill_(float("nan"))
+    batch.ws.band_cnt.fill_(12345)  # the init kernel must reset the counters
+    tokens, nacc, nemit = (x.cpu() for x in batch.run())
+    rt, rn, re = ref_rejection(logits, drafts, q, st, pos)
+    assert torch.equal(tokens, rt) and torch.equal(nacc, rn) and torch.equal(nemit, re)
+    ws = batch.ws
+    n = b * (k + 1)
+    assert bool(torch.isfinite(ws.row_sum[:n]).all()) and not bool(ws.row_thr[:n].isnan().any())
+    rep = torch.arange(b).repeat_interleave(k + 1)
+    stv = st.select(rep)
+    want = filtered_probs(logits, stv) > 0
+    z = logits / torch.where(stv.greedy, 1.0, stv.temperature)[:, None]
+    keep = (z >= ws.row_thr[:n, None].cpu()) & (z > -math.inf)
+    for i in torch.nonzero(~stv.greedy).flatten().tolist():
+        sp = MIXED[int(rep[i]) % len(MIXED)]
+        differ = keep[i] != want[i]
+        assert not (differ & ~_top_p_boundary(logits[i], sp)).any(), (i, sp)
+    # A second call with the same inputs: the same thresholds, bit for bit.
+    thr, tot = ws.row_thr.clone(), ws.row_sum.clone()
+    batch.run()
+    assert torch.equal(ws.row_thr, thr) and torch.equal(ws.row_sum, tot)
 
 
 # ---------------------------------------------------------------------- losslessness
