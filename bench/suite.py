@@ -3,7 +3,7 @@ preparation under pytest-benchmark, graph capture and replay, draft models, end 
 the embedded model, attention), then short tables.
 
     python -m bench.suite [--out results] [--quick] [--sweep] [--no-flex] [--only a,b] [--jobs 8]
-                          [--test-budget-s S]
+                          [--test-budget-s S] [--gpus 0,1]
 
 --only picks parts: tests, host, capture, models, e2e, spec, hostprof, draft, rejection,
 attention (default: all).
@@ -13,6 +13,7 @@ Exit status is non-zero when a test or a benchmark fails."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -31,12 +32,15 @@ def _parse_counts(text: str) -> dict[str, int]:
     return {word: int(n) for n, word in found}
 
 
-def run_tests(out_dir: Path, jobs: int = 1, budget_s: float | None = None) -> tuple[int, str]:
+def run_tests(
+    out_dir: Path, jobs: int = 1, budget_s: float | None = None, gpus: list[str] | None = None
+) -> tuple[int, str]:
     """Every test file in its own pytest process, `jobs` of them at once, the longest
     first (by the last recorded GPU durations, else by file size) and the next file to
     the first free worker; each file's result is printed as it ends. With budget_s, no
     file starts after that many seconds: the summary then names the files not run, so a
-    cut run still reports what it saw. Returns the exit status and one summary line;
+    cut run still reports what it saw. gpus: device indices the files are dealt over in
+    turn (CUDA_VISIBLE_DEVICES per process). Returns the exit status and one summary line;
     writes every file's log and gpu_tests/durations.json (seconds per file)."""
     import json
     import time
@@ -52,18 +56,23 @@ def run_tests(out_dir: Path, jobs: int = 1, budget_s: float | None = None) -> tu
     )
     start = time.perf_counter()
 
-    def one(f: Path) -> tuple[Path, int | None, str, float]:
+    def one(i: int, f: Path) -> tuple[Path, int | None, str, float]:
         if budget_s is not None and time.perf_counter() - start > budget_s:
             return f, None, "", 0.0
         t0 = time.perf_counter()
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", str(f)]
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        env = None
+        if gpus:
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]}
+        proc = subprocess.run(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
         (log_dir / f"{f.stem}.log").write_text(proc.stdout)
         return f, proc.returncode, proc.stdout, time.perf_counter() - t0
 
     rc, counts, durations, not_run = 0, {}, {}, []
     with ThreadPoolExecutor(max(1, jobs)) as pool:
-        for fut in as_completed([pool.submit(one, f) for f in files]):
+        for fut in as_completed([pool.submit(one, i, f) for i, f in enumerate(files)]):
             f, code, text, secs = fut.result()
             if code is None:
                 not_run.append(f.name)
@@ -121,6 +130,7 @@ def main() -> int:
     ap.add_argument(
         "--test-budget-s", type=float, default=None, help="start no test file after this"
     )
+    ap.add_argument("--gpus", default=None, help="deal the test files over these GPUs, e.g. 0,1")
     ap.add_argument(
         "--only", default="tests,host,capture,models,e2e,spec,hostprof,draft,rejection,attention"
     )
@@ -132,7 +142,9 @@ def main() -> int:
         print("bench.suite needs an NVIDIA GPU; run `pytest` for the CPU tests")
         return 2
     rc, summary = (
-        run_tests(args.out, args.jobs, args.test_budget_s)
+        run_tests(
+            args.out, args.jobs, args.test_budget_s, args.gpus.split(",") if args.gpus else None
+        )
         if "tests" in parts
         else (0, "tests skipped")
     )

@@ -3,6 +3,7 @@
 This package imports torch and triton only, never the runtime."""
 
 from .activation import check_silu_and_mul_args, silu_and_mul
+from .argmax import argmax_rows, check_argmax_args
 from .guard import INTERPRET, check_tensors_runnable, runnable
 from .kv_store import check_store_kv_args, store_kv
 from .paged_attention import (
@@ -27,6 +28,7 @@ from .validation import set_validation, use_validation, validation_enabled
 # The public launchers refuse CPU tensors without the interpreter and bf16 under it,
 # with a message that says what to do (kernels/guard.py).
 silu_and_mul = runnable(silu_and_mul)
+argmax_rows = runnable(argmax_rows)
 store_kv = runnable(store_kv)
 paged_attention = runnable(paged_attention)
 rms_norm = runnable(rms_norm)
@@ -36,6 +38,8 @@ rejection_sample = runnable(rejection_sample)
 
 __all__ = [
     "INTERPRET",
+    "argmax_rows",
+    "check_argmax_args",
     "AttentionLaunchConfig",
     "RejectionConfig",
     "RejectionWorkspace",

@@ -14,10 +14,21 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
+import torch
+
 try:
     from triton.compiler import CompiledKernel
 except ImportError:  # pragma: no cover - very old Triton
     CompiledKernel = None
+
+
+def specialization_key(args: tuple) -> tuple:
+    """What Triton specializes a compiled kernel on, for positional `args`: tensors by
+    dtype and 16-byte alignment, other arguments by value (integers specialize on == 1
+    and % 16). A cached kernel is valid for calls whose keys agree."""
+    return tuple(
+        (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args
+    )
 
 
 class CachedLaunch:

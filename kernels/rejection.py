@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 
 from .guard import INTERPRET, validation_enabled
-from .launch import CachedLaunch
+from .launch import CachedLaunch, specialization_key
 
 # specdraft.sampling.Stream values; the runtime passes its own (the kernels never import
 # the runtime) and the wrapper checks they agree.
@@ -927,21 +927,13 @@ def validate_draft_tokens(draft_tokens: torch.Tensor, vocab: int) -> None:
         )
 
 
-def _align_key(args: tuple) -> tuple:
-    # Triton specializes integers (== 1, % 16) and pointer alignment: the cached compiled
-    # kernel is only valid for calls that agree on both.
-    return tuple(
-        (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args
-    )
-
-
 class _Launcher:
     def __init__(self, fn):
         self._cached = CachedLaunch(fn)
 
     def add(self, launches: list, grid, args, num_warps) -> None:
         """Append this kernel's launch (cached launcher, key, grid, args, options)."""
-        key = _align_key(args) + (num_warps,)
+        key = specialization_key(args) + (num_warps,)
         launches.append((self._cached, key, grid, args, {"num_warps": num_warps}))
 
 

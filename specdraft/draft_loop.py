@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import ops
 from .attn_metadata import AttentionMetadata, MetadataBuilder
 from .batch import ScheduledBatch
 from .block_table import BlockTables
@@ -141,23 +142,24 @@ class DraftLoop:
     def step(self, state: RoundState, step: int) -> None:
         """advance, one decode step, draft token `step`."""
         self.ops.advance(state.rows, step, state.k_max)
-        state.hidden, logits = self._forward(self.metadata("decode", state.rows), state.hidden)
+        meta = self.metadata("decode", state.rows)  # one row per request: every row's logits
+        state.hidden, logits = self._forward(meta, state.hidden, all_logits=True)
         self._sample(state, logits, step)
 
     def finish(self, state: RoundState):
         self.ops.epilogue(state.rows, state.k_max)
         return state.tokens, state.q
 
-    def _forward(self, meta: AttentionMetadata, hidden: torch.Tensor | None):
+    def _forward(self, meta: AttentionMetadata, hidden: torch.Tensor | None, all_logits=False):
         if self.kind is DraftKind.LLAMA:
-            return self.model(meta.input_ids, meta, self.cache)
-        return self.model(meta.input_ids, hidden, meta, self.cache)
+            return self.model(meta.input_ids, meta, self.cache, all_logits=all_logits)
+        return self.model(meta.input_ids, hidden, meta, self.cache, all_logits=all_logits)
 
     def _sample(self, state: RoundState, logits: torch.Tensor, step: int) -> None:
         """Draft token `step` of every row into tokens[:, step] (target ids) and the
         distribution it was drawn from into q[:, step]."""
         if state.mode is SamplingMode.GREEDY:
-            tok = logits.argmax(dim=-1)
+            tok = ops.argmax(logits)
         else:
             # The absolute position of the drawn token keys its draws (invariant 6).
             pos = self.buffers.cur_pos[: state.rows] + (1 + self.shift)

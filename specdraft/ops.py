@@ -70,6 +70,14 @@ def _impl(name: str, t: torch.Tensor):
     return getattr(module, name)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """int64 [rows]: the first index of each row's maximum (greedy decoding)."""
+    if backend_for(logits) == "triton":
+        return kernels.argmax_rows(logits)
+    kernels.check_argmax_args(logits)
+    return logits.argmax(dim=-1)
+
+
 def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, **kw):
     impl = _impl("paged_attention", q)
     if impl is torch_ops.paged_attention:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import ops
 from .attn_metadata import AttentionMetadata, MetadataBuilder
 from .batch import ScheduledBatch
 from .block_table import BlockTables
@@ -261,7 +262,7 @@ class TargetRunner:
         rows = self.buffers.row_slots[:r]
         pos = meta.positions.index_select(0, meta.last_token_idx) + 1  # the drawn token's
         if greedy:
-            tok = logits.argmax(dim=-1)
+            tok = ops.argmax(logits)
         else:
             params = self.sampling.select(rows)
             tok = sample(logits, params, pos, TARGET_SAMPLE)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdraft.kernels import apply_rotary, rms_norm, silu_and_mul
+from specdraft.kernels import apply_rotary, argmax_rows, rms_norm, silu_and_mul
 from specdraft.layers import cos_sin_table, rope_inv_freq
 from specdraft.models.config import DecoderConfig, RopeConfig, UnsupportedModelError
 
@@ -52,6 +52,38 @@ def test_silu_and_mul(device, dtype, rows, n):
     out = silu_and_mul(x, out=torch.full((rows, n), float("nan"), device=device, dtype=dtype))
     ref = torch.nn.functional.silu(x[:, :n].float()).to(dtype) * x[:, n:]
     torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows, n", [(1, 1), (1, 7), (5, 1000), (3, 3001)])
+def test_argmax_rows_first_index_of_the_maximum(device, dtype, rows, n):
+    """Fresh random rows; planted ties (the maximum repeated in another vocabulary block:
+    the first index wins), -inf entries and a row of equal values; every output element
+    written (poisoned first)."""
+    x = torch.randn(rows, n, device=device).to(dtype)
+    if n > 1:
+        x[0, n // 3] = -float("inf")
+        top = x[-1].float().max() + 1
+        x[-1, n - 1] = top  # tie across blocks: the earlier index must win
+        x[-1, n // 2] = top
+    if rows > 2:
+        x[1] = 0.25  # all equal: index 0
+    out = torch.full((rows,), -7, dtype=torch.int64, device=device)
+    got = argmax_rows(x, out=out)
+    assert got is out
+    want = x.float().argmax(dim=-1)
+    assert torch.equal(got, want), (got, want)
+    wide = torch.randn(rows, n + 5, device=device).to(dtype)[:, 2 : n + 2]  # row stride n + 5
+    assert torch.equal(argmax_rows(wide), wide.float().argmax(dim=-1))
+
+
+@pytest.mark.gpu
+def test_gpu_argmax_rows_bf16_vocab_49152():
+    for rows in (1, 4, 64):
+        x = torch.randn(rows, 49152, device="cuda", dtype=torch.bfloat16) * 4
+        x[0, 40000] = x[0, 30000] = x[0].max() + 1  # a tie: 30000 wins
+        got = argmax_rows(x)
+        assert torch.equal(got, x.argmax(dim=-1)) and int(got[0]) == 30000
 
 
 def ref_rotary(x, pos, table):
