@@ -56,13 +56,22 @@ def test_a_second_choice_is_scored_at_its_point(dtype):
     assert "request 0, token 2" in d.line()
 
 
-def test_a_token_outside_the_top_two_is_not_a_near_tie():
+def test_a_token_far_below_the_best_is_not_a_near_tie():
+    """The float32 worst token against the best: outside the top two and far more than
+    the dtype's error below the best."""
     model = random_causal_lm(CFG, seed=0, dtype=torch.bfloat16)
     ctx = [5, 6, 7]
-    first, second, _ = top_two(model, ctx)
-    other = next(t for t in range(CFG.vocab_size) if t not in (first, second))
-    (d,) = explain_differences(model, [ctx], [[first]], [[other]])
+    first, second, gap = top_two(model, ctx)
+    ref = random_causal_lm(CFG, seed=0, dtype=torch.float32)
+    ref.load_state_dict(model.state_dict())
+    logits = F.linear(target_hidden(ref, torch.tensor([ctx]))[0, -1], ref.lm_head.weight)
+    worst = int(logits.argmin())
+    (d,) = explain_differences(model, [ctx], [[first]], [[worst]])
     assert not d.top_two and not d.near_tie
+    assert d.behind == pytest.approx(float(logits.max() - logits.min()), rel=1e-4)
+    # the top two: "behind" is their gap
+    (d,) = explain_differences(model, [ctx], [[first]], [[second]])
+    assert d.behind == pytest.approx(abs(d.gap), rel=1e-6) and d.top_two
 
 
 def test_no_difference_and_length_only_differences_score_nothing():
