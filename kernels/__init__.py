@@ -22,6 +22,14 @@ from .rejection import (
 )
 from .rmsnorm import check_rms_norm_args, rms_norm
 from .rotary import apply_rotary, check_rotary_args
+from .sampling import (
+    SampleConfig,
+    SampleWorkspace,
+    check_sample_args,
+    choose_sample_config,
+    sample_tokens,
+    sample_workspace,
+)
 from .slot_mapping import as_int, compute_slot_mapping, prepare_slot_mapping
 from .validation import set_validation, use_validation, validation_enabled
 
@@ -35,6 +43,7 @@ rms_norm = runnable(rms_norm)
 apply_rotary = runnable(apply_rotary)
 compute_slot_mapping = runnable(compute_slot_mapping)
 rejection_sample = runnable(rejection_sample)
+sample_tokens = runnable(sample_tokens)
 
 __all__ = [
     "INTERPRET",
@@ -43,11 +52,14 @@ __all__ = [
     "AttentionLaunchConfig",
     "RejectionConfig",
     "RejectionWorkspace",
+    "SampleConfig",
+    "SampleWorkspace",
     "as_int",
     "check_paged_attention_args",
     "check_rejection_args",
     "check_rms_norm_args",
     "check_rotary_args",
+    "check_sample_args",
     "check_silu_and_mul_args",
     "check_store_kv_args",
     "check_tensors_runnable",
@@ -55,12 +67,15 @@ __all__ = [
     "apply_rotary",
     "choose_launch_config",
     "choose_rejection_config",
+    "choose_sample_config",
     "compute_slot_mapping",
     "num_sms",
     "paged_attention",
     "prepare_slot_mapping",
     "rejection_sample",
     "rms_norm",
+    "sample_tokens",
+    "sample_workspace",
     "set_validation",
     "silu_and_mul",
     "store_kv",

@@ -43,7 +43,10 @@ Cost: this file is the definition in plain torch ops (~25 passes over [N, V], in
 the hash). Graph replay on the H200 with bf16 logits, top-k 50 + top-p 0.9 / no filter:
 N=64, V=32000: 547 / 232 us; N=256, V=128256: 6.6 / 3.3 ms (pool peak 1.1 / 0.75 GiB).
 The bytes floor is 1-15 us: a fused Triton kernel (kernels/) producing the same bits is
-the way there, with this module as its reference.
+the way there, with this module as its reference. kernels/sampling.py is that kernel for
+rows without top-k / top-p (temperature, greedy rows mixed in): `sample` takes it when
+the caller promises any_filter=False and specdraft.ops picks the Triton backend; three
+launches, the logits read twice and probs written once.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+
+from specdraft import kernels, ops
 
 __all__ = [
     "ACCEPT",
@@ -516,6 +521,15 @@ def filtered_probs(
     return z.scatter_(1, top, at_top)
 
 
+def _fused(logits: torch.Tensor) -> bool:
+    """Whether `sample` takes the Triton path (kernels/sampling.py) for these logits: the
+    backend ops picks is Triton, and the kernels can run them (not bfloat16 under the
+    interpreter, which computes it wrongly; the torch code is then the path)."""
+    if logits.numel() == 0 or ops.backend_for(logits) != "triton":
+        return False
+    return logits.is_cuda or (kernels.INTERPRET and logits.dtype != torch.bfloat16)
+
+
 def sample(
     logits: torch.Tensor,
     params: SamplingTensors | SamplingParams | Sequence[SamplingParams],
@@ -531,7 +545,12 @@ def sample(
 
     positions [N]: absolute index of each drawn token in its sequence. any_filter and
     all_greedy are host-side promises from the caller (see filtered_probs): all_greedy
-    skips the random draws. return_probs also returns the probs (e.g. the draft's q)."""
+    skips the random draws. return_probs also returns the probs (e.g. the draft's q).
+
+    With any_filter=False, where specdraft.ops picks the Triton backend for the logits'
+    device, the fused kernels (kernels/sampling.py: three launches, logits read twice)
+    compute the same: tokens equal up to float rounding of near-tied race ratios, probs
+    to float32 rounding. Greedy-only calls without probs stay a plain argmax."""
     params = _as_tensors(params, logits)
     stream = _check_stream(stream)
     n = logits.shape[0]
@@ -543,6 +562,18 @@ def sample(
         raise TypeError(f"positions must be int32 or int64, got {positions.dtype}")
     if all_greedy and not return_probs:
         return logits.argmax(dim=-1)
+    if not any_filter and positions.device == logits.device and _fused(logits):
+        tokens, probs = kernels.sample_tokens(
+            logits,
+            params.greedy,
+            params.temperature,
+            params.seed,
+            positions,
+            stream,
+            return_probs=return_probs,
+            all_greedy=all_greedy,
+        )
+        return (tokens, probs) if return_probs else tokens
     probs = filtered_probs(logits, params, any_filter=any_filter)
     if all_greedy:
         tokens = logits.argmax(dim=-1)

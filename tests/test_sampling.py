@@ -1,6 +1,7 @@
 """specdraft.sampling: parameter validation, the filtered distribution against an
-independent float64 reference, the keyed hash against a pure-Python SplitMix64, and the
-sampler's output distribution by chi-square (with a check that the test can fail)."""
+independent float64 reference, the keyed hash against a pure-Python SplitMix64, the
+sampler's output distribution by chi-square (with a check that the test can fail), and
+the fused Triton path (kernels/sampling.py) against the torch definition."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from specdraft import kernels, ops
+from specdraft import sampling as sampling_mod
 from specdraft.sampling import (
     ACCEPT,
     BONUS,
@@ -388,9 +391,10 @@ CONFIGS = [
 ]
 
 
-def _draw(configs, logits_rows, draws, vary, device="cpu", stream=DRAFT_PROPOSAL):
+def _draw(configs, logits_rows, draws, vary, device="cpu", stream=DRAFT_PROPOSAL, any_filter=True):
     """`draws` tokens per config, all configs mixed in one batch; keys differ by seed
-    (one position) or by position (one seed)."""
+    (one position) or by position (one seed). any_filter=False (no config filters) takes
+    the fused Triton path where ops picks Triton."""
     src = SeedSource(base=12345)
     params, positions = [], []
     for c in configs:
@@ -402,7 +406,7 @@ def _draw(configs, logits_rows, draws, vary, device="cpu", stream=DRAFT_PROPOSAL
             positions.append(torch.arange(draws) + 3)
     logits = logits_rows.repeat_interleave(draws, 0).to(device)
     tensors = SamplingTensors.from_params(params, device)
-    tokens = sample(logits, tensors, torch.cat(positions).to(device), stream)
+    tokens = sample(logits, tensors, torch.cat(positions).to(device), stream, any_filter=any_filter)
     v = logits_rows.shape[1]
     return [
         np.bincount(tokens[i * draws : (i + 1) * draws].cpu().numpy(), minlength=v)
@@ -501,3 +505,250 @@ def test_gpu_distribution_200k(vary):
     for c, row, cnt in zip(configs, rows, _draw(configs, rows, draws, vary, "cuda")):
         stat, df = chi_square(cnt, ref_filtered(row.double().numpy(), c))
         assert stat <= chi_limit(df), (c, stat, df)
+
+
+# ------------------------------------------------------------ fused path (kernels/sampling)
+
+TEMPS = [0.0, 0.5, 0.7, 1.0, 1.3, 2.0]
+
+
+def _fresh_case(n: int, v: int, dtype: torch.dtype, gen: torch.Generator, device: str):
+    """Fresh logits (half the rows on a tie grid, some -inf entries, random scale), mixed
+    greedy / temperature rows with fresh seeds, positions int32 or int64."""
+    logits = _tied_logits(n, v, gen) * (0.5 + 3 * torch.rand(n, 1, generator=gen))
+    if v > 2:
+        logits[torch.rand(n, v, generator=gen) < 0.05] = -math.inf
+        logits[:, 0] = logits[:, 0].clamp(min=-30.0)  # a finite logit in every row
+    temps = torch.randint(0, len(TEMPS), (n,), generator=gen).tolist()
+    seeds = torch.randint(0, 2**62, (n,), generator=gen).tolist()
+    params = [SP(TEMPS[t], seed=s) for t, s in zip(temps, seeds)]
+    pdtype = torch.int32 if int(torch.randint(0, 2, (), generator=gen)) else torch.int64
+    pos = torch.randint(0, 2**20, (n,), generator=gen, dtype=pdtype)
+    tensors = SamplingTensors.from_params(params, device)
+    return logits.to(device, dtype), tensors, pos.to(device), params
+
+
+def _torch_sample(*args, **kw):
+    with ops.use_backend("torch"):
+        return sample(*args, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n, v, checks", [(6, 1, 2), (123, 37, 3), (50, 1000, 8)])
+def test_fused_matches_torch(device, dtype, n, v, checks):
+    """Tokens equal to the torch definition's (several hundred draws), probs to rtol
+    1e-5, rows summing to 1, greedy rows exact; every output element written (poisoned
+    outputs through the launcher give the same bits as sample())."""
+    g = torch.Generator().manual_seed(1000 * n + v)
+    draws = 0
+    for _ in range(checks):
+        logits, st, pos, params = _fresh_case(n, v, dtype, g, device)
+        assert sampling_mod._fused(logits)
+        want_t, want_p = _torch_sample(logits, st, pos, DRAFT_PROPOSAL, return_probs=True)
+        got_t, got_p = sample(logits, st, pos, DRAFT_PROPOSAL, any_filter=False, return_probs=True)
+        assert got_t.dtype == torch.int64 and got_p.dtype == torch.float32
+        assert torch.equal(got_t, want_t)
+        torch.testing.assert_close(got_p, want_p, rtol=1e-5, atol=1e-12)
+        ones = torch.ones(n, dtype=torch.float64, device=device)
+        torch.testing.assert_close(got_p.double().sum(-1), ones, atol=1e-5, rtol=0)
+        greedy = st.greedy
+        assert torch.equal(got_p[greedy], want_p[greedy])  # exactly one-hot
+        assert torch.equal(got_t[greedy], logits.argmax(-1)[greedy])
+        # Tokens alone (no probs written) are the same tokens.
+        assert torch.equal(sample(logits, st, pos, DRAFT_PROPOSAL, any_filter=False), got_t)
+        # Poisoned outputs: every element is written, with the same bits.
+        out_t = torch.full((n,), -7, dtype=torch.int64, device=device)
+        out_p = torch.full((n, v), math.nan, dtype=torch.float32, device=device)
+        kernels.sample_tokens(
+            logits, st.greedy, st.temperature, st.seed, pos, DRAFT_PROPOSAL,
+            out_tokens=out_t, out_probs=out_p,
+        )  # fmt: skip
+        assert torch.equal(out_t, got_t) and torch.equal(out_p, got_p)
+        draws += sum(not p.greedy for p in params)
+    assert draws >= min(300, n * checks // 2)
+
+
+def test_fused_strided_logits_and_all_greedy(device):
+    g = torch.Generator().manual_seed(3)
+    n, v = 9, 300
+    logits, st, pos, _ = _fresh_case(n, v, torch.float32, g, device)
+    wide = torch.full((n, v + 13), 99.0, device=device)
+    wide[:, :v] = logits
+    view = wide[:, :v]  # row stride v + 13: the padding columns are never read
+    got = sample(view, st, pos, TARGET_SAMPLE, any_filter=False, return_probs=True)
+    want = _torch_sample(logits, st, pos, TARGET_SAMPLE, return_probs=True)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-12)
+    # One logits row broadcast to every request (row stride 0).
+    row = logits[1:2].expand(n, v)
+    got = sample(row, st, pos, TARGET_SAMPLE, any_filter=False)
+    assert torch.equal(got, _torch_sample(row.contiguous(), st, pos, TARGET_SAMPLE))
+    # probs written straight into a draft round's q[:, j] (row stride K * V); the other
+    # draft slots stay untouched.
+    q = torch.full((n, 3, v), math.nan, device=device)
+    kernels.sample_tokens(
+        logits, st.greedy, st.temperature, st.seed, pos, TARGET_SAMPLE, out_probs=q[:, 1]
+    )
+    fused = sample(logits, st, pos, TARGET_SAMPLE, any_filter=False, return_probs=True)
+    assert torch.equal(q[:, 1], fused[1])
+    assert bool(q[:, 0].isnan().all()) and bool(q[:, 2].isnan().all())
+    # all_greedy with probs: argmax tokens and one-hot rows, exactly as the definition.
+    gp = SamplingTensors.from_params([SP(0.0)] * n, device)
+    t, q = sample(logits, gp, pos, BONUS, any_filter=False, all_greedy=True, return_probs=True)
+    wt, wq = _torch_sample(logits, gp, pos, BONUS, all_greedy=True, return_probs=True)
+    assert torch.equal(t, wt) and torch.equal(q, wq)
+
+
+def test_fused_dispatch(monkeypatch):
+    """The fused path runs only for any_filter=False on the Triton backend (and not for
+    greedy-only calls without probs); the torch code stays the rest."""
+    calls = []
+    real = kernels.sample_tokens
+    monkeypatch.setattr(kernels, "sample_tokens", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(4)
+    logits, st, pos, _ = _fresh_case(4, 20, torch.float32, g, "cpu")
+    with ops.use_backend("triton" if kernels.INTERPRET else "torch"):
+        sample(logits, st, pos, BONUS, any_filter=False)
+        expected = 1 if kernels.INTERPRET else 0
+        assert len(calls) == expected
+        sample(logits, st, pos, BONUS)  # any_filter=True: torch
+        sample(logits, st, pos, BONUS, any_filter=False, all_greedy=True)  # argmax only
+        sample(logits.to(torch.bfloat16), st, pos, BONUS, any_filter=False)  # interpreter: no bf16
+        assert len(calls) == expected
+    with ops.use_backend("torch"):
+        sample(logits, st, pos, BONUS, any_filter=False)
+    assert len(calls) == expected
+
+
+def test_fused_bad_inputs_same_errors():
+    """any_filter=False raises what the torch path raises, before any launch."""
+    g = torch.Generator().manual_seed(5)
+    logits, st, pos, params = _fresh_case(5, 16, torch.float32, g, "cpu")
+    cases = [
+        ((logits, st, pos[:-1], BONUS), ValueError, "positions"),
+        ((logits, st, pos.float(), BONUS), TypeError, "positions"),
+        ((logits[0], st, pos, BONUS), ValueError, "logits"),
+        ((logits.double(), st, pos, BONUS), TypeError, "logits"),
+        ((logits.long(), st, pos, BONUS), TypeError, "logits"),
+        ((logits, params[:-1], pos, BONUS), ValueError, "one row per logits row"),
+        ((logits, st, pos, 0), ValueError, "stream"),
+    ]
+    for args, exc, word in cases:
+        for backend in ("torch", None):
+            with ops.use_backend(backend), pytest.raises(exc, match=word):
+                sample(*args, any_filter=False)
+
+
+def test_fused_launcher_checks_and_workspace(device):
+    n, v = 3, 40
+    logits = torch.randn(n, v, device=device)
+    st = SamplingTensors.from_params([SP(1.0, seed=i) for i in range(n)], device)
+    pos = torch.arange(n, device=device)
+    args = [logits, st.greedy, st.temperature, st.seed, pos]
+    bad = [
+        (1, st.greedy.int(), TypeError, "greedy"),
+        (2, st.temperature.double(), TypeError, "temperature"),
+        (3, st.seed[:2], ValueError, "seed"),
+        (4, pos.float(), TypeError, "positions"),
+    ]
+    for i, value, exc, word in bad:
+        call = list(args)
+        call[i] = value
+        with pytest.raises(exc, match=word):
+            kernels.sample_tokens(*call, BONUS)
+    with pytest.raises(ValueError, match="stream"):
+        kernels.sample_tokens(*args, 9)
+    with pytest.raises(ValueError, match="out_probs"):
+        kernels.sample_tokens(*args, BONUS, out_probs=torch.empty(v, n, device=device).t())
+    # Scratch is allocated once per (N, V, device, config) and keeps its addresses.
+    cfg = kernels.choose_sample_config(n, v)
+    ws = kernels.sample_workspace(n, v, torch.device(device), cfg)
+    ptr = ws.part_max.data_ptr()
+    t1 = kernels.sample_tokens(*args, BONUS)[0]
+    t2 = kernels.sample_tokens(*[a.clone() for a in args], BONUS)[0]
+    assert torch.equal(t1, t2)
+    again = kernels.sample_workspace(n, v, torch.device(device), cfg)
+    assert again is ws and again.part_max.data_ptr() == ptr
+    assert kernels.sample_workspace(n + 1, v, torch.device(device), cfg) is not ws
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0])
+@pytest.mark.parametrize("vary", ["seed", "position"])
+def test_fused_distribution_chi_square(device, temperature, vary):
+    v, draws = 24, 20_000
+    rows = _config_logits(1, v)
+    (cnt,) = _draw([SP(temperature)], rows, draws, vary, device, any_filter=False)
+    stat, df = chi_square(cnt, ref_filtered(rows[0].double().numpy(), SP(temperature)))
+    assert stat <= chi_limit(df), (temperature, stat, df)
+    # The same counts against the other temperature's softmax: the check can fail.
+    other = SP(1.5 - temperature)
+    stat, df = chi_square(cnt, ref_filtered(rows[0].double().numpy(), other))
+    assert stat > chi_limit(df)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.5, 1.0])
+def test_gpu_fused_distribution_and_match(temperature):
+    """bf16 logits at V 49152: the fused draws against softmax(logits / T) by chi-square
+    (200k draws), and tokens equal to the torch definition's on the GPU."""
+    v, draws, chunk = 49152, 200_000, 8192
+    g = torch.Generator().manual_seed(11)
+    row = (torch.randn(1, v, generator=g) * 2).to(torch.bfloat16)
+    want = torch.softmax(row.double() / float(np.float32(temperature)), -1)[0].numpy()
+    src = SeedSource(base=77)
+    counts = np.zeros(v, dtype=np.int64)
+    for start in range(0, draws, chunk):
+        n = min(chunk, draws - start)
+        st = SamplingTensors.from_params(
+            [SP(temperature, seed=src.next_seed()) for _ in range(n)], "cuda"
+        )
+        pos = torch.arange(start, start + n, device="cuda")
+        tok = sample(row.cuda().expand(n, v), st, pos, DRAFT_PROPOSAL, any_filter=False)
+        counts += np.bincount(tok.cpu().numpy(), minlength=v)
+    stat, df = chi_square(counts, want)
+    assert stat <= chi_limit(df), (temperature, stat, df)
+
+    n = 64
+    for _ in range(8):
+        logits = (torch.randn(n, v, generator=g) * 3).to(torch.bfloat16).cuda()
+        params = [SP(0.0 if i % 5 == 0 else temperature, seed=src.next_seed()) for i in range(n)]
+        st = SamplingTensors.from_params(params, "cuda")
+        pos = torch.randint(0, 2**20, (n,), generator=g).cuda()
+        want_t, want_p = _torch_sample(logits, st, pos, DRAFT_PROPOSAL, return_probs=True)
+        got_t, got_p = sample(logits, st, pos, DRAFT_PROPOSAL, any_filter=False, return_probs=True)
+        assert torch.equal(got_t, want_t)
+        torch.testing.assert_close(got_p, want_p, rtol=1e-5, atol=1e-12)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_captures():
+    """Captured in a CUDA graph over persistent buffers: replay on new contents equals
+    eager, and eager calls do not synchronise."""
+    n, v = 64, 49152
+    s_logits = torch.randn(n, v, device="cuda").to(torch.bfloat16)
+    s_pos = torch.arange(n, device="cuda")
+    params = [SP(0.0 if i % 3 == 0 else 0.8, seed=i) for i in range(n)]
+    s_params = SamplingTensors(n, "cuda")
+    s_params.write_rows(range(n), params)
+    kw = {"any_filter": False, "return_probs": True}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            sample(s_logits, s_params, s_pos, DRAFT_PROPOSAL, **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        s_tokens, s_probs = sample(s_logits, s_params, s_pos, DRAFT_PROPOSAL, **kw)
+    s_logits.copy_(torch.randn(n, v, device="cuda").to(torch.bfloat16))
+    s_pos.add_(1)
+    s_params.write_rows(range(0, n, 2), [replace(p, temperature=1.2) for p in params[::2]])
+    graph.replay()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eager_t, eager_p = sample(s_logits, s_params, s_pos, DRAFT_PROPOSAL, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(s_tokens, eager_t) and torch.equal(s_probs, eager_p)
+    want_t, _ = _torch_sample(s_logits, s_params, s_pos, DRAFT_PROPOSAL, return_probs=True)
+    assert torch.equal(s_tokens, want_t)
