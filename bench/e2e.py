@@ -25,6 +25,7 @@ from specdraft.batch import ScheduledBatch
 from specdraft.cli import DEFAULT_PROMPTS
 from specdraft.demo import load_engine
 from specdraft.generate import timed_generate
+from specdraft.runner import GREEDY_SET
 
 
 class RandomSetup:
@@ -85,7 +86,7 @@ def bare_step_us(engine, batch: int, context: int = 256, iters: int = 200) -> fl
     """Median device time of the captured greedy decode graph at `batch` requests of
     `context` tokens (fresh requests, random-ish ids), replayed alone."""
     runner = engine.runner
-    manager = runner._graphs[True]
+    manager = runner._graphs[GREEDY_SET]
     desc = manager.dispatch(batch, batch, uniform_token_count=1, max_query_len=1)
     if desc is None:
         return float("nan")

@@ -34,6 +34,11 @@ from .staging import CurrentStream, PinnedRing
 
 logger = logging.getLogger(__name__)
 
+# The step's graph sets: how its tokens are drawn.
+GREEDY_SET, SAMPLE_SET, FILTER_SET = 0, 1, 2
+_SETS = (GREEDY_SET, SAMPLE_SET, FILTER_SET)
+_NAMES = {GREEDY_SET: "greedy", SAMPLE_SET: "sampled", FILTER_SET: "sampled, top-k / top-p"}
+
 _GREEDY = SamplingParams(temperature=0.0)
 
 
@@ -147,14 +152,15 @@ class TargetRunner:
         ] + [max_num_reqs]
         mode = CUDAGraphMode.FULL if use_graphs else CUDAGraphMode.NONE
         self._graph_mode = mode
-        # Two graph sets: greedy (argmax, no log-probs) and general (filters, log-probs).
-        self._graphs = {greedy: self._manager(sizes, uniform=1) for greedy in (True, False)}
+        # Three graph sets (_SETS): greedy (argmax, no log-probs), sampled without top-k /
+        # top-p (the fused sampler) and sampled with them; each with log-probs when sampled.
+        self._graphs = {m: self._manager(sizes, uniform=1) for m in _SETS}
         # Steady decode steps (the same batch one token on): the advance launch, the step
         # and the readback copy into pinned slot `slot`, all in one graph per
-        # (greedy, slot) and size, so such a step is one replay and one event record.
+        # (set, slot) and size, so such a step is one replay and one event record.
         self._next_graphs = {
-            (greedy, slot): self._manager(sizes, uniform=1)
-            for greedy in (True, False)
+            (m, slot): self._manager(sizes, uniform=1)
+            for m in _SETS
             for slot in range(len(self._host))
         }
         # Mixed steps (prefill chunks beside decode rows) by token count: the kernels read
@@ -162,10 +168,10 @@ class TargetRunner:
         if prefill_sizes is None:
             prefill_sizes = [s for s in (16, 32, 64, 128, 256, 512, 1024, 2048)
                              if s < max_num_tokens] + [max_num_tokens]  # fmt: skip
-        self._prefill_graphs = {greedy: self._manager(prefill_sizes) for greedy in (True, False)}
+        self._prefill_graphs = {m: self._manager(prefill_sizes) for m in _SETS}
         self._verify_graphs: dict[int, SpeculatorCudaGraphManager] = {}  # by rows/request
         # mixed steps that also return the target's features (after keep_features())
-        self._feature_graphs: dict[bool, SpeculatorCudaGraphManager] = {}
+        self._feature_graphs: dict[int, SpeculatorCudaGraphManager] = {}
         self._prefill_sizes = prefill_sizes
         self._decode_sizes = sizes
         self.steps = 0
@@ -207,30 +213,30 @@ class TargetRunner:
     def capture(self) -> None:
         """Warm up and capture the decode and mixed-step graphs (no-op without graphs)."""
         for kind, managers in (("decode", self._graphs), ("mixed-step", self._prefill_graphs)):
-            for greedy, manager in managers.items():
+            for m, manager in managers.items():
                 if not manager.descriptors:
                     continue
 
-                def forward(num_reqs, num_tokens, meta, slots, dp, mode, greedy=greedy):
-                    return self._forward(meta, greedy=greedy)
+                def forward(num_reqs, num_tokens, meta, slots, dp, mode, m=m):
+                    return self._forward(meta, m)
 
-                manager.capture(forward, self.builder, f"Capturing {kind} graphs (greedy={greedy})")
-        for (greedy, slot), manager in self._next_graphs.items():
+                manager.capture(forward, self.builder, f"Capturing {kind} graphs ({_NAMES[m]})")
+        for (m, slot), manager in self._next_graphs.items():
             if not manager.descriptors:
                 continue
 
-            def forward(num_reqs, num_tokens, meta, slots, dp, mode, greedy=greedy, slot=slot):
+            def forward(num_reqs, num_tokens, meta, slots, dp, mode, m=m, slot=slot):
                 # During capture the buffers hold dummy rows on the null block-table row:
                 # the advance moves them on and their K/V goes to the reserved null block.
                 self.builder.launch_advance(num_reqs, num_tokens)
-                out = self._forward(meta, greedy=greedy)
-                self._copy_out(slot, num_reqs, with_logprobs=not greedy)
+                out = self._forward(meta, m)
+                self._copy_out(slot, num_reqs, with_logprobs=m != GREEDY_SET)
                 return out
 
             manager.capture(
                 forward,
                 self.builder,
-                f"Capturing steady decode graphs (greedy={greedy}, slot {slot})",
+                f"Capturing steady decode graphs ({_NAMES[m]}, slot {slot})",
             )
         self._last = None  # capture leaves dummy contents in the buffers
 
@@ -251,7 +257,15 @@ class TargetRunner:
 
     # ---- one step -------------------------------------------------------------------
 
-    def _forward(self, meta: AttentionMetadata, *, greedy: bool) -> torch.Tensor:
+    def graph_set(self, greedy: bool) -> int:
+        """The graph set a step of this batch runs in: GREEDY_SET when every request is
+        greedy (the caller's flag), else by the sampling table's host flags whether any
+        row uses top-k / top-p."""
+        if greedy:
+            return GREEDY_SET
+        return FILTER_SET if self.sampling.any_filter else SAMPLE_SET
+
+    def _forward(self, meta: AttentionMetadata, m: int) -> torch.Tensor:
         """Model, sampling and the device-side bookkeeping of one step; fixed shapes
         only, so it can be captured per descriptor."""
         ids = meta.input_ids
@@ -261,11 +275,11 @@ class TargetRunner:
         r = meta.num_reqs
         rows = self.buffers.row_slots[:r]
         pos = meta.positions.index_select(0, meta.last_token_idx) + 1  # the drawn token's
-        if greedy:
+        if m == GREEDY_SET:
             tok = ops.argmax(logits)
         else:
             params = self.sampling.select(rows)
-            tok = sample(logits, params, pos, TARGET_SAMPLE)
+            tok = sample(logits, params, pos, TARGET_SAMPLE, any_filter=m == FILTER_SET)
             lp = logprobs(logits).gather(1, tok[:, None]).squeeze(1)
             self.out_logprobs[:r].copy_(lp)
         self.out_tokens[:r].copy_(tok)
@@ -283,10 +297,11 @@ class TargetRunner:
         desc: BatchExecutionDescriptor | None = None
         if features and self._features is None:
             raise ValueError("features=True needs keep_features() first")
+        m = self.graph_set(greedy)
         if features:
-            manager = self._feature_graphs.get(greedy)
+            manager = self._feature_graphs.get(m)
         else:
-            manager = self._graphs[greedy] if t == r else self._prefill_graphs[greedy]
+            manager = self._graphs[m] if t == r else self._prefill_graphs[m]
         # Sizes outside the graphs' range go to build(), which checks them.
         if manager is not None and 1 <= r <= t <= self.limits.max_num_tokens:
             if t == r and not features:
@@ -303,7 +318,7 @@ class TargetRunner:
                 num_tokens_padded=desc.num_tokens,
                 max_query_len=desc.max_query_len,
             )
-        out = self._run(meta, desc, greedy, manager)
+        out = self._run(meta, desc, m, manager)
         if features and desc is not None:
             self.last_features = out[1][:t]
         self._last = (r, desc, t == r and not features)
@@ -317,10 +332,11 @@ class TargetRunner:
         if self._last is None or not self._last[2]:
             raise RuntimeError("execute_next() needs a decode step executed just before")
         r, desc, _ = self._last
-        if desc is not None and desc not in self._graphs[greedy]._graphs:
-            desc = self._graphs[greedy].dispatch(r, r, uniform_token_count=1, max_query_len=1)
+        m = self.graph_set(greedy)
+        if desc is not None and desc not in self._graphs[m]._graphs:
+            desc = self._graphs[m].dispatch(r, r, uniform_token_count=1, max_query_len=1)
         meta = self.builder.advance()
-        self._run(meta, desc, greedy, self._graphs[greedy])
+        self._run(meta, desc, m, self._graphs[m])
         self.advanced_steps += 1
         return r
 
@@ -332,7 +348,7 @@ class TargetRunner:
             raise RuntimeError("decode_next() needs a decode step executed just before")
         r, desc, _ = self._last
         slot = self._next_host
-        manager = self._next_graphs[(greedy, slot)]
+        manager = self._next_graphs[(self.graph_set(greedy), slot)]
         if desc is not None and desc not in manager._graphs and manager.captured:
             desc = manager.dispatch(r, r, uniform_token_count=1, max_query_len=1)
         if desc is None or not manager.captured:
@@ -355,9 +371,9 @@ class TargetRunner:
         if with_logprobs:
             lps[:num_reqs].copy_(self.out_logprobs[:num_reqs], non_blocking=True)
 
-    def _run(self, meta: AttentionMetadata, desc, greedy: bool, manager):
+    def _run(self, meta: AttentionMetadata, desc, m: int, manager):
         if desc is None:
-            out = self._forward(meta, greedy=greedy)
+            out = self._forward(meta, m)
         else:
             out = manager.replay(desc)
             self.graph_steps += 1
@@ -383,14 +399,14 @@ class TargetRunner:
         self._features = features
         if self._graph_mode is CUDAGraphMode.NONE:
             return
-        for greedy in (True, False):
+        for m in _SETS:
             manager = self._manager(self._prefill_sizes)
 
-            def forward(num_reqs, num_tokens, meta, slots, dp, mode, greedy=greedy):
-                return self._forward(meta, greedy=greedy), self.last_features
+            def forward(num_reqs, num_tokens, meta, slots, dp, mode, m=m):
+                return self._forward(meta, m), self.last_features
 
-            manager.capture(forward, self.builder, f"Capturing feature graphs (greedy={greedy})")
-            self._feature_graphs[greedy] = manager
+            manager.capture(forward, self.builder, f"Capturing feature graphs ({_NAMES[m]})")
+            self._feature_graphs[m] = manager
         self._last = None
 
     def _model_call(self, ids: torch.Tensor, meta: AttentionMetadata, *, all_logits: bool):

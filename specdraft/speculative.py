@@ -147,10 +147,13 @@ class SpeculativeEngine:
         self.step_graphs = (runner.device.type == "cuda") if step_graphs is None else step_graphs
         self._backend = graph_backend or CudaGraphBackend()
         self._steps: OrderedDict[tuple, _StepGraph] = OrderedDict()
+        self._d_views: dict[int, tuple] = {}
         self._stage = torch.zeros((r, k + 2), dtype=torch.int64, device=runner.device)
         self._host_stage = [torch.zeros((r, k + 2), dtype=torch.int64, pin_memory=pin)
                             for _ in range(3)]  # fmt: skip
         self.graph_steps = 0
+        self._stage_views: dict[tuple, tuple] = {}
+        self._stage_events = [torch.cuda.Event() if pin else None for _ in range(3)]
 
     # ---- generate -------------------------------------------------------------------
 
@@ -230,20 +233,29 @@ class SpeculativeEngine:
         active = list(range(len(group)))  # positions in `group` of the batch rows
         unchecked = 0  # steps that may run before a request can need another block
         settled = False  # the batch and its verify rows as in the step before
+        in_place = False  # the last step (a graph) wrote the next round's drafter inputs
+        batch = None
         while active:
-            batch = [group[i] for i in active]
-            batch_ids = [ids[i] for i in active]
-            batch_rows = [rows[i] for i in active]
+            if batch is None:  # the batch changed: its lists once, not every step
+                batch = [group[i] for i in active]
+                batch_ids = [ids[i] for i in active]
+                batch_rows = [rows[i] for i in active]
+                ks = [k] * len(batch)
             if unchecked <= 0:
                 unchecked = self._grow(batch, batch_ids)
             unchecked -= 1
-            proposal = drafter.propose(
-                batch_ids, verified, accepted, k=[k] * len(batch), k_max=k, target_hidden=hidden_in
-            )
             b = len(batch)
+            if in_place:
+                d_in = self._drafter_views(b)
+            else:
+                d_in = (verified, accepted, hidden_in)
+            proposal = drafter.propose(
+                batch_ids, d_in[0], d_in[1], k=ks, k_max=k, target_hidden=d_in[2]
+            )
             out = None
             if settled and self.step_graphs:
                 out = self._steady_step(b, greedy, proposal, verified, accepted)
+            in_place = out is not None
             if out is None:
                 first = verified.gather(1, accepted.long()[:, None])[:, 0]
                 runner.verify_first[:b].copy_(first)
@@ -273,7 +285,8 @@ class SpeculativeEngine:
                 if hidden_in is not None:
                     hidden_in = hidden_in.index_select(0, idx)
                 active = [active[j] for j in keep]
-                settled = False
+                settled = in_place = False
+                batch = None
             else:
                 settled = True
                 # Views, no copies: the next propose() and verify_first read them before
@@ -347,7 +360,19 @@ class SpeculativeEngine:
         runner.committed.index_add_(0, vrows, out.num_accepted.long() + 1)
         self._stage[:b, :w].copy_(out.tokens)
         self._stage[:b, w].copy_(out.num_emitted)
+        # the next draft round's inputs, written where the drafter reads them
+        ver, acc, hid = self._drafter_views(b)
+        ver.copy_(out.tokens)
+        acc.copy_(out.num_accepted)
+        if hid is not None:
+            hid.copy_((feats if feats is not None else runner.last_features).view(b, w, -1))
         return feats, out
+
+    def _drafter_views(self, b: int):
+        views = self._d_views.get(b)
+        if views is None:
+            views = self._d_views[b] = self.drafter.input_views(b, self.k + 1)
+        return views
 
     def _steady_step(self, b: int, greedy: bool, proposal, verified, accepted):
         """The step of a batch that repeats the previous one (its verify rows already on
@@ -399,11 +424,22 @@ class SpeculativeEngine:
         return shared_graph_pool()
 
     def _readback_stage(self, b: int):
-        host = self._host_stage[self._next_host]
-        self._next_host = (self._next_host + 1) % len(self._host_stage)
-        host = host[:b]
-        host.copy_(self._stage[:b], non_blocking=True)
-        return self._event(), (host[:, : self.k + 1], host[:, self.k + 1])
+        """The step's staged tokens and counts into pinned memory (one copy) and a
+        reusable event after it; the slot is read (and waited for) two steps before it
+        comes round again."""
+        i = self._next_host
+        self._next_host = (i + 1) % len(self._host_stage)
+        views = self._stage_views.get((i, b))
+        if views is None:
+            host = self._host_stage[i][:b]
+            views = (host, self._stage[:b], (host[:, : self.k + 1], host[:, self.k + 1]))
+            self._stage_views[(i, b)] = views
+        host, dev, payload = views
+        host.copy_(dev, non_blocking=True)
+        event = self._stage_events[i]
+        if event is not None:
+            event.record(self._stream())
+        return event, payload
 
     def _readback_first(self, first: torch.Tensor):
         toks = torch.empty((first.shape[0], 1), dtype=torch.int64, pin_memory=first.is_cuda)
