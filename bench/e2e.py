@@ -4,6 +4,14 @@ against transformers' plain greedy generate() on the same prompts, same run; bat
 per decode step, kernel launches per step, startup (load + capture).
 
     python -m bench.e2e --out results [--gguf PATH] [--new-tokens 128] [--random]
+    python -m bench.e2e --spec --out results [--gguf PATH] [--spec-prompts 3] [--k 3]
+
+--spec (the real model, batch 1): speculative decoding, same prompts, same run:
+specdraft target-only; specdraft with the shipped EAGLE-1 head and with the target's
+first --self-layers (29) layers as the draft; transformers' plain greedy and its
+assisted generation with the same 29-layer self-draft as the assistant (transformers
+cannot run an EAGLE head: its assistant is a standalone causal LM). Acceptance length
+for specdraft from the rejection sampler's counters.
 
 --random: SmolLM2-135M's shapes with seeded random weights (no GGUF needed), prompts of
 random token ids as long as the chat prompts; the same weights go into transformers.
@@ -214,6 +222,81 @@ def hf_greedy_tok_s(model, ids: list[list[int]], new_tokens: int) -> float:
     return (out.shape[1] - width) * len(ids) / (time.perf_counter() - t0)
 
 
+def spec_comparison(path: str, n_prompts: int, new_tokens: int, k: int, layers: int) -> list:
+    """Rows (system, tok/s, speedup over specdraft target-only, AL) at batch 1."""
+    import copy
+
+    import transformers
+
+    from specdraft.drafter import Drafter
+    from specdraft.embedded import shipped_draft_path
+    from specdraft.loader import load_draft
+    from specdraft.models.llama import layer_truncated
+    from specdraft.speculative import SpeculativeEngine
+
+    engine, _, _ = load_engine(path, device="cuda", dtype=torch.bfloat16, max_num_reqs=1,
+                               max_model_len=1024, graphs=True)  # fmt: skip
+    runner, tok = engine.runner, engine.tokenizer
+    ids = prompts_for(tok, n_prompts)
+    kw = dict(max_new_tokens=new_tokens, stop_token_ids=[])
+    engine.generate(ids[:1], max_new_tokens=4, stop_token_ids=[])
+    outs, secs = timed_generate(engine, ids, **kw)
+    base = sum(len(o.token_ids) for o in outs) / secs
+    rows = [{"system": "specdraft target-only", "tok_s": round(base, 1), "speedup": 1.0}]
+    drafts = [
+        ("specdraft + shipped EAGLE-1 head", load_draft(
+            shipped_draft_path(), target=runner.model, dtype=torch.bfloat16, device="cuda",
+            max_positions=1024)),
+        (f"specdraft + first {layers} layers", layer_truncated(runner.model, layers)),
+    ]  # fmt: skip
+    for name, draft in drafts:
+        drafter = Drafter(draft, max_num_reqs=1, k_max_options=(k,), max_model_len=1024)
+        se = SpeculativeEngine(runner, drafter, k=k, tokenizer=tok)
+        se.generate(ids[:1], max_new_tokens=4, stop_token_ids=[])
+        se.stats.proposed, se.stats.accepted = [0] * k, [0] * k
+        outs, secs = timed_generate(se, ids, **kw)
+        rate = sum(len(o.token_ids) for o in outs) / secs
+        rows.append({"system": f"{name}, k {k}", "tok_s": round(rate, 1),
+                     "speedup": round(rate / base, 3),
+                     "al": round(se.stats.acceptance_length, 3)})  # fmt: skip
+        drafter.teardown()
+    p = Path(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        p.parent, gguf_file=p.name, torch_dtype=torch.bfloat16
+    )
+    hf = hf.cuda().eval()
+    rates = [hf_greedy_tok_s(hf, [x], new_tokens) for x in ids]
+    plain = len(rates) / sum(1 / r for r in rates)
+    rows.append({"system": "transformers greedy", "tok_s": round(plain, 1),
+                 "speedup": round(plain / base, 3)})  # fmt: skip
+    assistant = copy.deepcopy(hf)
+    assistant.model.layers = assistant.model.layers[:layers]
+    assistant.config.num_hidden_layers = layers
+    n_tok, t_all = 0, 0.0
+    for x in ids:
+        inp = torch.tensor([x], device="cuda")
+        gen = dict(
+            do_sample=False,
+            assistant_model=assistant,
+            num_assistant_tokens=k,
+            num_assistant_tokens_schedule="constant",
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+        hf.generate(inp, max_new_tokens=4, **gen)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = hf.generate(inp, max_new_tokens=new_tokens, **gen)
+        torch.cuda.synchronize()
+        t_all += time.perf_counter() - t0
+        n_tok += out.shape[1] - inp.shape[1]
+    rows.append({"system": f"transformers assisted (first {layers} layers), k {k}",
+                 "tok_s": round(n_tok / t_all, 1),
+                 "speedup": round(n_tok / t_all / base, 3)})  # fmt: skip
+    runner.teardown()
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("results"))
@@ -222,9 +305,29 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--random", action="store_true", help="random SmolLM2-shaped weights")
+    ap.add_argument("--spec", action="store_true", help="speculative decoding, batch 1")
+    ap.add_argument("--spec-prompts", type=int, default=3)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--self-layers", type=int, default=29)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.e2e needs a GPU")
+        return 0
+    if args.spec:
+        from specdraft.embedded import smollm2_gguf_path
+
+        path = str(args.gguf or smollm2_gguf_path())
+        rows = spec_comparison(path, args.spec_prompts, args.new_tokens, args.k, args.self_layers)
+        head = f"batch 1, {args.spec_prompts} chat prompts x {args.new_tokens} tokens, bf16; "
+        head += f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+        lines = [head, "", "| system | tok/s | over specdraft target-only | AL |",
+                 "|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {r['system']} | {r['tok_s']} | {r['speedup']} | {r.get('al', '-')} |"
+                  for r in rows]  # fmt: skip
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "e2e_spec.json").write_text(json.dumps(rows, indent=1))
+        (args.out / "e2e_spec.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
         return 0
     hf_model = None
     if args.random:
