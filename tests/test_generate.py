@@ -361,3 +361,25 @@ def test_decode_graphs_cover_a_batch_of_every_request(model):
     runner = TargetRunner(model, max_num_reqs=8, max_num_tokens=64, max_model_len=64,
                           num_blocks=40)  # fmt: skip
     assert runner._decode_sizes == [1, 2, 4, 8]
+
+
+def test_graph_set_follows_the_sampling_rows(model):
+    """A step's graph set: greedy when the caller says every request is greedy, else
+    sampled with or without top-k / top-p by the rows' host flags; a filtered request
+    that leaves takes its row's filter with it."""
+    from specdraft.runner import FILTER_SET, GREEDY_SET, SAMPLE_SET
+
+    runner = TargetRunner(model, max_num_reqs=3, max_num_tokens=32, max_model_len=64)
+    assert runner.graph_set(True) == GREEDY_SET
+    assert runner.graph_set(False) == SAMPLE_SET  # unwritten rows: no filter
+    runner.tables.add_request("a", 8)
+    runner.tables.add_request("b", 8)
+    runner.set_sampling(runner.tables.row_of("a"), SamplingParams(temperature=0.8, seed=1))
+    assert runner.graph_set(False) == SAMPLE_SET and runner.graph_set(True) == GREEDY_SET
+    row_b = runner.tables.row_of("b")
+    runner.set_sampling(row_b, SamplingParams(temperature=0.8, top_p=0.9, seed=2))
+    assert runner.graph_set(False) == FILTER_SET
+    runner.remove_request("b")
+    assert runner.graph_set(False) == SAMPLE_SET
+    runner.set_sampling(runner.tables.row_of("a"), SamplingParams(temperature=1.0, top_k=5))
+    assert runner.graph_set(False) == FILTER_SET
