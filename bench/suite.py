@@ -5,8 +5,9 @@ the embedded model, attention), then short tables.
     python -m bench.suite [--out results] [--quick] [--sweep] [--no-flex] [--only a,b] [--jobs 8]
                           [--test-budget-s S] [--gpus 0,1]
 
---only picks parts: tests, host, capture, models, e2e, spec, hostprof, draft, rejection,
-attention (default: all).
+--only picks parts: tests, host, capture, models, e2e, spec, mainjob, hostprof, draft,
+rejection, attention (default: all). mainjob: `specdraft generate` with the shipped head
+at batch 1 (greedy and T = 1), 8 and 32, one process each (main_job.md).
 
 Exit status is non-zero when a test or a benchmark fails."""
 
@@ -97,6 +98,50 @@ def run_tests(
     return rc, summary
 
 
+MAIN_JOB_RUNS = (("1", "0"), ("1", "1"), ("8", "0"), ("32", "0"))  # (batch, temperature)
+_MAIN_JOB_KEYS = ("tokens/s", "speculative: tokens/s", "speculative: acceptance length",
+                  "speculative: acceptance per position",
+                  "speculative: speedup over target-only", "speculative: greedy output identical",
+                  "startup: load", "startup: graph capture")  # fmt: skip
+
+
+def run_main_job(out_dir: Path, timeout_s: float = 180.0) -> int:
+    """`specdraft generate` on the held-out prompts with the shipped head, k 3, at batch
+    1 (greedy and T = 1), 8 and 32, each in its own process (the first run on a fresh
+    machine compiles every kernel: give it minutes); writes main_job.md with one row per
+    run, taken from the job's own table."""
+    rows, rc = [], 0
+    for batch, temp in MAIN_JOB_RUNS:
+        cmd = [sys.executable, "-m", "specdraft", "generate", "--prompt-set", "heldout",
+               "--batch", batch, "--k", "3", "--temperature", temp, "--seed", "0",
+               "--quiet"]  # fmt: skip
+        try:
+            proc = subprocess.run(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout_s
+            )
+            text, code = proc.stdout, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout or b""
+            text, code = (out.decode() if isinstance(out, bytes) else out), 124
+        (out_dir / f"main_job_b{batch}_T{temp}.txt").write_text(text)
+        rc = rc or code
+        table = {}
+        for line in text.splitlines():
+            parts = [x.strip() for x in line.strip().strip("|").split("|")]
+            if len(parts) == 2:
+                table[parts[0]] = parts[1]
+        rows.append([batch, temp] + [table.get(k, "-") for k in _MAIN_JOB_KEYS])
+    head = ["batch", "T", "target-only tok/s", "speculative tok/s", "AL", "per position",
+            "speedup", "greedy identical", "load", "capture"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    (out_dir / "main_job.md").write_text(
+        f"`specdraft generate --prompt-set heldout --k 3`, shipped head, "
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n\n" + "\n".join(lines) + "\n"
+    )
+    return rc
+
+
 def run_host_prep(out_dir: Path) -> tuple[int, str]:
     """bench/test_host_prep.py under pytest-benchmark; returns its summary line."""
     cmd = [
@@ -132,7 +177,8 @@ def main() -> int:
     )
     ap.add_argument("--gpus", default=None, help="deal the test files over these GPUs, e.g. 0,1")
     ap.add_argument(
-        "--only", default="tests,host,capture,models,e2e,spec,hostprof,draft,rejection,attention"
+        "--only",
+        default="tests,host,capture,models,e2e,spec,mainjob,hostprof,draft,rejection,attention",
     )
     args = ap.parse_args()
     parts = set(args.only.split(","))
@@ -171,6 +217,9 @@ def main() -> int:
         from bench import spec_step
 
         codes.append(spec_step.main(out + ["--hf"]))
+    if "mainjob" in parts:
+        args.out.mkdir(parents=True, exist_ok=True)
+        codes.append(run_main_job(args.out))
     if "draft" in parts:
         from bench import draft_round
 
@@ -189,7 +238,7 @@ def main() -> int:
         bench_argv = out + ["--quick"] * args.quick + ["--sweep"] * args.sweep
         bench_argv += ["--no-flex"] * args.no_flex
         codes.append(attention.main(bench_argv))
-    for name in ("models", "capture", "e2e", "spec_step", "draft_round", "rejection"):
+    for name in ("models", "capture", "e2e", "spec_step", "main_job", "draft_round", "rejection"):
         # (host_profile.md is long: it stays in --out)
         md = args.out / f"{name}.md"
         if md.exists():
