@@ -5,8 +5,9 @@ for V = 49152 in bf16 on an H200, three times over in every greedy draft round a
 per target step. Here two launches: (rows x vocab blocks) programs each find their
 block's maximum and its first index, then one program per row combines the blocks
 (the lowest index among the blocks holding the row's maximum). Values are compared in
-float32, which preserves the order of bf16 / fp16 values. Rows are assumed free of NaN
-(torch would return a NaN's index; here a NaN row gives an unspecified index).
+float32, which preserves the order of bf16 / fp16 values. A NaN ranks as the maximum,
+as in torch (an all-NaN row gives 0; a row holding +inf and NaN gives the first of
+either, where torch gives the first NaN): the index is always inside the row.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def _block_argmax_kernel(
     cols = blk * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    x = tl.where(x != x, float("inf"), x)  # NaN ranks as the maximum, as in torch
     m = tl.max(x, axis=0)
     idx = tl.min(tl.where((x == m) & mask, cols, n_cols), axis=0)
     tl.store(part_val_ptr + row * n_blocks + blk, m)
@@ -86,8 +88,9 @@ def argmax_rows(logits: torch.Tensor, *, out: torch.Tensor | None = None) -> tor
     part_val = torch.empty((rows, nb), dtype=torch.float32, device=logits.device)
     part_idx = torch.empty((rows, nb), dtype=torch.int32, device=logits.device)
     warps = max(1, min(8, block // 256))
+    dev = logits.device.index  # a compiled kernel is loaded on one device
     args = (logits, logits.stride(0), n, part_val, part_idx, nb, block)
-    _BLOCK_LAUNCH(specialization_key(args), (rows, nb), args, {"num_warps": warps})
+    _BLOCK_LAUNCH(specialization_key(args) + (dev,), (rows, nb), args, {"num_warps": warps})
     args = (part_val, part_idx, nb, n, out, max(2, triton.next_power_of_2(nb)))
-    _COMBINE_LAUNCH(specialization_key(args), (rows,), args, {"num_warps": 1})
+    _COMBINE_LAUNCH(specialization_key(args) + (dev,), (rows,), args, {"num_warps": 1})
     return out

@@ -27,7 +27,8 @@ def specialization_key(args: tuple) -> tuple:
     dtype and 16-byte alignment, other arguments by value (integers specialize on == 1
     and % 16). A cached kernel is valid for calls whose keys agree."""
     return tuple(
-        (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args
+        (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else (type(a), a)
+        for a in args
     )
 
 

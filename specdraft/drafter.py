@@ -401,8 +401,9 @@ class Drafter:
         since, and KV blocks known to suffice) skips the checks and the bookkeeping:
         it copies the inputs that are not already in place and replays the graph."""
         st = self._steady
-        if st is not None and not eager and st.repeats(req_ids, verified_tokens, num_accepted,
-                                                      target_hidden, k, k_max):  # fmt: skip
+        if (st is not None and not eager
+                and st.repeats(req_ids, verified_tokens, num_accepted, target_hidden, k, k_max)
+                and not kernels.validation_enabled(self.device)):  # fmt: skip
             return self._steady_round(st, verified_tokens, num_accepted, target_hidden)
         self._leave_steady()
         self.lengths.poll()
@@ -528,11 +529,12 @@ class Drafter:
         t = self.tables
         blocks = np.where(short, -(-want // self.block_size) - inp.num_blocks, 0)
         needed = int(blocks.sum())
-        # A request that grows gets room for _HEADROOM_ROUNDS more rounds too when the
-        # cache has it, so that growth (and the slow path) comes every few rounds.
+        # A request that grows gets room for _HEADROOM_ROUNDS more rounds too when that
+        # takes at most half the free blocks, so that growth (and the slow path) comes
+        # every few rounds without starving other requests of their next block.
         roomy = np.minimum(want + _HEADROOM_ROUNDS * inp.width, self.tables.max_tokens_per_req)
         more = np.where(short, -(-roomy // self.block_size) - inp.num_blocks, 0)
-        if int(more.sum()) <= t.num_free_blocks:
+        if int(more.sum()) <= t.num_free_blocks // 2:  # never the last half of the pool
             want, needed = roomy, int(more.sum())
         if needed > t.num_free_blocks:
             worst = inp.req_ids[int(np.argmax(blocks))]
@@ -565,6 +567,9 @@ class Drafter:
             m.teardown()
 
 
+_NEVER = object()
+
+
 def _geometry(t) -> tuple | None:
     if not isinstance(t, torch.Tensor):
         return None
@@ -582,7 +587,9 @@ class _Steady:
     def __init__(self, inp, k, k_max, verified, accepted, hidden, manager, desc, out, budget,
                  own):  # fmt: skip
         self.ids = list(inp.req_ids)
-        self.k = list(k) if type(k) is list else k
+        # values that cannot change behind our back: None, an int, a copied list (an
+        # array or tensor could be rewritten in place: such a k never matches)
+        self.k = list(k) if type(k) is list else (k if k is None or type(k) is int else _NEVER)
         self.k_max = k_max
         self.geo = (_geometry(verified), _geometry(accepted), _geometry(hidden))
         self.objs = (verified, accepted, hidden)  # the same objects again: same geometry
@@ -593,8 +600,8 @@ class _Steady:
     def repeats(self, req_ids, verified, accepted, hidden, k, k_max) -> bool:
         if self.budget <= 0 or k_max != self.k_max or req_ids != self.ids:
             return False
-        if k is not self.k and not (type(k) is list and k == self.k):
-            return False  # None == None, the same int; arrays and tensors: the full path
+        if k is not self.k and not (type(k) in (list, int) and k == self.k):
+            return False  # None == None, an equal int or list; arrays and tensors never
         o = self.objs
         if verified is o[0] and accepted is o[1] and hidden is o[2]:
             g = self.geo[0]  # not moved or resized in place since

@@ -179,6 +179,9 @@ class TargetRunner:
         self.advanced_steps = 0  # decode steps that uploaded nothing (execute_next)
         self._features: tuple[str, tuple[int, ...] | None] | None = None  # keep_features
         self._vk: int | None = None  # the k_max the verification buffers are sized for
+        # bumped when the verification buffers or the kept features change: a graph that
+        # another object captured over them (SpeculativeEngine's steps) keys on it
+        self.generation = 0
         self._last: tuple[int, BatchExecutionDescriptor | None, bool] | None = None
 
     # ---- requests -------------------------------------------------------------------
@@ -397,6 +400,7 @@ class TargetRunner:
         self._verify_graphs.clear()
         self._feature_graphs.clear()
         self._features = features
+        self.generation += 1
         if self._graph_mode is CUDAGraphMode.NONE:
             return
         for m in _SETS:
@@ -430,6 +434,7 @@ class TargetRunner:
             return
         dev, r = self.device, self.limits.max_num_reqs + 1
         self._vk = k_max
+        self.generation += 1  # graphs captured elsewhere over the old buffers are stale
         self.committed = torch.zeros(r, dtype=torch.int64, device=dev)
         self.verify_rows = torch.full((r,), self.tables.null_row, dtype=torch.int64, device=dev)
         self.verify_first = torch.zeros(r, dtype=torch.int64, device=dev)

@@ -144,7 +144,10 @@ class SpeculativeEngine:
         self._count = 0
         # Steady steps: verification, rejection sampling and the bookkeeping of a batch
         # that repeats, captured into one graph per (batch, mode, input addresses).
-        self.step_graphs = (runner.device.type == "cuda") if step_graphs is None else step_graphs
+        cuda = runner.device.type == "cuda"
+        self.step_graphs = cuda if step_graphs is None else bool(step_graphs)
+        if self.step_graphs and not cuda and graph_backend is None:
+            raise ValueError("step_graphs=True needs the target on a CUDA device")
         self._backend = graph_backend or CudaGraphBackend()
         self._steps: OrderedDict[tuple, _StepGraph] = OrderedDict()
         self._d_views: dict[int, tuple] = {}
@@ -383,7 +386,7 @@ class SpeculativeEngine:
         q = proposal.q
         table = runner.sampling  # its host flags pick the sampler's launches
         key = (
-            (b, greedy, table.any_filter, table.all_greedy),
+            (b, greedy, table.any_filter, table.all_greedy, runner.generation),
             (proposal.tokens.data_ptr(), 0 if q is None else q.data_ptr()),
             (verified.data_ptr(), accepted.data_ptr()),
         )

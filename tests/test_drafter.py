@@ -201,6 +201,33 @@ def test_steady_rounds_equal_the_full_path(setup, torch_layers):
     assert g.steady_rounds >= 20, g.steady_rounds
 
 
+def test_a_k_array_rewritten_in_place_is_read_again(setup, torch_layers):
+    """k passed as one numpy array that the caller rewrites between rounds: the steady
+    path must not replay the old k (an array never takes the steady path)."""
+    import numpy as np
+
+    from specdraft.kernels import use_validation
+
+    g = drafter(setup, capture_sizes=[2], graph_backend=EagerBackend(), cuda_graphs=True)
+    sim = EngineSim(setup, g, seed=3)
+    rids = [sim.join(n=5) for _ in range(2)]
+    ver, acc, hid = g.input_views(2)
+    k = np.array([3, 3])
+    with use_validation(False):
+        for rnd in range(6):
+            if rnd == 4:
+                k[:] = 1
+            v, a, h = sim.inputs(rids, g.width)
+            ver.copy_(v), acc.copy_(a)
+            if hid is not None:
+                hid.copy_(h)
+            out = g.propose(rids, ver, acc, target_hidden=hid, k=k, k_max=3)
+            want = 3 if rnd < 4 else 1
+            assert (out.tokens >= 0).sum(dim=1).tolist() == [want, want], rnd
+            sim.commit(rids)
+    assert g.steady_rounds == 0
+
+
 def test_sampled_rows_q_and_tokens(setup):
     """Greedy and sampled rows (temperature, top-k, top-p) in one round: q is exactly
     filtered_probs of the reference logits, rows sum to 1, and each token is the draw

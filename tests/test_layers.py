@@ -75,6 +75,10 @@ def test_argmax_rows_first_index_of_the_maximum(device, dtype, rows, n):
     assert torch.equal(got, want), (got, want)
     wide = torch.randn(rows, n + 5, device=device).to(dtype)[:, 2 : n + 2]  # row stride n + 5
     assert torch.equal(argmax_rows(wide), wide.float().argmax(dim=-1))
+    if n > 1:  # NaN ranks as the maximum, as in torch: an all-NaN row gives 0
+        x[0] = float("nan")
+        x[-1, n // 4] = float("nan")
+        assert torch.equal(argmax_rows(x), x.float().argmax(dim=-1))
 
 
 @pytest.mark.gpu

@@ -127,6 +127,12 @@ def test_step_graphs_equal_the_full_path(models):
                 assert runs[0] == runs[1], (type(draft).__name__, p is None)
 
 
+def test_step_graphs_need_a_gpu_or_a_backend(models):
+    target, _, other = models
+    with pytest.raises(ValueError, match="step_graphs=True needs the target on a CUDA device"):
+        spec_engine(target, other, step_graphs=True)
+
+
 @pytest.mark.gpu
 def test_gpu_verification_graphs_equal_target_only():
     """fp32 on the GPU: verification replayed from captured graphs (3 requests run in
