@@ -33,65 +33,96 @@ def _parse_counts(text: str) -> dict[str, int]:
     return {word: int(n) for n, word in found}
 
 
+def _collect(files: list[Path]) -> dict[str, list[str]]:
+    """Test node ids of `files`, by file name (one pytest --collect-only)."""
+    if not files:
+        return {}
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+    proc = subprocess.run(cmd + [str(f) for f in files], stdout=subprocess.PIPE, text=True)
+    nodes: dict[str, list[str]] = {}
+    for line in proc.stdout.splitlines():
+        if "::" in line and line.startswith("tests/"):
+            nodes.setdefault(Path(line.split("::")[0]).name, []).append(line.strip())
+    return nodes
+
+
 def run_tests(
-    out_dir: Path, jobs: int = 1, budget_s: float | None = None, gpus: list[str] | None = None
+    out_dir: Path,
+    jobs: int = 1,
+    budget_s: float | None = None,
+    gpus: list[str] | None = None,
+    split_s: float = 90.0,
 ) -> tuple[int, str]:
     """Every test file in its own pytest process, `jobs` of them at once, the longest
-    first (by the last recorded GPU durations, else by file size) and the next file to
-    the first free worker; each file's result is printed as it ends. With budget_s, no
-    file starts after that many seconds: the summary then names the files not run, so a
-    cut run still reports what it saw. gpus: device indices the files are dealt over in
-    turn (CUDA_VISIBLE_DEVICES per process). Returns the exit status and one summary line;
-    writes every file's log and gpu_tests/durations.json (seconds per file)."""
+    first (by the last recorded GPU durations, else by file size) and the next one to
+    the first free worker; each result is printed as it ends. A file whose recorded
+    duration is over split_s runs as several processes over its tests (dealt round
+    robin, about split_s each), so that one long file does not set the wall time. With
+    budget_s, nothing starts after that many seconds: the summary then names what did
+    not run, so a cut run still reports what it saw. gpus: device indices the processes
+    are dealt over in turn (CUDA_VISIBLE_DEVICES). Returns the exit status and one
+    summary line; writes every process's log and gpu_tests/durations.json (seconds per
+    file, its parts summed)."""
     import json
+    import math
     import time
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
     log_dir = out_dir / "gpu_tests"
     log_dir.mkdir(parents=True, exist_ok=True)
     known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
-    files = sorted(
-        Path("tests").glob("test_*.py"),
-        key=lambda f: (known.get(f.name, float("inf")), f.stat().st_size),
-        reverse=True,
-    )
+    files = sorted(Path("tests").glob("test_*.py"))
+    long = [f for f in files if known.get(f.name, 0.0) > split_s]
+    nodes = _collect(long)
+    units = []  # (name, file, args, estimated seconds)
+    for f in files:
+        d = known.get(f.name)
+        ids = nodes.get(f.name, [])
+        parts = min(len(ids), math.ceil(d / split_s)) if d and len(ids) > 1 else 1
+        if parts <= 1:
+            units.append((f.stem, f, [str(f)], d if d is not None else float("inf")))
+            continue
+        for j in range(parts):
+            units.append((f"{f.stem}.{j + 1}of{parts}", f, ids[j::parts], d / parts))
+    units.sort(key=lambda u: (u[3], u[1].stat().st_size), reverse=True)
     start = time.perf_counter()
 
-    def one(i: int, f: Path) -> tuple[Path, int | None, str, float]:
+    def one(i: int, unit) -> tuple[tuple, int | None, str, float]:
+        name, _, args, _ = unit
         if budget_s is not None and time.perf_counter() - start > budget_s:
-            return f, None, "", 0.0
+            return unit, None, "", 0.0
         t0 = time.perf_counter()
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", str(f)]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *args]
         env = None
         if gpus:
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]}
         proc = subprocess.run(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )
-        (log_dir / f"{f.stem}.log").write_text(proc.stdout)
-        return f, proc.returncode, proc.stdout, time.perf_counter() - t0
+        (log_dir / f"{name}.log").write_text(proc.stdout)
+        return unit, proc.returncode, proc.stdout, time.perf_counter() - t0
 
     rc, counts, durations, not_run = 0, {}, {}, []
     with ThreadPoolExecutor(max(1, jobs)) as pool:
-        for fut in as_completed([pool.submit(one, i, f) for i, f in enumerate(files)]):
-            f, code, text, secs = fut.result()
+        for fut in as_completed([pool.submit(one, i, u) for i, u in enumerate(units)]):
+            (name, f, _, _), code, text, secs = fut.result()
             if code is None:
-                not_run.append(f.name)
+                not_run.append(name)
                 continue
             # 5: no tests collected (a file whose tests are all CPU-only is still collected)
             rc = rc or (code if code != 5 else 0)
-            durations[f.name] = round(secs, 1)
+            durations[f.name] = round(durations.get(f.name, 0.0) + secs, 1)
             got = _parse_counts(text)
             for word, n in got.items():
                 counts[word] = counts.get(word, 0) + n
             line = ", ".join(f"{n} {w}" for w, n in got.items()) or f"exit {code}"
-            print(f"{f.name}: {line} in {secs:.0f} s", flush=True)
+            print(f"{name}: {line} in {secs:.0f} s", flush=True)
             for ln in text.splitlines():
                 if ln.startswith(("FAILED", "ERROR")):
                     print("  " + ln, flush=True)
     (log_dir / "durations.json").write_text(json.dumps(durations, indent=1, sort_keys=True))
     summary = ", ".join(f"{n} {w}" for w, n in counts.items()) or "(no pytest output)"
-    summary += f" ({len(files) - len(not_run)} files, {jobs} at a time"
+    summary += f" ({len(files)} files in {len(units) - len(not_run)} processes, {jobs} at a time"
     summary += f"; not run, over the budget: {', '.join(sorted(not_run))})" if not_run else ")"
     if not_run:
         rc = rc or 1
