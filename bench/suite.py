@@ -6,7 +6,7 @@ the embedded model, attention), then short tables.
                           [--test-budget-s S] [--gpus 0,1]
 
 --only picks parts: tests, host, capture, models, e2e, spec, mainjob, hostprof, draft,
-rejection, attention (default: all). mainjob: `specdraft generate` with the shipped head
+gemv, rejection, attention (default: all). mainjob: `specdraft generate` with the shipped head
 at batch 1 (greedy and T = 1), 8 and 32, one process each (main_job.md).
 
 Exit status is non-zero when a test or a benchmark fails."""
@@ -209,7 +209,8 @@ def main() -> int:
     ap.add_argument("--gpus", default=None, help="deal the test files over these GPUs, e.g. 0,1")
     ap.add_argument(
         "--only",
-        default="tests,host,capture,models,e2e,spec,mainjob,hostprof,draft,rejection,attention",
+        default="tests,host,capture,models,e2e,spec,mainjob,hostprof,draft,gemv,rejection,"
+        "attention",
     )
     args = ap.parse_args()
     parts = set(args.only.split(","))
@@ -259,6 +260,10 @@ def main() -> int:
         from bench import host_profile
 
         codes.append(host_profile.main(out))
+    if "gemv" in parts:
+        from bench import gemv
+
+        codes.append(gemv.main(out))
     if "rejection" in parts:
         from bench import rejection
 
@@ -269,7 +274,8 @@ def main() -> int:
         bench_argv = out + ["--quick"] * args.quick + ["--sweep"] * args.sweep
         bench_argv += ["--no-flex"] * args.no_flex
         codes.append(attention.main(bench_argv))
-    for name in ("models", "capture", "e2e", "spec_step", "main_job", "draft_round", "rejection"):
+    for name in ("models", "capture", "e2e", "spec_step", "main_job", "draft_round", "gemv",
+                 "rejection"):  # fmt: skip
         # (host_profile.md is long: it stays in --out)
         md = args.out / f"{name}.md"
         if md.exists():

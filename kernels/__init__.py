@@ -4,6 +4,7 @@ This package imports torch and triton only, never the runtime."""
 
 from .activation import check_silu_and_mul_args, silu_and_mul
 from .argmax import argmax_rows, check_argmax_args
+from .gemv import check_linear_small_m_args, linear_small_m
 from .guard import INTERPRET, check_tensors_runnable, runnable
 from .kv_store import check_store_kv_args, store_kv
 from .paged_attention import (
@@ -37,6 +38,7 @@ from .validation import set_validation, use_validation, validation_enabled
 # with a message that says what to do (kernels/guard.py).
 silu_and_mul = runnable(silu_and_mul)
 argmax_rows = runnable(argmax_rows)
+linear_small_m = runnable(linear_small_m)
 store_kv = runnable(store_kv)
 paged_attention = runnable(paged_attention)
 rms_norm = runnable(rms_norm)
@@ -49,6 +51,8 @@ __all__ = [
     "INTERPRET",
     "argmax_rows",
     "check_argmax_args",
+    "check_linear_small_m_args",
+    "linear_small_m",
     "AttentionLaunchConfig",
     "RejectionConfig",
     "RejectionWorkspace",

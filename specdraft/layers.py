@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdraft import kernels
+from specdraft import kernels, ops
 from specdraft.ops import apply_rotary, rms_norm, silu_and_mul
 
 from .attention import PagedAttention
@@ -46,7 +46,7 @@ class Linear(nn.Module):
         self.bias = _param((out_features,), dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Module):

@@ -70,6 +70,34 @@ def _impl(name: str, t: torch.Tensor):
     return getattr(module, name)
 
 
+_small_m_linear = os.environ.get("SPECDRAFT_GEMV", "") == "1"
+
+
+def set_small_m_linear(enabled: bool) -> None:
+    """Route Linear layers with at most 16 rows of input on the Triton backend through
+    kernels.linear_small_m instead of cuBLAS (off by default: bench/gemv.py measures
+    whether it pays on a GPU). Applies to calls made, or graphs captured, afterwards."""
+    global _small_m_linear
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    _small_m_linear = enabled
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ b): cuBLAS (F.linear), or the small-M Triton kernel when enabled and x is
+    [M <= 16, K] with contiguous rows."""
+    if (
+        _small_m_linear
+        and x.dim() == 2
+        and x.shape[0] <= kernels.gemv.MAX_ROWS
+        and x.shape[0] >= 1
+        and x.stride(1) == 1
+        and backend_for(x) == "triton"
+    ):
+        return kernels.linear_small_m(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """int64 [rows]: the first index of each row's maximum (greedy decoding)."""
     if backend_for(logits) == "triton":

@@ -383,3 +383,17 @@ def test_graph_set_follows_the_sampling_rows(model):
     assert runner.graph_set(False) == SAMPLE_SET
     runner.set_sampling(runner.tables.row_of("a"), SamplingParams(temperature=1.0, top_k=5))
     assert runner.graph_set(False) == FILTER_SET
+
+
+def test_small_m_linear_gives_transformers_greedy_tokens(model, hf_tokens):
+    """With the small-M Triton linear switched on (decode rows and short prefill chunks
+    through kernels.linear_small_m), greedy output is still transformers'."""
+    try:
+        ops.set_small_m_linear(True)
+        with ops.use_backend("triton"):
+            out = engine(on_backend(model, "triton"), max_num_tokens=16).generate(
+                PROMPTS, max_new_tokens=STEPS
+            )
+    finally:
+        ops.set_small_m_linear(False)
+    assert [o.token_ids for o in out] == hf_tokens

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdraft.kernels import apply_rotary, argmax_rows, rms_norm, silu_and_mul
+from specdraft.kernels import apply_rotary, argmax_rows, linear_small_m, rms_norm, silu_and_mul
 from specdraft.layers import cos_sin_table, rope_inv_freq
 from specdraft.models.config import DecoderConfig, RopeConfig, UnsupportedModelError
 
@@ -88,6 +88,58 @@ def test_gpu_argmax_rows_bf16_vocab_49152():
         x[0, 40000] = x[0, 30000] = x[0].max() + 1  # a tie: 30000 wins
         got = argmax_rows(x)
         assert torch.equal(got, x.argmax(dim=-1)) and int(got[0]) == 30000
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m, n, k, bias", [(1, 40, 24, False), (3, 70, 300, True),
+                                           (16, 33, 17, False), (5, 130, 64, True)])  # fmt: skip
+def test_linear_small_m_against_float64(device, dtype, m, n, k, bias):
+    """Fresh random inputs; the output poisoned first; compared with the float64
+    product, within the rounding of the dtype (fp32: ieee products)."""
+    x = torch.randn(m, k, device=device).to(dtype)
+    w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
+    b = torch.randn(n, device=device).to(dtype) if bias else None
+    out = torch.full((m, n), float("nan"), device=device, dtype=dtype)
+    got = linear_small_m(x, w, b, out=out)
+    assert got is out and torch.isfinite(out).all()
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out.double(), ref, atol=tol * 4, rtol=tol)
+    view = torch.randn(m, k + 8, device=device).to(dtype)[:, 4 : k + 4]  # row stride k + 8
+    ref = view.double() @ w.double().T + (b.double() if bias else 0)
+    torch.testing.assert_close(linear_small_m(view, w, b).double(), ref, atol=tol * 4, rtol=tol)
+
+
+def test_ops_linear_switch(device):
+    """ops.linear: F.linear unless the small-M kernel is switched on; then the kernel for
+    up to 16 rows and F.linear past that; the same result either way."""
+    from specdraft import ops
+
+    w = torch.randn(24, 32, device=device)
+    for m in (1, 16, 17):
+        x = torch.randn(m, 32, device=device)
+        want = torch.nn.functional.linear(x, w)
+        try:
+            ops.set_small_m_linear(True)
+            got = ops.linear(x, w, None)
+        finally:
+            ops.set_small_m_linear(False)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(TypeError, match="enabled"):
+        ops.set_small_m_linear(1)
+
+
+@pytest.mark.gpu
+def test_gpu_linear_small_m_bf16_error_within_torchs():
+    """bf16 at SmolLM2 and Llama-3-8B shapes: the error against the float32 product is
+    within twice what cuBLAS's own bf16 result has."""
+    for m, n, k in ((1, 960, 576), (4, 3072, 576), (16, 576, 1536), (1, 6144, 4096)):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
+        ref = x.float() @ w.float().T
+        ours = (linear_small_m(x, w).float() - ref).abs().max()
+        theirs = (torch.nn.functional.linear(x, w).float() - ref).abs().max()
+        assert ours <= 2 * theirs + 1e-3, (m, n, k, float(ours), float(theirs))
 
 
 def ref_rotary(x, pos, table):
