@@ -132,14 +132,6 @@ class SpeculativeEngine:
         self._index_ring = PinnedRing(r, torch.int64, runner.device)
         pin = runner.device.type == "cuda"
         self._stream = CurrentStream(runner.device) if pin else None
-        # pinned readback slots, reused round robin (one step in flight, one being read)
-        self._host = [
-            (
-                torch.empty((r, k + 1), dtype=torch.int64, pin_memory=pin),
-                torch.empty(r, dtype=torch.int32, pin_memory=pin),
-            )
-            for _ in range(3)
-        ]
         self._next_host = 0
         self._count = 0
         # Steady steps: verification, rejection sampling and the bookkeeping of a batch
@@ -151,6 +143,8 @@ class SpeculativeEngine:
         self._backend = graph_backend or CudaGraphBackend()
         self._steps: OrderedDict[tuple, _StepGraph] = OrderedDict()
         self._d_views: dict[int, tuple] = {}
+        # a step's tokens and counts, staged on the device, then one copy into one of
+        # three pinned slots (reused round robin: one step in flight, one being read)
         self._stage = torch.zeros((r, k + 2), dtype=torch.int64, device=runner.device)
         self._host_stage = [torch.zeros((r, k + 2), dtype=torch.int64, pin_memory=pin)
                             for _ in range(3)]  # fmt: skip
@@ -235,8 +229,9 @@ class SpeculativeEngine:
         pending = self._readback_first(first)
         active = list(range(len(group)))  # positions in `group` of the batch rows
         unchecked = 0  # steps that may run before a request can need another block
-        settled = False  # the batch and its verify rows as in the step before
-        in_place = False  # the last step (a graph) wrote the next round's drafter inputs
+        # the batch as in the step before: its verify rows are on the device and the last
+        # step wrote this round's inputs where the drafter reads them
+        settled = False
         batch = None
         while active:
             if batch is None:  # the batch changed: its lists once, not every step
@@ -248,33 +243,15 @@ class SpeculativeEngine:
                 unchecked = self._grow(batch, batch_ids)
             unchecked -= 1
             b = len(batch)
-            if in_place:
-                d_in = self._drafter_views(b)
-            else:
-                d_in = (verified, accepted, hidden_in)
+            d_in = self._drafter_views(b) if settled else (verified, accepted, hidden_in)
             proposal = drafter.propose(
                 batch_ids, d_in[0], d_in[1], k=ks, k_max=k, target_hidden=d_in[2]
             )
-            out = None
             if settled and self.step_graphs:
                 out = self._steady_step(b, greedy, proposal, verified, accepted)
-            in_place = out is not None
-            if out is None:
-                first = verified.gather(1, accepted.long()[:, None])[:, 0]
-                runner.verify_first[:b].copy_(first)
-                runner.verify_drafts[:b, :k].copy_(proposal.tokens)
-                logits = runner.execute_verify(b, k, rows=batch_rows)
-                vrows = runner.verify_rows[:b]
-                params = runner.sampling.select(vrows)
-                positions = runner.committed.index_select(0, vrows) + 1
-                out = self.rejection(logits, proposal.tokens, proposal.q, params, positions)
-                runner.committed.index_add_(0, vrows, out.num_accepted.long() + 1)
-                readback = self._readback(out, b)
             else:
-                readback = self._readback_stage(b)
-            if self.eagle:  # the state at verify row j predicted the token after it
-                hidden_in = runner.last_features.view(b, w, -1)
-            prev, pending = pending, (*readback, list(active))
+                _, out = self._step_body(b, proposal, verified, accepted, rows=batch_rows)
+            prev, pending = pending, (*self._readback_stage(b), list(active))
             self._process(group, *prev, stream)
             # next step: the requests still running, their verified rows gathered
             keep = [j for j, i in enumerate(active) if not group[i].finished]
@@ -285,10 +262,10 @@ class SpeculativeEngine:
                 idx = self._upload_index(keep)
                 verified = out.tokens.index_select(0, idx)  # index_select makes copies
                 accepted = out.num_accepted.index_select(0, idx)
-                if hidden_in is not None:
-                    hidden_in = hidden_in.index_select(0, idx)
+                if self.eagle:  # the state at verify row j predicted the token after it
+                    hidden_in = runner.last_features.view(b, w, -1).index_select(0, idx)
                 active = [active[j] for j in keep]
-                settled = in_place = False
+                settled = False
                 batch = None
             else:
                 settled = True
@@ -346,16 +323,21 @@ class SpeculativeEngine:
 
     # ---- steady steps -----------------------------------------------------------------
 
-    def _step_body(self, b: int, proposal, verified, accepted):
-        """One verification step on the device, after the draft round: the last emitted
-        token and the drafts into the target's verify inputs, verification, rejection
-        sampling, committed lengths, the emitted tokens and counts into the stage.
-        Fixed shapes and no host reads: capturable. Returns the target's features (or
-        None) and the sampler's output."""
+    def _step_body(self, b: int, proposal, verified, accepted, rows: list[int] | None = None):
+        """One verification step after the draft round: the last emitted token and the
+        drafts into the target's verify inputs, verification, rejection sampling,
+        committed lengths, the emitted tokens and counts into the stage, the next round's
+        inputs where the drafter reads them. rows None: the verify rows are on the device
+        already and verification runs inline (fixed shapes, no host reads: what a step
+        graph captures); else `execute_verify` uploads them (and replays its graph when
+        one fits). Returns the target's features (or None) and the sampler's output."""
         runner, k, w = self.runner, self.k, self.k + 1
         runner.verify_first[:b].copy_(verified.gather(1, accepted.long()[:, None])[:, 0])
         runner.verify_drafts[:b, :k].copy_(proposal.tokens)
-        logits, feats = runner._verify_forward(b, w)
+        if rows is None:
+            logits, feats = runner._verify_forward(b, w)
+        else:
+            logits, feats = runner.execute_verify(b, k, rows=rows), None
         vrows = runner.verify_rows[:b]
         params = runner.sampling.select(vrows)
         positions = runner.committed.index_select(0, vrows) + 1
@@ -449,14 +431,6 @@ class SpeculativeEngine:
         toks.copy_(first[:, None], non_blocking=True)
         counts = torch.ones(first.shape[0], dtype=torch.int32)
         return self._event(), (toks, counts), list(range(first.shape[0]))
-
-    def _readback(self, out, b: int):
-        toks, counts = self._host[self._next_host]
-        self._next_host = (self._next_host + 1) % len(self._host)
-        toks, counts = toks[:b], counts[:b]
-        toks.copy_(out.tokens, non_blocking=True)
-        counts.copy_(out.num_emitted, non_blocking=True)
-        return self._event(), (toks, counts)
 
     def _upload_index(self, values: list[int]) -> torch.Tensor:
         """A device int64 index from host ints through pinned memory (no sync)."""
