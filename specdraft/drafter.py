@@ -430,20 +430,13 @@ class Drafter:
         self.tables.commit()
         rows = desc.num_reqs if desc is not None else b
         self.loop.stage.upload(w, slots, inp.k, rows)
-        bufs, own = self.buffers, self._own
+        own = self._own
         in_place = (
             _is_view_of(verified_tokens, own[0]),
             _is_view_of(num_accepted, own[1]),
             target_hidden is not None and _is_view_of(target_hidden, own[2]),
         )
-        if not in_place[0]:
-            bufs.verified[:b, :w].copy_(verified_tokens, non_blocking=True)
-        if not in_place[1]:
-            bufs.accepted[:b].copy_(num_accepted, non_blocking=True)
-        if target_hidden is not None and not in_place[2]:
-            self.loop.hidden.view(-1, self.width, self.hidden_in)[:b, :w].copy_(
-                target_hidden, non_blocking=True
-            )
+        self._copy_inputs(b, w, verified_tokens, num_accepted, target_hidden, in_place)
         if desc is not None and not eager:
             tokens, q = self._managers[(kk, run_mode)].replay(desc)
             self.graph_rounds += 1
@@ -479,16 +472,20 @@ class Drafter:
         in_len = (self.max_model_len - 1 - upper) // w + 1
         return int(max(0, min(fits.min(), in_len.min())))
 
-    def _steady_round(self, st: _Steady, verified, accepted, hidden) -> Proposal:
+    def _copy_inputs(self, b: int, w: int, verified, accepted, hidden, in_place) -> None:
+        """The round's inputs into its buffers, except those already written there."""
         bufs = self.buffers
-        if not st.own[0]:
-            bufs.verified[: st.b, : st.w].copy_(verified, non_blocking=True)
-        if not st.own[1]:
-            bufs.accepted[: st.b].copy_(accepted, non_blocking=True)
-        if hidden is not None and not st.own[2]:
-            self.loop.hidden.view(-1, self.width, self.hidden_in)[: st.b, : st.w].copy_(
+        if not in_place[0]:
+            bufs.verified[:b, :w].copy_(verified, non_blocking=True)
+        if not in_place[1]:
+            bufs.accepted[:b].copy_(accepted, non_blocking=True)
+        if hidden is not None and not in_place[2]:
+            self.loop.hidden.view(-1, self.width, self.hidden_in)[:b, :w].copy_(
                 hidden, non_blocking=True
             )
+
+    def _steady_round(self, st: _Steady, verified, accepted, hidden) -> Proposal:
+        self._copy_inputs(st.b, st.w, verified, accepted, hidden, st.own)
         st.manager.replay(st.desc)
         st.budget -= 1
         st.rounds += 1
@@ -498,8 +495,8 @@ class Drafter:
         return st.out
 
     def _leave_steady(self) -> None:
-        """Fold the steady rounds into the length bounds (each added 1 to 1 + ... W_in
-        tokens) and drop the steady state."""
+        """Fold the steady rounds into the length bounds (each added between 1 and W_in
+        tokens: lower + 1, upper + W_in per round) and drop the steady state."""
         st = self._steady
         if st is None:
             return
