@@ -75,7 +75,7 @@ def _hf_greedy_tok_s(gguf: str | None, prompts: list[list[int]], new_tokens: int
     """transformers loading the same GGUF, plain greedy, one prompt at a time."""
     import transformers
 
-    from bench.e2e import hf_greedy_tok_s
+    from bench.e2e import hf_greedy_one_at_a_time_tok_s
     from specdraft.embedded import smollm2_gguf_path
 
     path = Path(gguf or smollm2_gguf_path())
@@ -83,8 +83,7 @@ def _hf_greedy_tok_s(gguf: str | None, prompts: list[list[int]], new_tokens: int
         path.parent, gguf_file=path.name, torch_dtype=torch.bfloat16
     )
     hf = hf.cuda().eval()
-    rates = [hf_greedy_tok_s(hf, [p], new_tokens) for p in prompts]
-    return len(rates) / sum(1 / r for r in rates)  # tokens over total time
+    return hf_greedy_one_at_a_time_tok_s(hf, prompts, new_tokens)
 
 
 def _per_call_us(fn, iters: int, cuda: bool) -> tuple[float, float]:
