@@ -10,8 +10,10 @@ verified block of K + 1 rows with random accepted counts.
 Per (draft, batch, K): the round's graph replayed back to back (device time per round);
 the same round as K graphs (prefill step, K - 1 decode steps) replayed in sequence; each
 step graph alone; the eager round (propose(eager=True), host launches included); host
-time of propose() per round, each call on an idle GPU (median and p90, and the share of
-rounds that took the steady path: same batch and inputs as the round before); graph
+time of propose() per round, each call behind a spin kernel that keeps the GPU busy (as
+in the engine) and each on an idle GPU (median and p90, the share of rounds that took
+the steady path: same batch and inputs as the round before), and the bare
+cudaGraphLaunch of the round's graph timed both ways; graph
 launches per round (the profiler's cudaGraphLaunch count); capture seconds per graph,
 the drafter's first capture (Triton compiling or loading its kernels in this process)
 and a second one (kernels cached: the bar); the floor (weights and K/V one round reads
@@ -210,21 +212,22 @@ class Bench:
         self.reset()
         eager_us = events_us(lambda: self.propose(k, eager=True), max(5, iters // 3))
 
-        # Host time of propose(), each call enqueued on an idle GPU. (Timed back to back
+        # Host time of propose(), each call enqueued on an idle GPU, and each call
+        # enqueued behind a spin kernel that keeps the GPU busy (as in the engine, where
+        # a round is launched while the previous verification runs). Timed back to back
         # instead, a host rounds ahead of the GPU is throttled by the driver's bounded
-        # launch queue and the figure grows with the GPU's time per round: 37 µs at K 1
-        # to 90 µs at K 3 on the H200, for a 11 µs call.)
+        # launch queue and the figure grows with the GPU's time per round. The bare
+        # cudaGraphLaunch of the round's graph is timed the same two ways: the rest of
+        # propose() is specdraft's own host work.
         self.reset()
         self.propose(k)
-        host = []
+        spin = spin_cycles(3 * round_us + 100)
         steady0 = d.steady_rounds
-        for _ in range(iters):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            self.propose(k)
-            host.append((time.perf_counter() - t0) * 1e6)
-        torch.cuda.synchronize()
-        steady = (d.steady_rounds - steady0) / iters
+        host = host_us(lambda: self.propose(k), iters, 0)
+        host_busy = host_us(lambda: self.propose(k), iters, spin)
+        steady = (d.steady_rounds - steady0) / (2 * iters)
+        launch_idle = host_us(graph.replay, iters, 0)
+        launch_busy = host_us(graph.replay, iters, spin)
         self.reset()
         launches = graph_launches(lambda: self.propose(k), 5)
         return dict(
@@ -235,10 +238,47 @@ class Bench:
             decode_us=decode_us,
             host_us=statistics.median(host),
             host_p90_us=sorted(host)[int(0.9 * (len(host) - 1))],
+            host_busy_us=statistics.median(host_busy),
+            host_busy_p90_us=sorted(host_busy)[int(0.9 * (len(host_busy) - 1))],
+            launch_idle_us=statistics.median(launch_idle),
+            launch_busy_us=statistics.median(launch_busy),
             steady_share=steady,
             launches=launches,
             steps_match=steps_match,
         )
+
+
+_CYCLES_PER_US: list[float] = []
+
+
+def spin_cycles(us: float) -> int:
+    """Clock cycles of torch.cuda._sleep that keep the GPU busy for about `us`
+    (calibrated once per process with events)."""
+    if not _CYCLES_PER_US:
+        n = 2_000_000
+        torch.cuda._sleep(n)  # warm
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(n)
+        end.record()
+        end.synchronize()
+        _CYCLES_PER_US.append(n / (start.elapsed_time(end) * 1e3))
+    return int(us * _CYCLES_PER_US[0])
+
+
+def host_us(fn, iters: int, spin: int) -> list[float]:
+    """Host µs of fn(), each call after a synchronize: on an idle GPU (spin 0) or
+    behind a spin kernel of `spin` cycles."""
+    out = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        if spin:
+            torch.cuda._sleep(spin)
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return out
 
 
 def graph_launches(fn, rounds: int) -> dict:
@@ -299,8 +339,12 @@ COLUMNS = [
     ("prefill_us", "prefill step µs"),
     ("decode_us", "decode step µs"),
     ("round_over_steps_bar", "round / (prefill + (K-1) decode)"),
-    ("host_us", "host µs / round"),
-    ("host_p90_us", "host p90 µs"),
+    ("host_busy_us", "host µs / round (GPU busy)"),
+    ("host_busy_p90_us", "p90"),
+    ("host_us", "host µs / round (GPU idle)"),
+    ("host_p90_us", "p90"),
+    ("launch_busy_us", "bare graph launch µs (busy)"),
+    ("launch_idle_us", "bare graph launch µs (idle)"),
     ("steady_share", "steady rounds"),
     ("graph_launches", "graph launches / round"),
     ("capture_s_per_graph", "capture s / graph (first)"),
@@ -421,11 +465,14 @@ def check_bars(rows: list[dict], smol_us: float) -> list[str]:
             f"SmolLM2-shaped EAGLE round (b1, K3, {r['mode']}) / SmolLM2 decode step: "
             f"{ratio:.3f} ({'met' if ratio <= 0.2 else 'MISSED'}; bar 0.2)"
         )
-    worst = max(rows, key=lambda r: r["host_us"])
+    worst = max(rows, key=lambda r: r["host_busy_us"])
+    idle = max(rows, key=lambda r: r["host_us"])
     out.append(
-        f"host <= 30 µs per round: {'met' if worst['host_us'] <= 30 else 'MISSED'} "
-        f"(worst {worst['host_us']:.1f} µs: {worst['model']} b{worst['batch']} "
-        f"K{worst['k']})"
+        f"host <= 30 µs per round, launched while the GPU works (as in the engine): "
+        f"{'met' if worst['host_busy_us'] <= 30 else 'MISSED'} (worst "
+        f"{worst['host_busy_us']:.1f} µs: {worst['model']} b{worst['batch']} K{worst['k']}); "
+        f"on an idle GPU worst {idle['host_us']:.1f} µs ({idle['model']} b{idle['batch']} "
+        f"K{idle['k']}), of which the bare cudaGraphLaunch {idle['launch_idle_us']:.1f} µs"
     )
     worst = max(rows, key=lambda r: r["capture_again_s_per_graph"])
     first = max(r["capture_s_per_graph"] for r in rows)

@@ -681,7 +681,26 @@ def _finalize_kernel(
     SAMPLED: tl.constexpr, ACCEPT_MUL: tl.constexpr,
 ):  # fmt: skip
     req = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    rmask = req < B
+    _finish(
+        req, req < B, logits_ptr, stride_lm, drafts_ptr, stride_db, q_ptr, stride_qb,
+        stride_qk, greedy_ptr, temp_ptr, seed_ptr, pos_ptr, rmax_ptr, rthr_ptr, rsum_ptr,
+        pmax_ptr, parg_ptr, rval_ptr, ridx_ptr, tokens_ptr, stride_tb, nacc_ptr, nemit_ptr,
+        cprop_ptr, cacc_ptr, K, V, NB, NB2, KP, NBP, NB2P, SAMPLED, ACCEPT_MUL,
+    )  # fmt: skip
+
+
+@triton.jit
+def _finish(
+    req, rmask, logits_ptr, stride_lm, drafts_ptr, stride_db, q_ptr, stride_qb, stride_qk,
+    greedy_ptr, temp_ptr, seed_ptr, pos_ptr, rmax_ptr, rthr_ptr, rsum_ptr,
+    pmax_ptr, parg_ptr, rval_ptr, ridx_ptr,
+    tokens_ptr, stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr,
+    K, V, NB, NB2,
+    KP: tl.constexpr, NBP: tl.constexpr, NB2P: tl.constexpr,
+    SAMPLED: tl.constexpr, ACCEPT_MUL: tl.constexpr,
+):  # fmt: skip
+    """Requests `req` (rmask): the walk over their drafts, then the tokens, counts and
+    counters written."""
     greedy, t, seed, pos = _load_request(req, rmask, greedy_ptr, temp_ptr, seed_ptr, pos_ptr,
                                          SAMPLED)  # fmt: skip
     real = rmask & (pos >= 0)
@@ -720,6 +739,43 @@ def _finalize_kernel(
     cm = jj < K
     tl.atomic_add(cprop_ptr + jj, prop, mask=cm & (prop > 0))
     tl.atomic_add(cacc_ptr + jj, accd, mask=cm & (accd > 0))
+
+
+@triton.jit
+def _greedy_kernel(
+    logits_ptr, stride_lm, drafts_ptr, stride_db, pos_ptr, pmax_ptr, parg_ptr, done_ptr,
+    tokens_ptr, stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr,
+    K, V, NB,
+    KP: tl.constexpr, BLOCK_V: tl.constexpr, NBP: tl.constexpr,
+):  # fmt: skip
+    """Every request greedy, in one launch: program (b, blk) takes the argmax of request
+    b's K + 1 rows over vocabulary block blk (the partials kernel's tile), and the last
+    of the request's NB programs to finish (a ticket from an acq_rel atomic, which also
+    makes the others' partials visible to it) walks the request and writes its
+    tokens, then resets the ticket for the next call."""
+    req = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    j = tl.arange(0, KP)
+    rows = req * (K + 1) + j
+    rmask = j < K + 1
+    offs = blk * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = rmask[:, None] & (offs < V)[None, :]
+    ptrs = logits_ptr + rows[:, None] * stride_lm + offs[None, :]
+    z = tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
+    bmax, barg = tl.max(z, axis=1, return_indices=True, return_indices_tie_break_left=True)
+    out = rows * NB + blk
+    tl.store(pmax_ptr + out, bmax, mask=rmask)
+    tl.store(parg_ptr + out, (barg + blk * BLOCK_V).to(tl.int32), mask=rmask)
+    ticket = tl.atomic_add(done_ptr + req, 1, sem="acq_rel")
+    if ticket == NB - 1:
+        tl.store(done_ptr + req, 0)
+        one = req + tl.arange(0, 1)
+        _finish(
+            one, one >= 0, logits_ptr, stride_lm, drafts_ptr, stride_db, logits_ptr, 0, 0,
+            pos_ptr, pos_ptr, pos_ptr, pos_ptr, pmax_ptr, pmax_ptr, pmax_ptr, pmax_ptr,
+            parg_ptr, pmax_ptr, parg_ptr, tokens_ptr, stride_tb, nacc_ptr, nemit_ptr,
+            cprop_ptr, cacc_ptr, K, V, NB, 1, KP, NBP, 1, False, 0,
+        )  # fmt: skip
 
 
 # -------------------------------------------------------------------------- launcher
@@ -809,6 +865,7 @@ class RejectionWorkspace:
     band_below: torch.Tensor  # [rows] int64: mass below the band, fixed point
     race_val: torch.Tensor  # [reqs, nb2] float32
     race_idx: torch.Tensor  # [reqs, nb2] int32
+    done: torch.Tensor  # [reqs] int32: the greedy launch's tickets, zero between calls
 
     @classmethod
     def allocate(
@@ -830,6 +887,7 @@ class RejectionWorkspace:
             torch.empty(rows, **i32), torch.empty(rows, device=device, dtype=torch.int64),
             torch.empty(rows, device=device, dtype=torch.int64),
             torch.empty(num_reqs, nb2, **f32), torch.empty(num_reqs, nb2, **i32),
+            torch.zeros(num_reqs, **i32),
         )  # fmt: skip
 
 
@@ -943,6 +1001,7 @@ _BAND = _Launcher(_band_kernel)
 _THRESHOLD = _Launcher(_threshold_kernel)
 _RESAMPLE = _Launcher(_resample_kernel)
 _FINALIZE = _Launcher(_finalize_kernel)
+_GREEDY = _Launcher(_greedy_kernel)
 
 
 def rejection_sample(
@@ -1032,6 +1091,17 @@ def _plan(
     nb, nb2 = ws.part_max.shape[1], ws.race_val.shape[1]
     mul_a, mul_r, mul_b = (_stream_mul(s) for s in streams)
     lm = target_logits.stride(0)
+    if not sampled:  # every request greedy: one launch
+        _GREEDY.add(
+            launches,
+            (b, nb),
+            (target_logits, lm, draft_tokens, draft_tokens.stride(0), positions, ws.part_max,
+             ws.part_arg, ws.done, out_tokens, out_tokens.stride(0), out_num_accepted,
+             out_num_emitted, proposed_counts, accepted_counts, k, v, nb, kp, cfg.block_v,
+             _p2(nb)),
+            8 if kp * cfg.block_v >= 8192 else 4,
+        )  # fmt: skip
+        return workspace, b, v, launches
     _PARTIALS.add(
         launches,
         (triton.cdiv(rows, cfg.rows_p), triton.cdiv(v, cfg.block_v)),

@@ -163,7 +163,7 @@ def _speculate(engine, ids, params, max_new, args, target_tok_s, target_out, dra
     from .drafter import Drafter
     from .loader import load_draft
     from .models.llama import layer_truncated
-    from .speculative import SpeculativeEngine
+    from .speculative import SpecStats, SpeculativeEngine
 
     runner = engine.runner
     if draft_path is not None:
@@ -187,8 +187,7 @@ def _speculate(engine, ids, params, max_new, args, target_tok_s, target_out, dra
     )
     spec = SpeculativeEngine(runner, drafter, k=args.k, tokenizer=engine.tokenizer)
     spec.generate(ids[:1], params=params, max_new_tokens=2)  # warm-up
-    spec.stats.proposed = [0] * args.k
-    spec.stats.accepted = [0] * args.k
+    spec.stats = SpecStats(proposed=[0] * args.k, accepted=[0] * args.k)
     outs, secs = timed_generate(spec, ids, params=params, max_new_tokens=max_new)
     n = sum(len(o.token_ids) for o in outs)
     st = spec.stats
@@ -211,4 +210,5 @@ def _speculate(engine, ids, params, max_new, args, target_tok_s, target_out, dra
         ("speculative: acceptance length", f"{st.acceptance_length:.2f}"),
         ("speculative: acceptance per position", per_pos),
         ("speculative: speedup over target-only", f"{n / secs / target_tok_s:.2f}x"),
+        ("speculative: step graphs captured (timed)", f"{st.captures}, {st.capture_seconds:.3f} s"),
     ]

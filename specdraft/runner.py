@@ -182,6 +182,7 @@ class TargetRunner:
         # bumped when the verification buffers or the kept features change: a graph that
         # another object captured over them (SpeculativeEngine's steps) keys on it
         self.generation = 0
+        self._verify_rows_for: tuple[int, int] | None = None  # (requests, k) in verify_rows
         self._last: tuple[int, BatchExecutionDescriptor | None, bool] | None = None
 
     # ---- requests -------------------------------------------------------------------
@@ -197,6 +198,7 @@ class TargetRunner:
         row = self.tables.row_of(req_id)
         self.tables.remove_request(req_id)
         self.sampling.write_rows([row], [_GREEDY])
+        self._verify_rows_for = None  # its row may come back as another request's
 
     # ---- capture --------------------------------------------------------------------
 
@@ -437,6 +439,7 @@ class TargetRunner:
         self.generation += 1  # graphs captured elsewhere over the old buffers are stale
         self.committed = torch.zeros(r, dtype=torch.int64, device=dev)
         self.verify_rows = torch.full((r,), self.tables.null_row, dtype=torch.int64, device=dev)
+        self._verify_rows_for = None
         self.verify_first = torch.zeros(r, dtype=torch.int64, device=dev)
         self.verify_drafts = torch.full((r, k_max), -1, dtype=torch.int64, device=dev)
         self._arange_w = torch.arange(k_max + 1, device=dev)
@@ -470,6 +473,7 @@ class TargetRunner:
         if not manager.descriptors:
             return
         self.verify_rows.fill_(self.tables.null_row)  # capture sees padding only
+        self._verify_rows_for = None
 
         def forward(num_reqs, num_tokens, meta, slots, dp, mode):
             return self._verify_forward(num_reqs, w)
@@ -492,27 +496,48 @@ class TargetRunner:
                 f"verification needs {t} tokens ({r} requests x {w}), over max_num_tokens "
                 f"{self.limits.max_num_tokens}"
             )
-        manager = self._verify_graphs.get(w)
-        desc = None
-        if manager is not None and manager.captured and r >= 1:
-            desc = manager.dispatch(r, t, uniform_token_count=w, max_query_len=w)
+        desc = self._verify_descriptor(r, k)
         rp = r if desc is None else desc.num_reqs
         slot, host = self._rows_ring.acquire()
         host[:r] = torch.as_tensor(rows, dtype=torch.int64)
         host[r:rp] = self.tables.null_row
         self._rows_ring.copy_to(slot, self.verify_rows, rp)
+        self._verify_rows_for = (r, k)
+        return self._run_verify(r, k, desc)[0]
+
+    def replay_verify(self, num_reqs: int, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Verification of the same requests as the last execute_verify (their rows, and
+        the padded ones', still in verify_rows): no upload, one graph replay when one
+        fits. Returns (logits [num_reqs * (k + 1), V], the kept features or None)."""
+        if self._verify_rows_for != (num_reqs, k):
+            raise ValueError(
+                f"replay_verify({num_reqs}, {k}): the verify rows on the device are for "
+                f"{self._verify_rows_for} (requests, k); call execute_verify first"
+            )
+        return self._run_verify(num_reqs, k, self._verify_descriptor(num_reqs, k))
+
+    def _verify_descriptor(self, r: int, k: int):
+        w = k + 1
+        manager = self._verify_graphs.get(w)
+        if manager is None or not manager.captured or r < 1:
+            return None
+        return manager.dispatch(r, r * w, uniform_token_count=w, max_query_len=w)
+
+    def _run_verify(self, r: int, k: int, desc):
+        w = k + 1
+        t = r * w
         self.tables.commit()
         self.builder._last = None  # the buffers no longer hold a built batch
         if desc is None:
             logits, feats = self._verify_forward(r, w)
         else:
-            logits, feats = manager.replay(desc)
+            logits, feats = self._verify_graphs[w].replay(desc)
             logits, feats = logits[:t], None if feats is None else feats[:t]
             self.graph_steps += 1
         if feats is not None:
             self.last_features = feats
         self.steps += 1
-        return logits
+        return logits, feats
 
     def _verify_forward(self, rp: int, w: int):
         """Verification of rp requests (padded ones on the null row) on the device: inputs,

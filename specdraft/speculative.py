@@ -23,6 +23,7 @@ request leaves the batch at the next step (its outputs in flight are discarded).
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -54,14 +55,14 @@ class _Req:
     capacity: int = 0  # tokens its target KV blocks cover
 
 
-_MAX_STEP_GRAPHS = 8
+_MAX_STEP_GRAPHS = 32  # small graphs (the sampler and bookkeeping): cheap to keep
 
 
 class _StepGraph:
-    __slots__ = ("graph", "feats", "out")
+    __slots__ = ("graph", "out")
 
-    def __init__(self, graph, feats, out):
-        self.graph, self.feats, self.out = graph, feats, out
+    def __init__(self, graph, out):
+        self.graph, self.out = graph, out
 
 
 @dataclass
@@ -71,6 +72,8 @@ class SpecStats:
     steps: int = 0
     proposed: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    captures: int = 0  # step graphs captured while generating
+    capture_seconds: float = 0.0
 
     @property
     def acceptance_length(self) -> float:
@@ -248,9 +251,9 @@ class SpeculativeEngine:
                 batch_ids, d_in[0], d_in[1], k=ks, k_max=k, target_hidden=d_in[2]
             )
             if settled and self.step_graphs:
-                out = self._steady_step(b, greedy, proposal, verified, accepted)
+                out = self._steady_step(b, greedy, proposal)
             else:
-                _, out = self._step_body(b, proposal, verified, accepted, rows=batch_rows)
+                out = self._step_body(b, proposal, verified, accepted, rows=batch_rows)
             prev, pending = pending, (*self._readback_stage(b), list(active))
             self._process(group, *prev, stream)
             # next step: the requests still running, their verified rows gathered
@@ -323,21 +326,25 @@ class SpeculativeEngine:
 
     # ---- steady steps -----------------------------------------------------------------
 
-    def _step_body(self, b: int, proposal, verified, accepted, rows: list[int] | None = None):
-        """One verification step after the draft round: the last emitted token and the
-        drafts into the target's verify inputs, verification, rejection sampling,
-        committed lengths, the emitted tokens and counts into the stage, the next round's
-        inputs where the drafter reads them. rows None: the verify rows are on the device
-        already and verification runs inline (fixed shapes, no host reads: what a step
-        graph captures); else `execute_verify` uploads them (and replays its graph when
-        one fits). Returns the target's features (or None) and the sampler's output."""
-        runner, k, w = self.runner, self.k, self.k + 1
+    def _step_body(self, b: int, proposal, verified, accepted, rows: list[int]):
+        """A step of a batch that changed (or the first): the last emitted token and the
+        drafts into the target's verify inputs, verification through execute_verify
+        (which uploads the requests' rows and replays its graph when one fits), then
+        `_after_verify`. Returns the sampler's output."""
+        runner, k = self.runner, self.k
         runner.verify_first[:b].copy_(verified.gather(1, accepted.long()[:, None])[:, 0])
         runner.verify_drafts[:b, :k].copy_(proposal.tokens)
-        if rows is None:
-            logits, feats = runner._verify_forward(b, w)
-        else:
-            logits, feats = runner.execute_verify(b, k, rows=rows), None
+        logits = runner.execute_verify(b, k, rows=rows)
+        feats = runner.last_features if self.eagle else None
+        return self._after_verify(b, proposal, logits, feats)
+
+    def _after_verify(self, b: int, proposal, logits, feats):
+        """Rejection sampling, committed lengths, the emitted tokens and counts into the
+        stage, and the next step's inputs where their readers find them: the drafter's
+        verified block, accepted counts and features, and the target's verify_first (the
+        last emitted token). Fixed shapes and no host reads: what a step graph captures.
+        Returns the sampler's output."""
+        runner, w = self.runner, self.k + 1
         vrows = runner.verify_rows[:b]
         params = runner.sampling.select(vrows)
         positions = runner.committed.index_select(0, vrows) + 1
@@ -345,13 +352,14 @@ class SpeculativeEngine:
         runner.committed.index_add_(0, vrows, out.num_accepted.long() + 1)
         self._stage[:b, :w].copy_(out.tokens)
         self._stage[:b, w].copy_(out.num_emitted)
-        # the next draft round's inputs, written where the drafter reads them
+        last = out.tokens.gather(1, out.num_accepted.long()[:, None])[:, 0]
+        runner.verify_first[:b].copy_(last)
         ver, acc, hid = self._drafter_views(b)
         ver.copy_(out.tokens)
         acc.copy_(out.num_accepted)
         if hid is not None:
-            hid.copy_((feats if feats is not None else runner.last_features).view(b, w, -1))
-        return feats, out
+            hid.copy_(feats.view(b, w, -1))
+        return out
 
     def _drafter_views(self, b: int):
         views = self._d_views.get(b)
@@ -359,45 +367,47 @@ class SpeculativeEngine:
             views = self._d_views[b] = self.drafter.input_views(b, self.k + 1)
         return views
 
-    def _steady_step(self, b: int, greedy: bool, proposal, verified, accepted):
-        """The step of a batch that repeats the previous one (its verify rows already on
-        the device) as one graph replay. The first step for a key (batch size, sampling
-        flags, input addresses) runs eagerly, which also warms every kernel at these
-        shapes, and captures the graph for the next; the cache keeps the last few keys."""
-        runner = self.runner
+    def _steady_step(self, b: int, greedy: bool, proposal):
+        """A step of the batch of the step before: its verify rows, verify_first and
+        the drafter's inputs are on the device already. The drafts go into the verify
+        inputs, verification replays the target's graph for this size (captured at
+        start-up, padded requests writing nothing), and everything after it is one
+        small graph replay. The first step for a key (batch size, sampling flags, the
+        addresses read) runs that part eagerly and captures it for the next; the cache
+        keeps the last few keys. (A single graph over the whole step would be captured
+        per batch size while the batch runs, at the price of a full verification
+        capture each time a request leaves.)"""
+        runner, k = self.runner, self.k
+        runner.verify_drafts[:b, :k].copy_(proposal.tokens)
+        logits, feats = runner.replay_verify(b, k)
         q = proposal.q
         table = runner.sampling  # its host flags pick the sampler's launches
         key = (
             (b, greedy, table.any_filter, table.all_greedy, runner.generation),
             (proposal.tokens.data_ptr(), 0 if q is None else q.data_ptr()),
-            (verified.data_ptr(), accepted.data_ptr()),
+            (logits.data_ptr(), 0 if feats is None else feats.data_ptr()),
         )
         g = self._steps.get(key)
-        runner.tables.commit()
-        runner.builder._last = None  # the buffers no longer hold a built batch
         if g is not None:
             self._steps.move_to_end(key)
             fresh = self._backend.replay(g.graph)  # a stand-in's own outputs, or None
-            feats, out = (g.feats, g.out) if fresh is None else fresh
-            if feats is not None:
-                runner.last_features = feats
+            out = g.out if fresh is None else fresh
         else:
             eager = not self._backend.executes_on_capture
             if eager:  # this step's work; a capture then only records
-                feats, out = self._step_body(b, proposal, verified, accepted)
+                out = self._after_verify(b, proposal, logits, feats)
             if len(self._steps) >= _MAX_STEP_GRAPHS:
                 self._steps.popitem(last=False)
+            t0 = time.perf_counter()
             with torch.no_grad():
-                graph, (g_feats, g_out) = self._backend.capture(
-                    lambda: self._step_body(b, proposal, verified, accepted), self._pool()
+                graph, g_out = self._backend.capture(
+                    lambda: self._after_verify(b, proposal, logits, feats), self._pool()
                 )
-            self._steps[key] = _StepGraph(graph, g_feats, g_out)
+            self.stats.captures += 1
+            self.stats.capture_seconds += time.perf_counter() - t0
+            self._steps[key] = _StepGraph(graph, g_out)
             if not eager:
-                feats, out = g_feats, g_out
-            if feats is not None:
-                runner.last_features = feats
-        runner.steps += 1
-        runner.graph_steps += 1
+                out = g_out
         self.graph_steps += 1
         return out
 

@@ -641,6 +641,35 @@ def test_counters_accumulate_and_padding_writes_nothing(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_greedy_one_launch_resets_its_tickets(device):
+    """All-greedy batches take the one-launch kernel, whose last program per request
+    finishes it: tickets are back to zero after every call, so fresh logits in a second
+    call are decided from scratch (padded requests write -1 / 0 both times)."""
+    b, k, v = 7, 3, 40
+    g = torch.Generator().manual_seed(11)
+    st = make_params(b, [SP(0.0)], device)
+    cfg = kr.RejectionConfig(8, 1, 16, 1, 16, 16, 8, 16, 1, 1)  # 5 vocab blocks
+    batch = None
+    for call in range(2):
+        logits, drafts, _, _, pos = random_case(b, k, v, [SP(0.0)], ties=True, gen=g)
+        pos[[1, 5]] = -1
+        if batch is None:
+            batch = Batch(logits.to(device), drafts.to(device), None, st, pos.to(device), cfg)
+        else:
+            for dst, src in zip(batch.args, (logits, drafts, None, *([None] * 5), pos)):
+                if src is not None:
+                    dst.copy_(src)
+        batch.tokens.fill_(-7)
+        tokens, nacc, nemit = (t.cpu() for t in batch.run())
+        assert int(batch.ws.done.abs().sum()) == 0, call
+        rt, rn, re = ref_rejection(logits, drafts, None, _cpu(st), pos)
+        real = pos >= 0
+        assert torch.equal(tokens[real], rt[real]) and torch.equal(nacc[real], rn[real])
+        assert torch.equal(nemit[real], re[real])
+        assert bool((tokens[~real] == -1).all()) and bool((nemit[~real] == 0).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_out_of_vocab_drafts_without_validation(monkeypatch, device):
     """With validation off nothing reads outside the tensors: an id outside the
     vocabulary is never accepted (the walk stops there) and the emitted token is valid."""

@@ -127,6 +127,30 @@ def test_step_graphs_equal_the_full_path(models):
                 assert runs[0] == runs[1], (type(draft).__name__, p is None)
 
 
+def test_replay_verify_needs_the_rows_of_execute_verify(models):
+    """replay_verify reuses the verify rows on the device: without an execute_verify for
+    the same (requests, k), or after a request left, it refuses and changes nothing."""
+    target, _, other = models
+    se = spec_engine(target, other, k=3, step_graphs=False)
+    runner = se.runner
+    for rid in (1, 2):
+        runner.tables.add_request(rid, 16)
+    rows = [runner.tables.row_of(1), runner.tables.row_of(2)]
+    snap = [t.clone() for t in (runner.committed, runner.verify_rows, runner.cache.data)]
+    with pytest.raises(ValueError, match=r"replay_verify\(2, 3\).*execute_verify"):
+        runner.replay_verify(2, 3)
+    for a, t in zip(snap, (runner.committed, runner.verify_rows, runner.cache.data)):
+        assert torch.allclose(a, t, rtol=0, atol=0, equal_nan=True)
+    runner.verify_drafts[:2, :3].fill_(5)
+    want = runner.execute_verify(2, 3, rows=rows).clone()
+    assert torch.equal(runner.replay_verify(2, 3)[0], want)  # same inputs, same logits
+    with pytest.raises(ValueError, match="replay_verify"):
+        runner.replay_verify(1, 3)  # another request count
+    runner.remove_request(2)
+    with pytest.raises(ValueError, match="replay_verify"):
+        runner.replay_verify(2, 3)
+
+
 def test_step_graphs_need_a_gpu_or_a_backend(models):
     target, _, other = models
     with pytest.raises(ValueError, match="step_graphs=True needs the target on a CUDA device"):
