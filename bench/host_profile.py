@@ -114,7 +114,7 @@ def profile_spec(batch: int, k: int, new_tokens: int) -> dict:
     t.wrap(se, "_steady_step", "SpeculativeEngine._steady_step (graph)")
     t.wrap(se, "_readback_stage", "SpeculativeEngine._readback_stage")
     t.wrap(runner.tables, "grow", "BlockTables.grow")
-    t.wrap(se, "_readback", "SpeculativeEngine._readback")
+    t.wrap(runner, "replay_verify", "TargetRunner.replay_verify")
     t.wrap(se, "_process", "SpeculativeEngine._process")
     _waits(t)
     rejection = se.rejection

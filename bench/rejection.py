@@ -20,6 +20,7 @@ reads q only at the draft ids and one row per request). Peer: the PyTorch path
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import torch
 
 from bench.common import time_graph_us
 from specdraft import ops
+from specdraft.kernels import rejection as kr
 from specdraft.rejection import RejectionSampler
 from specdraft.sampling import SamplingParams, SamplingTensors
 
@@ -69,7 +71,9 @@ def make_inputs(b: int, k: int, v: int, dist: str, sampled: bool, seed: int):
     return logits, drafts, q, positions
 
 
-def bench_case(v: int, mode: str, dist: str, b: int, k: int, read_bw: float) -> dict:
+def bench_case(
+    v: int, mode: str, dist: str, b: int, k: int, read_bw: float, block_g: int | None = None
+) -> dict:
     params = MODES[mode]
     sampled = not params.greedy
     sets = [make_inputs(b, k, v, dist, sampled, seed) for seed in range(3)]
@@ -78,8 +82,15 @@ def bench_case(v: int, mode: str, dist: str, b: int, k: int, read_bw: float) -> 
         "cuda",
     )
     row = {"vocab": v, "mode": mode, "logits": dist, "batch": b, "k": k}
+    config = None
+    if block_g is not None:  # the all-greedy launch with another vocabulary tile
+        config = dataclasses.replace(kr.choose_rejection_config(v, b, k), block_g=block_g)
+        row["mode"] = f"{mode} (tile {block_g})"
     for name, backend in (("specdraft_us", "triton"), ("torch_us", "torch")):
-        sampler = RejectionSampler(b, k, v, "cuda")
+        if config is not None and backend == "torch":
+            row[name] = None
+            continue
+        sampler = RejectionSampler(b, k, v, "cuda", config=config)
 
         def launches(sampler=sampler, backend=backend):
             def one(s):
@@ -135,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     # Comma-separated; mode names hold no comma (a "top-k 50, top-p 0.9" once split in two).
     ap.add_argument("--modes", default=",".join(MODES), help=f"any of {list(MODES)}")
     ap.add_argument("--dists", default="peaked,gaussian")
+    ap.add_argument(
+        "--greedy-tiles", default="", help="also time greedy with these vocabulary tiles"
+    )
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",")]
     unknown = [m for m in modes if m not in MODES]
@@ -157,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print({k: round(x, 2) if isinstance(x, float) else x for k, x in row.items()})
                 torch.cuda.empty_cache()
+        for tile in (int(x) for x in args.greedy_tiles.split(",") if x):
+            row = bench_case(v, "greedy", "gaussian", args.batch, args.k, env["read_tbps"], tile)
+            rows.append(row)
+            print({k: round(x, 2) if isinstance(x, float) else x for k, x in row.items()})
     table = markdown_table(rows, COLUMNS)
     head = f"{env['gpu']}, read {env['read_tbps']:.2f} TB/s, {env['date']}\n\n"
     print(table)

@@ -4,6 +4,7 @@ This package imports torch and triton only, never the runtime."""
 
 from .activation import check_silu_and_mul_args, silu_and_mul
 from .argmax import argmax_rows, check_argmax_args
+from .commit import check_commit_args, commit_step, commit_step_torch
 from .gemv import check_linear_small_m_args, linear_small_m
 from .guard import INTERPRET, check_tensors_runnable, runnable
 from .kv_store import check_store_kv_args, store_kv
@@ -38,6 +39,7 @@ from .validation import set_validation, use_validation, validation_enabled
 # with a message that says what to do (kernels/guard.py).
 silu_and_mul = runnable(silu_and_mul)
 argmax_rows = runnable(argmax_rows)
+commit_step = runnable(commit_step)
 linear_small_m = runnable(linear_small_m)
 store_kv = runnable(store_kv)
 paged_attention = runnable(paged_attention)
@@ -51,6 +53,9 @@ __all__ = [
     "INTERPRET",
     "argmax_rows",
     "check_argmax_args",
+    "check_commit_args",
+    "commit_step",
+    "commit_step_torch",
     "check_linear_small_m_args",
     "linear_small_m",
     "AttentionLaunchConfig",

@@ -752,7 +752,8 @@ def _greedy_kernel(
     b's K + 1 rows over vocabulary block blk (the partials kernel's tile), and the last
     of the request's NB programs to finish (a ticket from an acq_rel atomic, which also
     makes the others' partials visible to it) walks the request and writes its
-    tokens, then resets the ticket for the next call."""
+    tokens, then resets the ticket for the next call. NB programs per request; the
+    partials are laid out [rows, NB] in the workspace (NB <= its columns)."""
     req = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     j = tl.arange(0, KP)
@@ -799,6 +800,7 @@ class RejectionConfig:
     block_r: int
     rows_r: int
     rows_w: int
+    block_g: int | None = None  # the all-greedy launch's vocabulary tile (None: block_v)
 
     @property
     def max_passes(self) -> int:
@@ -837,6 +839,7 @@ def choose_rejection_config(
         block_r=block_r,
         rows_r=max(1, min(tile // block_r, _p2(num_reqs))),
         rows_w=max(1, min(tile // (kp * nb), _p2(num_reqs), 1024 if INTERPRET else 64)),
+        block_g=block_v if INTERPRET else min(_p2(vocab), 4096),
     )
 
 
@@ -1092,14 +1095,15 @@ def _plan(
     mul_a, mul_r, mul_b = (_stream_mul(s) for s in streams)
     lm = target_logits.stride(0)
     if not sampled:  # every request greedy: one launch
+        bg = max(cfg.block_g or cfg.block_v, cfg.block_v)  # at most nb partials per row
+        nbg = triton.cdiv(v, bg)
         _GREEDY.add(
             launches,
-            (b, nb),
+            (b, nbg),
             (target_logits, lm, draft_tokens, draft_tokens.stride(0), positions, ws.part_max,
              ws.part_arg, ws.done, out_tokens, out_tokens.stride(0), out_num_accepted,
-             out_num_emitted, proposed_counts, accepted_counts, k, v, nb, kp, cfg.block_v,
-             _p2(nb)),
-            8 if kp * cfg.block_v >= 8192 else 4,
+             out_num_emitted, proposed_counts, accepted_counts, k, v, nbg, kp, bg, _p2(nbg)),
+            8 if kp * bg >= 8192 else 4,
         )  # fmt: skip
         return workspace, b, v, launches
     _PARTIALS.add(

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import kernels, ops
 from .batch import ScheduledBatch
 from .cuda_graph import CudaGraphBackend
 from .draft_inputs import DraftKind
@@ -149,6 +150,7 @@ class SpeculativeEngine:
         # a step's tokens and counts, staged on the device, then one copy into one of
         # three pinned slots (reused round robin: one step in flight, one being read)
         self._stage = torch.zeros((r, k + 2), dtype=torch.int64, device=runner.device)
+        self._positions = torch.zeros(r, dtype=torch.int64, device=runner.device)
         self._host_stage = [torch.zeros((r, k + 2), dtype=torch.int64, pin_memory=pin)
                             for _ in range(3)]  # fmt: skip
         self.graph_steps = 0
@@ -329,34 +331,38 @@ class SpeculativeEngine:
     def _step_body(self, b: int, proposal, verified, accepted, rows: list[int]):
         """A step of a batch that changed (or the first): the last emitted token and the
         drafts into the target's verify inputs, verification through execute_verify
-        (which uploads the requests' rows and replays its graph when one fits), then
-        `_after_verify`. Returns the sampler's output."""
+        (which uploads the requests' rows and replays its graph when one fits), the
+        positions of draft 0, then `_after_verify`. Returns the sampler's output."""
         runner, k = self.runner, self.k
         runner.verify_first[:b].copy_(verified.gather(1, accepted.long()[:, None])[:, 0])
         runner.verify_drafts[:b, :k].copy_(proposal.tokens)
         logits = runner.execute_verify(b, k, rows=rows)
         feats = runner.last_features if self.eagle else None
+        vrows = runner.verify_rows[:b]
+        self._positions[:b].copy_(runner.committed.index_select(0, vrows) + 1)
         return self._after_verify(b, proposal, logits, feats)
 
     def _after_verify(self, b: int, proposal, logits, feats):
-        """Rejection sampling, committed lengths, the emitted tokens and counts into the
-        stage, and the next step's inputs where their readers find them: the drafter's
-        verified block, accepted counts and features, and the target's verify_first (the
-        last emitted token). Fixed shapes and no host reads: what a step graph captures.
-        Returns the sampler's output."""
+        """Rejection sampling, then the bookkeeping in one launch (kernels/commit.py):
+        committed lengths, the emitted tokens and counts into the stage, and the next
+        step's inputs where their readers find them (the drafter's verified block and
+        accepted counts, the target's verify_first, the positions of the next draft 0),
+        plus the features into the drafter's hidden-state input. Fixed shapes and no
+        host reads: what a step graph captures. Returns the sampler's output."""
         runner, w = self.runner, self.k + 1
         vrows = runner.verify_rows[:b]
-        params = runner.sampling.select(vrows)
-        positions = runner.committed.index_select(0, vrows) + 1
-        out = self.rejection(logits, proposal.tokens, proposal.q, params, positions)
-        runner.committed.index_add_(0, vrows, out.num_accepted.long() + 1)
-        self._stage[:b, :w].copy_(out.tokens)
-        self._stage[:b, w].copy_(out.num_emitted)
-        last = out.tokens.gather(1, out.num_accepted.long()[:, None])[:, 0]
-        runner.verify_first[:b].copy_(last)
+        table = runner.sampling
+        # An all-greedy table: the greedy sampler reads no per-request parameter, so the
+        # gather of the batch's rows (five launches) is skipped.
+        greedy_only = proposal.q is None and table.all_greedy
+        params = table if greedy_only else table.select(vrows)
+        out = self.rejection(logits, proposal.tokens, proposal.q, params, self._positions[:b])
         ver, acc, hid = self._drafter_views(b)
-        ver.copy_(out.tokens)
-        acc.copy_(out.num_accepted)
+        commit = kernels.commit_step
+        if ops.backend_for(out.tokens) != "triton":
+            commit = kernels.commit_step_torch
+        commit(out.tokens, out.num_accepted, out.num_emitted, vrows, runner.committed,
+               self._stage, runner.verify_first, ver, acc, self._positions)  # fmt: skip
         if hid is not None:
             hid.copy_(feats.view(b, w, -1))
         return out

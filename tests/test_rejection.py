@@ -641,14 +641,15 @@ def test_counters_accumulate_and_padding_writes_nothing(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_greedy_one_launch_resets_its_tickets(device):
+@pytest.mark.parametrize("block_g", [None, 16])
+def test_greedy_one_launch_resets_its_tickets(device, block_g):
     """All-greedy batches take the one-launch kernel, whose last program per request
     finishes it: tickets are back to zero after every call, so fresh logits in a second
     call are decided from scratch (padded requests write -1 / 0 both times)."""
     b, k, v = 7, 3, 40
     g = torch.Generator().manual_seed(11)
     st = make_params(b, [SP(0.0)], device)
-    cfg = kr.RejectionConfig(8, 1, 16, 1, 16, 16, 8, 16, 1, 1)  # 5 vocab blocks
+    cfg = kr.RejectionConfig(8, 1, 16, 1, 16, 16, 8, 16, 1, 1, block_g)  # 5 or 3 blocks
     batch = None
     for call in range(2):
         logits, drafts, _, _, pos = random_case(b, k, v, [SP(0.0)], ties=True, gen=g)

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from specdraft import ops
+from specdraft import kernels, ops
 from specdraft.drafter import Drafter
 from specdraft.generate import Engine
 from specdraft.models.tiny import random_causal_lm, random_weights, tiny_config
@@ -434,3 +434,59 @@ def test_bad_engine_arguments(models, kw, exc, words):
         SpeculativeEngine(runner, drafter, **kw)
     with pytest.raises(TypeError, match="runner"):
         SpeculativeEngine(object(), drafter)
+
+
+@pytest.mark.parametrize("b, w", [(1, 4), (5, 2), (37, 6)])
+def test_commit_step_matches_torch(b, w):
+    """The one-launch bookkeeping equals its torch definition on fresh random inputs,
+    every output poisoned first (and rows beyond the batch left alone)."""
+    g = torch.Generator().manual_seed(b * 10 + w)
+    r = b + 3
+    rows = torch.randperm(r, generator=g)[:b]
+    nacc = torch.randint(0, w, (b,), generator=g, dtype=torch.int32)
+    tokens = torch.randint(0, 1000, (b, w), generator=g)
+    j = torch.arange(w)
+    tokens = torch.where(j[None, :] <= nacc[:, None].long(), tokens, -1)
+    nemit = nacc + 1
+    committed = torch.randint(5, 500, (r,), generator=g)
+    outs = []
+    for fn in (kernels.commit_step, kernels.commit_step_torch):
+        state = (committed.clone(), torch.full((r, w + 1), -7), torch.full((r,), -7),
+                 torch.full((r, w), -7), torch.full((r,), -7, dtype=torch.int32),
+                 torch.full((r,), -7))  # fmt: skip
+        fn(tokens, nacc, nemit, rows, *state)
+        outs.append(state)
+    for a, t in zip(*outs):
+        assert torch.equal(a, t)
+    c, stage, first, ver, acc, pos = outs[0]
+    assert torch.equal(c[rows], committed[rows] + nacc.long() + 1)
+    assert torch.equal(pos[:b], c[rows] + 1) and bool((pos[b:] == -7).all())
+    assert torch.equal(first[:b], tokens.gather(1, nacc.long()[:, None])[:, 0])
+    assert bool((stage[b:] == -7).all()) and torch.equal(stage[:b, w], nemit.long())
+
+
+def test_commit_step_bad_inputs():
+    b, w = 3, 4
+    ok = dict(
+        tokens=torch.zeros(b, w, dtype=torch.int64),
+        num_accepted=torch.zeros(b, dtype=torch.int32),
+        num_emitted=torch.ones(b, dtype=torch.int32),
+        rows=torch.arange(b),
+        committed=torch.zeros(b + 1, dtype=torch.int64),
+        stage=torch.zeros(b, w + 1, dtype=torch.int64),
+        verify_first=torch.zeros(b, dtype=torch.int64),
+        next_verified=torch.zeros(b, w, dtype=torch.int64),
+        next_accepted=torch.zeros(b, dtype=torch.int32),
+        next_positions=torch.zeros(b, dtype=torch.int64),
+    )
+    for name, bad in (
+        ("num_accepted", torch.zeros(b, dtype=torch.int64)),
+        ("rows", torch.arange(b - 1)),
+        ("stage", torch.zeros(b, w, dtype=torch.int64)),
+        ("next_verified", torch.zeros(b, w, dtype=torch.int32)),
+    ):
+        args = dict(ok, **{name: bad})
+        snap = {k: v.clone() for k, v in args.items()}
+        with pytest.raises((ValueError, TypeError), match=name):
+            kernels.commit_step(**args)
+        assert all(torch.equal(snap[k], args[k]) for k in args)
