@@ -13,6 +13,7 @@ import torch
 from specdraft import kernels, ops
 from specdraft.drafter import Drafter
 from specdraft.generate import Engine
+from specdraft.kernels import INTERPRET
 from specdraft.models.tiny import random_causal_lm, random_weights, tiny_config
 from specdraft.runner import TargetRunner
 from specdraft.sampling import SamplingParams
@@ -436,8 +437,17 @@ def test_bad_engine_arguments(models, kw, exc, words):
         SpeculativeEngine(object(), drafter)
 
 
+# the interpreter on the CPU, the compiled kernel on a GPU
+COMMIT_DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("device", COMMIT_DEVICES)
 @pytest.mark.parametrize("b, w", [(1, 4), (5, 2), (37, 6)])
-def test_commit_step_matches_torch(b, w):
+def test_commit_step_matches_torch(b, w, device):
     """The one-launch bookkeeping equals its torch definition on fresh random inputs,
     every output poisoned first (and rows beyond the batch left alone)."""
     g = torch.Generator().manual_seed(b * 10 + w)
@@ -454,8 +464,9 @@ def test_commit_step_matches_torch(b, w):
         state = (committed.clone(), torch.full((r, w + 1), -7), torch.full((r,), -7),
                  torch.full((r, w), -7), torch.full((r,), -7, dtype=torch.int32),
                  torch.full((r,), -7))  # fmt: skip
-        fn(tokens, nacc, nemit, rows, *state)
-        outs.append(state)
+        state = tuple(t.to(device) for t in state)
+        fn(*(t.to(device) for t in (tokens, nacc, nemit, rows)), *state)
+        outs.append(tuple(t.cpu() for t in state))
     for a, t in zip(*outs):
         assert torch.equal(a, t)
     c, stage, first, ver, acc, pos = outs[0]
@@ -465,7 +476,8 @@ def test_commit_step_matches_torch(b, w):
     assert bool((stage[b:] == -7).all()) and torch.equal(stage[:b, w], nemit.long())
 
 
-def test_commit_step_bad_inputs():
+@pytest.mark.parametrize("device", COMMIT_DEVICES)
+def test_commit_step_bad_inputs(device):
     b, w = 3, 4
     ok = dict(
         tokens=torch.zeros(b, w, dtype=torch.int64),
@@ -485,7 +497,7 @@ def test_commit_step_bad_inputs():
         ("stage", torch.zeros(b, w, dtype=torch.int64)),
         ("next_verified", torch.zeros(b, w, dtype=torch.int32)),
     ):
-        args = dict(ok, **{name: bad})
+        args = {k: v.to(device) for k, v in dict(ok, **{name: bad}).items()}
         snap = {k: v.clone() for k, v in args.items()}
         with pytest.raises((ValueError, TypeError), match=name):
             kernels.commit_step(**args)
