@@ -22,7 +22,9 @@ from .paged_attention import _check_tensor
 _BLOCK_B = 32
 
 
-@triton.jit
+# B is not specialized: a batch that shrinks one request at a time would otherwise compile
+# new variants (B == 1, B % 16 == 0) in the middle of generation.
+@triton.jit(do_not_specialize=["B"])
 def _commit_kernel(
     tokens_ptr, stride_t, nacc_ptr, nemit_ptr, rows_ptr, committed_ptr,
     stage_ptr, stride_s, first_ptr, ver_ptr, stride_v, acc_ptr, pos_ptr,

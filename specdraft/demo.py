@@ -210,5 +210,5 @@ def _speculate(engine, ids, params, max_new, args, target_tok_s, target_out, dra
         ("speculative: acceptance length", f"{st.acceptance_length:.2f}"),
         ("speculative: acceptance per position", per_pos),
         ("speculative: speedup over target-only", f"{n / secs / target_tok_s:.2f}x"),
-        ("speculative: step graphs captured (timed)", f"{st.captures}, {st.capture_seconds:.3f} s"),
+        ("speculative: step graphs captured", f"{st.captures} ({st.capture_seconds:.3f} s)"),
     ]
