@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -109,6 +110,41 @@ def environment() -> dict:
         "cuda": torch.version.cuda,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
+
+
+_CYCLES_PER_US: list[float] = []
+
+
+def spin_cycles(us: float) -> int:
+    """Clock cycles of torch.cuda._sleep that keep the GPU busy for about `us`
+    (calibrated once per process with events)."""
+    if not _CYCLES_PER_US:
+        n = 2_000_000
+        torch.cuda._sleep(n)  # warm
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(n)
+        end.record()
+        end.synchronize()
+        _CYCLES_PER_US.append(n / (start.elapsed_time(end) * 1e3))
+    return int(us * _CYCLES_PER_US[0])
+
+
+def host_us(fn, iters: int, spin: int = 0, cuda: bool = True) -> list[float]:
+    """Host µs of fn(), each call after a synchronize: on an idle GPU (spin 0) or
+    behind a spin kernel of `spin` cycles (cuda False: plain CPU calls)."""
+    out = []
+    for _ in range(iters):
+        if cuda:
+            torch.cuda.synchronize()
+            if spin:
+                torch.cuda._sleep(spin)
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e6)
+    if cuda:
+        torch.cuda.synchronize()
+    return out
 
 
 def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -155,6 +154,7 @@ class Bench:
         return self.d.propose(self.rids, ver, acc, target_hidden=hid, k_max=k, **kw)
 
     def measure(self, k: int, mode, iters: int) -> dict:
+        from bench.common import host_us, spin_cycles
         from specdraft.draft_loop import RoundState
 
         d, b = self.d, self.batch
@@ -246,39 +246,6 @@ class Bench:
             launches=launches,
             steps_match=steps_match,
         )
-
-
-_CYCLES_PER_US: list[float] = []
-
-
-def spin_cycles(us: float) -> int:
-    """Clock cycles of torch.cuda._sleep that keep the GPU busy for about `us`
-    (calibrated once per process with events)."""
-    if not _CYCLES_PER_US:
-        n = 2_000_000
-        torch.cuda._sleep(n)  # warm
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(n)
-        end.record()
-        end.synchronize()
-        _CYCLES_PER_US.append(n / (start.elapsed_time(end) * 1e3))
-    return int(us * _CYCLES_PER_US[0])
-
-
-def host_us(fn, iters: int, spin: int) -> list[float]:
-    """Host µs of fn(), each call after a synchronize: on an idle GPU (spin 0) or
-    behind a spin kernel of `spin` cycles."""
-    out = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        if spin:
-            torch.cuda._sleep(spin)
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return out
 
 
 def graph_launches(fn, rounds: int) -> dict:

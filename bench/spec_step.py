@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import host_us
 from specdraft.drafter import Drafter
 from specdraft.generate import Engine, timed_generate
 from specdraft.runner import TargetRunner
@@ -90,13 +91,7 @@ def _per_call_us(fn, iters: int, cuda: bool) -> tuple[float, float]:
     """(µs per call for `iters` back-to-back calls, device-timed: the larger of host and
     device time per call; median host µs of one call enqueued on an idle device)."""
     fn()
-    host = []
-    for _ in range(10):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        host.append(1e6 * (time.perf_counter() - t0))
+    host = host_us(fn, 10, cuda=cuda)
     if cuda:
         from bench.draft_round import events_us
 

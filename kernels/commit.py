@@ -6,8 +6,10 @@ num_accepted[i] + 1; the emitted tokens and their count go into the host-readbac
 the target's next verify_first[i]; the verified block and accepted count into the
 drafter's next-round inputs; and next_positions[i] = the new committed length + 1 (the
 absolute position of the next step's draft 0, which the rejection sampler keys its
-draws on). Written in torch these are about fifteen small kernels; in a CUDA graph at
-batch 1 each costs 2-4 µs of GPU time, most of it launch gap.
+draws on). A row index outside committed writes no length and gives position -1 (the
+sampler's mark of a padded request). Written in torch these are about fifteen small
+kernels; in a CUDA graph at batch 1 each costs 2-4 µs of GPU time, most of it launch
+gap.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ _BLOCK_B = 32
 def _commit_kernel(
     tokens_ptr, stride_t, nacc_ptr, nemit_ptr, rows_ptr, committed_ptr,
     stage_ptr, stride_s, first_ptr, ver_ptr, stride_v, acc_ptr, pos_ptr,
-    B, W, BLOCK_B: tl.constexpr, WP: tl.constexpr,
+    B, W, R, BLOCK_B: tl.constexpr, WP: tl.constexpr,
 ):  # fmt: skip
     i = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     im = i < B
@@ -38,9 +40,10 @@ def _commit_kernel(
     nacc = tl.load(nacc_ptr + i, mask=im, other=0)
     nemit = tl.load(nemit_ptr + i, mask=im, other=0)
     row = tl.load(rows_ptr + i, mask=im, other=0)
-    new_len = tl.load(committed_ptr + row, mask=im, other=0) + nacc.to(tl.int64) + 1
-    tl.store(committed_ptr + row, new_len, mask=im)
-    tl.store(pos_ptr + i, new_len + 1, mask=im)
+    ok = im & (row >= 0) & (row < R)  # a corrupt row index writes no length
+    new_len = tl.load(committed_ptr + row, mask=ok, other=0) + nacc.to(tl.int64) + 1
+    tl.store(committed_ptr + row, new_len, mask=ok)
+    tl.store(pos_ptr + i, tl.where(ok, new_len + 1, -1), mask=im)
     tl.store(stage_ptr + i[:, None] * stride_s + j[None, :], toks, mask=jm)
     tl.store(stage_ptr + i * stride_s + W, nemit.to(tl.int64), mask=im)
     last = tl.sum(tl.where(j[None, :] == nacc[:, None], toks, 0), axis=1)
@@ -99,7 +102,8 @@ def commit_step(
         return
     args = (tokens, tokens.stride(0), num_accepted, num_emitted, rows, committed, stage,
             stage.stride(0), verify_first, next_verified, next_verified.stride(0),
-            next_accepted, next_positions, b, w, _BLOCK_B, triton.next_power_of_2(w))  # fmt: skip
+            next_accepted, next_positions, b, w, committed.shape[0], _BLOCK_B,
+            triton.next_power_of_2(w))  # fmt: skip
     key = specialization_key(args) + (tokens.device.index,)
     _LAUNCH(key, (triton.cdiv(b, _BLOCK_B),), args, {"num_warps": 1})
 

@@ -104,7 +104,9 @@ class RejectionSampler:
         """target_logits [B * (K + 1), V]; draft_tokens [B, K] int64 (-1 padded, K <=
         k_max); draft_probs q [B, K, V] float32 or None (only if every request is greedy,
         from params' host flags); params: the requests' SamplingTensors (rows [0, B) are
-        used); positions [B] int64: absolute position of draft 0."""
+        used; when its host flags say every row is greedy, nothing per request is read,
+        so a whole table may stand in without gathering the batch's rows); positions [B]
+        int64: absolute position of draft 0."""
         if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dim() != 2:
             got = getattr(draft_tokens, "shape", draft_tokens)
             raise ValueError(f"draft_tokens must be a [B, K] tensor, got {got}")

@@ -502,3 +502,21 @@ def test_commit_step_bad_inputs(device):
         with pytest.raises((ValueError, TypeError), match=name):
             kernels.commit_step(**args)
         assert all(torch.equal(snap[k], args[k]) for k in args)
+
+
+@pytest.mark.parametrize("device", COMMIT_DEVICES)
+def test_commit_step_corrupt_row_writes_no_length(device):
+    """A row index outside `committed` (corrupt metadata) writes nothing there and gives
+    position -1; the other requests are committed as usual."""
+    b, w = 3, 4
+    rows = torch.tensor([0, 99, -5, 2])[:b].to(device)
+    committed = torch.tensor([10, 20, 30], device=device)
+    nacc = torch.tensor([1, 2, 0], dtype=torch.int32, device=device)
+    tokens = torch.arange(b * w, device=device).view(b, w)
+    pos = torch.full((b,), -7, device=device)
+    kernels.commit_step(tokens, nacc, nacc + 1, rows, committed,
+                        torch.zeros(b, w + 1, dtype=torch.int64, device=device),
+                        torch.zeros(b, dtype=torch.int64, device=device),
+                        torch.zeros(b, w, dtype=torch.int64, device=device),
+                        torch.zeros(b, dtype=torch.int32, device=device), pos)  # fmt: skip
+    assert committed.tolist() == [12, 20, 30] and pos.tolist() == [13, -1, -1]
