@@ -71,8 +71,15 @@ def make_inputs(b: int, k: int, v: int, dist: str, sampled: bool, seed: int):
     return logits, drafts, q, positions
 
 
+def config_variant(spec: str, v: int, b: int, k: int) -> kr.RejectionConfig:
+    """The default config with fields replaced: "block_g=4096+sub_g=512+warps_g=4"."""
+    cfg = kr.choose_rejection_config(v, b, k)
+    fields = dict(x.split("=") for x in spec.split("+"))
+    return dataclasses.replace(cfg, **{n: int(x) for n, x in fields.items()})
+
+
 def bench_case(
-    v: int, mode: str, dist: str, b: int, k: int, read_bw: float, block_g: int | None = None
+    v: int, mode: str, dist: str, b: int, k: int, read_bw: float, variant: str | None = None
 ) -> dict:
     params = MODES[mode]
     sampled = not params.greedy
@@ -83,9 +90,9 @@ def bench_case(
     )
     row = {"vocab": v, "mode": mode, "logits": dist, "batch": b, "k": k}
     config = None
-    if block_g is not None:  # the all-greedy launch with another vocabulary tile
-        config = dataclasses.replace(kr.choose_rejection_config(v, b, k), block_g=block_g)
-        row["mode"] = f"{mode} (tile {block_g})"
+    if variant is not None:  # other tiles
+        config = config_variant(variant, v, b, k)
+        row["mode"] = f"{mode} ({variant})"
     for name, backend in (("specdraft_us", "triton"), ("torch_us", "torch")):
         if config is not None and backend == "torch":
             row[name] = None
@@ -147,8 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES), help=f"any of {list(MODES)}")
     ap.add_argument("--dists", default="peaked,gaussian")
     ap.add_argument(
-        "--greedy-tiles", default="", help="also time greedy with these vocabulary tiles"
+        "--variants",
+        default="",
+        help="also time these RejectionConfig variants, comma-separated, each "
+        "field=value+field=value (e.g. block_g=8192+sub_g=1024), on gaussian logits",
     )
+    ap.add_argument("--variant-modes", default="greedy", help="the modes the variants run")
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",")]
     unknown = [m for m in modes if m not in MODES]
@@ -171,10 +182,11 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print({k: round(x, 2) if isinstance(x, float) else x for k, x in row.items()})
                 torch.cuda.empty_cache()
-        for tile in (int(x) for x in args.greedy_tiles.split(",") if x):
-            row = bench_case(v, "greedy", "gaussian", args.batch, args.k, env["read_tbps"], tile)
-            rows.append(row)
-            print({k: round(x, 2) if isinstance(x, float) else x for k, x in row.items()})
+        for spec in (x for x in args.variants.split(",") if x):
+            for mode in args.variant_modes.split(","):
+                row = bench_case(v, mode, "gaussian", args.batch, args.k, env["read_tbps"], spec)
+                rows.append(row)
+                print({k: round(x, 2) if isinstance(x, float) else x for k, x in row.items()})
     table = markdown_table(rows, COLUMNS)
     head = f"{env['gpu']}, read {env['read_tbps']:.2f} TB/s, {env['date']}\n\n"
     print(table)

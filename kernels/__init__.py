@@ -5,6 +5,7 @@ This package imports torch and triton only, never the runtime."""
 from .activation import check_silu_and_mul_args, silu_and_mul
 from .argmax import argmax_rows, check_argmax_args
 from .commit import check_commit_args, commit_step, commit_step_torch
+from .embedding import check_embed_concat_args, embed_concat
 from .gemv import check_linear_small_m_args, linear_small_m
 from .guard import INTERPRET, check_tensors_runnable, runnable
 from .kv_store import check_store_kv_args, store_kv
@@ -23,39 +24,55 @@ from .rejection import (
     rejection_sample,
 )
 from .rmsnorm import check_rms_norm_args, rms_norm
-from .rotary import apply_rotary, check_rotary_args
+from .rotary import (
+    apply_rotary,
+    check_rotary_args,
+    check_rotary_store_kv_args,
+    rotary_store_kv,
+)
 from .sampling import (
     SampleConfig,
     SampleWorkspace,
     check_sample_args,
     choose_sample_config,
+    gather_params,
     sample_tokens,
     sample_workspace,
 )
 from .slot_mapping import as_int, compute_slot_mapping, prepare_slot_mapping
 from .validation import set_validation, use_validation, validation_enabled
+from .verify import check_verify_prepare_args, verify_prepare
 
 # The public launchers refuse CPU tensors without the interpreter and bf16 under it,
 # with a message that says what to do (kernels/guard.py).
 silu_and_mul = runnable(silu_and_mul)
 argmax_rows = runnable(argmax_rows)
 commit_step = runnable(commit_step)
+embed_concat = runnable(embed_concat)
 linear_small_m = runnable(linear_small_m)
 store_kv = runnable(store_kv)
 paged_attention = runnable(paged_attention)
 rms_norm = runnable(rms_norm)
 apply_rotary = runnable(apply_rotary)
+rotary_store_kv = runnable(rotary_store_kv)
 compute_slot_mapping = runnable(compute_slot_mapping)
 rejection_sample = runnable(rejection_sample)
 sample_tokens = runnable(sample_tokens)
+gather_params = runnable(gather_params)
+verify_prepare = runnable(verify_prepare)
 
 __all__ = [
+    "gather_params",
+    "check_verify_prepare_args",
+    "verify_prepare",
     "INTERPRET",
     "argmax_rows",
     "check_argmax_args",
     "check_commit_args",
     "commit_step",
     "commit_step_torch",
+    "check_embed_concat_args",
+    "embed_concat",
     "check_linear_small_m_args",
     "linear_small_m",
     "AttentionLaunchConfig",
@@ -68,6 +85,7 @@ __all__ = [
     "check_rejection_args",
     "check_rms_norm_args",
     "check_rotary_args",
+    "check_rotary_store_kv_args",
     "check_sample_args",
     "check_silu_and_mul_args",
     "check_store_kv_args",
@@ -83,6 +101,7 @@ __all__ = [
     "prepare_slot_mapping",
     "rejection_sample",
     "rms_norm",
+    "rotary_store_kv",
     "sample_tokens",
     "sample_workspace",
     "set_validation",

@@ -746,27 +746,39 @@ def _greedy_kernel(
     logits_ptr, stride_lm, drafts_ptr, stride_db, pos_ptr, pmax_ptr, parg_ptr, done_ptr,
     tokens_ptr, stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr,
     K, V, NB,
-    KP: tl.constexpr, BLOCK_V: tl.constexpr, NBP: tl.constexpr,
+    KP: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr, NBP: tl.constexpr,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
     """Every request greedy, in one launch: program (b, blk) takes the argmax of request
-    b's K + 1 rows over vocabulary block blk (the partials kernel's tile), and the last
-    of the request's NB programs to finish (a ticket from an acq_rel atomic, which also
-    makes the others' partials visible to it) walks the request and writes its
-    tokens, then resets the ticket for the next call. NB programs per request; the
+    b's K + 1 rows over vocabulary block blk, and the last of the request's NB programs
+    to finish (a ticket from an acq_rel atomic, which also makes the others' partials
+    visible to it) walks the request and writes its tokens, then resets the ticket for
+    the next call. The block is read SUB columns at a time into per-lane running maxima
+    (few registers, loads pipelined across iterations), reduced once at the end: the
+    largest value, and the smallest index holding it. NB programs per request; the
     partials are laid out [rows, NB] in the workspace (NB <= its columns)."""
     req = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     j = tl.arange(0, KP)
     rows = req * (K + 1) + j
     rmask = j < K + 1
-    offs = blk * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask = rmask[:, None] & (offs < V)[None, :]
-    ptrs = logits_ptr + rows[:, None] * stride_lm + offs[None, :]
-    z = tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
-    bmax, barg = tl.max(z, axis=1, return_indices=True, return_indices_tie_break_left=True)
+    base = logits_ptr + rows[:, None] * stride_lm
+    lane = tl.arange(0, SUB)
+    lo = blk * BLOCK_V
+    best = tl.full([KP, SUB], float("-inf"), tl.float32)
+    where = tl.zeros([KP, SUB], tl.int32) + (lo + lane)[None, :]
+    for c in tl.range(0, BLOCK_V, SUB, num_stages=STAGES):
+        offs = lo + c + lane
+        mask = rmask[:, None] & (offs < V)[None, :]
+        z = tl.load(base + offs[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+        up = z > best  # strict: a lane keeps its first index of a tie
+        best = tl.where(up, z, best)
+        where = tl.where(up, offs[None, :], where)
+    bmax = tl.max(best, axis=1)
+    barg = tl.min(tl.where(best == bmax[:, None], where, 2147483647), axis=1)
     out = rows * NB + blk
     tl.store(pmax_ptr + out, bmax, mask=rmask)
-    tl.store(parg_ptr + out, (barg + blk * BLOCK_V).to(tl.int32), mask=rmask)
+    tl.store(parg_ptr + out, barg, mask=rmask)
     ticket = tl.atomic_add(done_ptr + req, 1, sem="acq_rel")
     if ticket == NB - 1:
         tl.store(done_ptr + req, 0)
@@ -801,6 +813,9 @@ class RejectionConfig:
     rows_r: int
     rows_w: int
     block_g: int | None = None  # the all-greedy launch's vocabulary tile (None: block_v)
+    sub_g: int | None = None  # columns it reads per loop iteration (None: the whole tile)
+    warps_g: int | None = None  # its warps (None: by tile size)
+    stages_g: int = 1  # its loop's pipelining depth
 
     @property
     def max_passes(self) -> int:
@@ -839,7 +854,13 @@ def choose_rejection_config(
         block_r=block_r,
         rows_r=max(1, min(tile // block_r, _p2(num_reqs))),
         rows_w=max(1, min(tile // (kp * nb), _p2(num_reqs), 1024 if INTERPRET else 64)),
-        block_g=block_v if INTERPRET else min(_p2(vocab), 4096),
+        # ~256 greedy programs or more: 1024-column tiles at batch 1, 4096 from ~20 up
+        block_g=block_v
+        if INTERPRET
+        else min(_p2(vocab), max(1024, min(4096, _p2(vocab * num_reqs // 256)))),  # fmt: skip
+        sub_g=None if INTERPRET else min(_p2(vocab), 512),
+        warps_g=None if INTERPRET else 4,
+        stages_g=1,
     )
 
 
@@ -1096,14 +1117,17 @@ def _plan(
     lm = target_logits.stride(0)
     if not sampled:  # every request greedy: one launch
         bg = max(cfg.block_g or cfg.block_v, cfg.block_v)  # at most nb partials per row
+        sub = min(cfg.sub_g or bg, bg)
         nbg = triton.cdiv(v, bg)
+        warps = cfg.warps_g or (8 if kp * sub >= 8192 else 4)
         _GREEDY.add(
             launches,
             (b, nbg),
             (target_logits, lm, draft_tokens, draft_tokens.stride(0), positions, ws.part_max,
              ws.part_arg, ws.done, out_tokens, out_tokens.stride(0), out_num_accepted,
-             out_num_emitted, proposed_counts, accepted_counts, k, v, nbg, kp, bg, _p2(nbg)),
-            8 if kp * bg >= 8192 else 4,
+             out_num_emitted, proposed_counts, accepted_counts, k, v, nbg, kp, bg, sub,
+             _p2(nbg), cfg.stages_g),
+            warps,
         )  # fmt: skip
         return workspace, b, v, launches
     _PARTIALS.add(

@@ -417,3 +417,55 @@ def sample_tokens(
     _RACE(k2, grid, a2, options)
     _PICK(k3, (triton.cdiv(n, plan.cfg.rows_pick),), a3, options)
     return tokens, probs
+
+
+# ------------------------------------------------------------- the batch's parameter rows
+
+
+@triton.jit
+def _gather_params_kernel(
+    index_ptr, n_index, n_rows, g_ptr, t_ptr, k_ptr, p_ptr, s_ptr,
+    og_ptr, ot_ptr, ok_ptr, op_ptr, os_ptr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n_index
+    row = tl.load(index_ptr + i, mask=m, other=0).to(tl.int64)
+    row = tl.where((row >= 0) & (row < n_rows), row, 0)
+    tl.store(og_ptr + i, tl.load(g_ptr + row, mask=m), mask=m)
+    tl.store(ot_ptr + i, tl.load(t_ptr + row, mask=m), mask=m)
+    tl.store(ok_ptr + i, tl.load(k_ptr + row, mask=m), mask=m)
+    tl.store(op_ptr + i, tl.load(p_ptr + row, mask=m), mask=m)
+    tl.store(os_ptr + i, tl.load(s_ptr + row, mask=m), mask=m)
+
+
+_GATHER = CachedLaunch(_gather_params_kernel)
+
+
+def gather_params(
+    index: torch.Tensor, greedy, temperature, top_k, top_p, seed
+) -> tuple[torch.Tensor, ...]:
+    """The five per-row sampling parameters (specdraft.sampling.SamplingTensors' fields,
+    each [rows]) at `index` (int32/int64 [n]) in one launch, as fresh tensors; an index
+    outside [0, rows) (padding: -1) reads row 0. Replaces five index_selects and the
+    clamp of the batch's rows on every step."""
+    fields = (greedy, temperature, top_k, top_p, seed)
+    if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.dtype not in (
+        torch.int32, torch.int64,
+    ):  # fmt: skip
+        raise TypeError(f"index must be a 1-D int32/int64 tensor, got {index!r:.80}")
+    n_rows = greedy.shape[0]
+    for name, t in zip(("greedy", "temperature", "top_k", "top_p", "seed"), fields):
+        if t.dim() != 1 or t.shape[0] != n_rows or t.stride(0) != 1 or t.device != index.device:
+            raise ValueError(
+                f"{name} must be a contiguous [{n_rows}] tensor on {index.device}, got "
+                f"{tuple(t.shape)} on {t.device}"
+            )
+    n = index.shape[0]
+    outs = tuple(torch.empty(n, dtype=t.dtype, device=t.device) for t in fields)
+    if n == 0 or n_rows == 0:
+        return outs
+    block = min(1024, max(16, triton.next_power_of_2(n)))
+    args = (index, n, n_rows, *fields, *outs, block)
+    key = (index.device.index, index.dtype, block) + tuple(t.dtype for t in fields)
+    _GATHER(key, (triton.cdiv(n, block),), args, {"num_warps": 1 if block <= 256 else 4})
+    return outs

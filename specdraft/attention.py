@@ -6,9 +6,9 @@ import math
 
 import torch
 
-from specdraft.kernels import as_int
+from specdraft.kernels import as_int, check_paged_attention_args
 from specdraft.kernels.validation import MAX_HEAD_DIM
-from specdraft.ops import paged_attention, store_kv
+from specdraft.ops import backend_for, paged_attention, store_kv
 
 from .attn_metadata import AttentionMetadata
 
@@ -19,7 +19,10 @@ def _shape_error(name: str, t: torch.Tensor, expected: str) -> ValueError:
 
 class PagedAttention(torch.nn.Module):
     """Stores K/V at the metadata's slots and runs paged attention. Metadata is passed
-    explicitly to every call: there is no global context."""
+    explicitly to every call: there is no global context.
+
+    A caller that writes this step's K/V itself (Attention's fused rotary + store) calls
+    `check` first, then its writer, then forward(..., stored=True)."""
 
     def __init__(
         self,
@@ -67,6 +70,10 @@ class PagedAttention(torch.nn.Module):
         self.scale = float(scale)
         self.sliding_window = sliding_window
         self.softcap = None if softcap is None else float(softcap)
+        # Per layer: the split-merge tickets of the attention launch (zero between
+        # launches), grown on demand; a grown buffer's predecessors stay alive, since
+        # graphs captured with them hold their addresses.
+        self._tickets: list[torch.Tensor] = []
 
     def forward(
         self,
@@ -76,21 +83,60 @@ class PagedAttention(torch.nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         out: torch.Tensor | None = None,
+        *,
+        stored: bool = False,
     ) -> torch.Tensor:
         """q [num_tokens, Hq, D], k and v [num_tokens, Hkv, D] with num_tokens equal to
-        meta.num_tokens; returns [num_tokens, Hq, D] (zeros on padded tokens)."""
+        meta.num_tokens; returns [num_tokens, Hq, D] (zeros on padded tokens).
+
+        stored=True: the caller has already written this step's K/V into kv_cache at
+        meta.slot_mapping (kernels.rotary_store_kv), so store_kv is skipped and k, v are
+        only checked; attention reads K/V from the cache either way."""
         self._check(q, k, v, kv_cache, meta, out)
         k_cache, v_cache = kv_cache
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not stored:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        kw = self._options(meta)
+        if backend_for(q) == "triton":  # KV splits merged inside the launch
+            kw["tickets"] = self._tickets_for(meta, q.device)
         return paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            meta.query_start_loc,
-            meta.seq_lens,
-            meta.block_table,
-            self.scale,
-            out=out,
+            q, k_cache, v_cache, *self._metadata(meta), self.scale, out=out, **kw
+        )
+
+    def _tickets_for(self, meta: AttentionMetadata, device) -> torch.Tensor:
+        need = (meta.num_tokens + meta.num_reqs) * self.num_kv_heads  # any query tiling
+        last = self._tickets[-1] if self._tickets else None
+        if last is None or last.numel() < need or last.device != device:
+            last = torch.zeros(max(need, 64), dtype=torch.int32, device=device)
+            self._tickets.append(last)
+        return last
+
+    def check(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        out: torch.Tensor | None = None,
+    ) -> None:
+        """The checks of forward(..., stored=True), nothing written: the layer's own and
+        the attention kernel's argument checks (in validation mode the metadata's values
+        too: one more host read). For callers that write the cache before that forward,
+        so that a call refused here finds the cache as it was; the writer checks its own
+        arguments (positions, slot_mapping) before it writes."""
+        self._check(q, k, v, kv_cache, meta, out)
+        k_cache, v_cache = kv_cache
+        check_paged_attention_args(
+            q, k_cache, v_cache, *self._metadata(meta), self.scale, out=out, **self._options(meta)
+        )
+
+    @staticmethod
+    def _metadata(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return meta.query_start_loc, meta.seq_lens, meta.block_table
+
+    def _options(self, meta: AttentionMetadata) -> dict:
+        return dict(
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
             sliding_window=self.sliding_window,

@@ -107,6 +107,7 @@ class DraftLoop:
         self.q_token_ids = model.draft_to_target(ids) if mapped else ids
         self.map_tokens = mapped
         self.q = torch.zeros(r * k_cap * self.q_vocab, dtype=torch.float32, device=self.device)
+        self._tickets = torch.zeros(r, dtype=torch.int32, device=self.device)  # the argmax's
         self._meta: dict[tuple[str, int], AttentionMetadata] = {}
 
     # ---- the round -------------------------------------------------------------------
@@ -159,22 +160,25 @@ class DraftLoop:
         """Draft token `step` of every row into tokens[:, step] (target ids) and the
         distribution it was drawn from into q[:, step]."""
         if state.mode is SamplingMode.GREEDY:
-            tok = ops.argmax(logits)
-        else:
-            # The absolute position of the drawn token keys its draws (invariant 6).
-            pos = self.buffers.cur_pos[: state.rows] + (1 + self.shift)
-            tok, probs = sample(
-                logits,
-                state.params,
-                pos,
-                DRAFT_PROPOSAL,
-                any_filter=state.mode is SamplingMode.FILTER,
-                return_probs=True,
-            )
-            if self.scatter_q:
-                state.q[:, step].index_copy_(1, self.q_token_ids, probs)
-            else:
-                state.q[:, step].copy_(probs)
+            # One launch: the argmax's last block per row writes the (mapped) id into
+            # the token table's column.
+            offsets = self.model.d2t if self.map_tokens else None
+            ops.argmax(logits, out=state.tokens[:, step], tickets=self._tickets, offsets=offsets)
+            return
+        # The absolute position of the drawn token keys its draws (invariant 6).
+        pos = self.buffers.cur_pos[: state.rows] + (1 + self.shift)
+        tok, probs = sample(
+            logits,
+            state.params,
+            pos,
+            DRAFT_PROPOSAL,
+            any_filter=state.mode is SamplingMode.FILTER,
+            return_probs=True,
+            # q's columns are the logits' own: the sampler writes q[:, step] directly
+            out_probs=None if self.scatter_q else state.q[:, step],
+        )
+        if self.scatter_q:
+            state.q[:, step].index_copy_(1, self.q_token_ids, probs)
         if self.map_tokens:
             tok = self.model.draft_to_target(tok)
         state.tokens[:, step].copy_(tok)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdraft import kernels, ops
-from specdraft.ops import apply_rotary, rms_norm, silu_and_mul
+from specdraft.ops import apply_rotary, rms_norm, rotary_store_kv, silu_and_mul
 
 from .attention import PagedAttention
 from .attn_metadata import AttentionMetadata
@@ -160,6 +160,8 @@ class Attention(nn.Module):
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVPair) -> torch.Tensor:
+        """Rotary and the K/V store are one launch (ops.rotary_store_kv): q is rotated in
+        place, rotated k and v go to the cache, k in the QKV output stays unrotated."""
         want = self.qkv_proj.in_features
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != want:
             raise ValueError(
@@ -172,8 +174,14 @@ class Attention(nn.Module):
             t, self.num_kv_heads, self.head_dim
         )
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        self.rotary(q, k, meta.positions)
-        out = self.attn(q, k, v, kv_cache, meta)
+        # All checks before the first write: the fused kernel rotates q in place and
+        # writes the cache, and a call refused after it would leave this step's K/V there.
+        self.attn.check(q, k, v, kv_cache, meta)
+        k_cache, v_cache = kv_cache
+        rotary_store_kv(
+            q, k, v, meta.positions, self.rotary.cos_sin_cache, k_cache, v_cache, meta.slot_mapping
+        )
+        out = self.attn(q, k, v, kv_cache, meta, stored=True)
         return self.o_proj(out.view(t, self.q_size))
 
 
@@ -185,8 +193,13 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False, dtype=dtype, device=device)
         self.down_proj = Linear(intermediate, hidden, bias=False, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """With a residual: residual + the MLP's output, added inside the down GEMM."""
+        act = silu_and_mul(self.gate_up_proj(x))
+        if residual is None or self.down_proj.bias is not None:
+            out = self.down_proj(act)
+            return out if residual is None else out + residual
+        return ops.linear_residual(act, self.down_proj.weight, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -219,9 +232,13 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
         kv_cache: KVPair,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        *,
+        add_residual: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """residual None (first layer): `hidden` becomes the residual and is updated in
-        place, so it must be a tensor the model owns."""
+        place, so it must be a tensor the model owns. add_residual: return (the layer's
+        whole output, mlp + residual, from the down GEMM, None), for a model whose last
+        layer has no norm after it (EAGLE-1)."""
         if residual is None:
             residual = hidden
             x = hidden if self.input_layernorm is None else self.input_layernorm(hidden)
@@ -231,6 +248,8 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(hidden, residual)
         x = self.self_attn(x, meta, kv_cache)
         x, residual = self.post_attention_layernorm(x, residual)
+        if add_residual:
+            return self.mlp(x, residual), None
         return self.mlp(x), residual
 
 

@@ -98,12 +98,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """int64 [rows]: the first index of each row's maximum (greedy decoding)."""
+def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + x W^T in one cuBLAS call (the addition in the GEMM's float32 epilogue,
+    one rounding): a layer's output with its residual stream added."""
+    return torch.addmm(residual, x, weight.t())
+
+
+def embed_concat(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """[num_tokens, E + H]: each token's embedding row, then its hidden state (EAGLE-1's
+    fc input); one launch on the Triton backend."""
+    impl = _impl("embed_concat", table)
+    if impl is torch_ops.embed_concat:
+        kernels.check_embed_concat_args(ids, table, hidden)
+    return impl(ids, table, hidden)
+
+
+def argmax(logits: torch.Tensor, *, out=None, tickets=None, offsets=None) -> torch.Tensor:
+    """int64 [rows]: the first index of each row's maximum (greedy decoding), plus
+    offsets[index] with an id map; into `out` (any 1-D int64 view) when given. With
+    `tickets` (kernels.argmax_rows) the Triton backend takes one launch."""
     if backend_for(logits) == "triton":
-        return kernels.argmax_rows(logits)
-    kernels.check_argmax_args(logits)
-    return logits.argmax(dim=-1)
+        return kernels.argmax_rows(logits, out=out, tickets=tickets, offsets=offsets)
+    kernels.check_argmax_args(logits, out=out, tickets=tickets, offsets=offsets)
+    idx = logits.argmax(dim=-1)
+    if offsets is not None:
+        idx = idx + offsets[idx]
+    if out is None:
+        return idx
+    return out.copy_(idx)
 
 
 def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, **kw):
@@ -135,6 +157,18 @@ def apply_rotary(q, k, positions, cos_sin_cache) -> None:
     if impl is torch_ops.apply_rotary:
         kernels.check_rotary_args(q, k, positions, cos_sin_cache)
     impl(q, k, positions, cos_sin_cache)
+
+
+def rotary_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping) -> None:
+    """apply_rotary then store_kv in one launch on the Triton backend: q rotated in
+    place, rotated k and v written to the cache at their slots, k itself left unrotated
+    (kernels.rotary_store_kv). Both paths check everything before writing anything."""
+    impl = _impl("rotary_store_kv", q)
+    if impl is torch_ops.rotary_store_kv:
+        kernels.check_rotary_store_kv_args(
+            q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping
+        )
+    impl(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
 
 
 def silu_and_mul(x, *, out=None):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ops
+from . import kernels, ops
 from .attn_metadata import AttentionMetadata, MetadataBuilder
 from .batch import ScheduledBatch
 from .block_table import BlockTables
@@ -127,6 +127,7 @@ class TargetRunner:
         self.sampling = SamplingTensors(rows, dev)
         self.last_token = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.out_tokens = torch.zeros(max_num_reqs, dtype=torch.int64, device=dev)
+        self._tickets = torch.zeros(max_num_reqs, dtype=torch.int32, device=dev)  # argmax
         self.out_logprobs = torch.zeros(max_num_reqs, dtype=torch.float32, device=dev)
         pin = dev.type == "cuda"
         # Two pinned readback slots, used in turn: a step's tokens are read (Readback.wait)
@@ -280,14 +281,14 @@ class TargetRunner:
         r = meta.num_reqs
         rows = self.buffers.row_slots[:r]
         pos = meta.positions.index_select(0, meta.last_token_idx) + 1  # the drawn token's
-        if m == GREEDY_SET:
-            tok = ops.argmax(logits)
+        if m == GREEDY_SET:  # one launch, into out_tokens
+            tok = ops.argmax(logits, out=self.out_tokens[:r], tickets=self._tickets)
         else:
             params = self.sampling.select(rows)
             tok = sample(logits, params, pos, TARGET_SAMPLE, any_filter=m == FILTER_SET)
             lp = logprobs(logits).gather(1, tok[:, None]).squeeze(1)
             self.out_logprobs[:r].copy_(lp)
-        self.out_tokens[:r].copy_(tok)
+            self.out_tokens[:r].copy_(tok)
         self.last_token.index_copy_(0, rows, tok)
         return self.out_tokens[:r]
 
@@ -543,8 +544,25 @@ class TargetRunner:
         """Verification of rp requests (padded ones on the null row) on the device: inputs,
         positions, lengths and slots from committed / verify_*; fixed shapes, capturable.
         Returns (logits [rp * w, V], the kept features or None)."""
-        t, k, buf = rp * w, w - 1, self.buffers
+        t = rp * w
+        self._verify_inputs(rp, w)
+        meta = self.builder._metadata(rp, t, w, t, rp)
+        logits = self._model_call(self.buffers.input_ids[:t], meta, all_logits=True)
+        return logits, (self.last_features if self._features is not None else None)
+
+    def _verify_inputs(self, rp: int, w: int) -> None:
+        """The verify batch's metadata buffers: one launch on the Triton backend
+        (kernels.verify_prepare), the same in torch ops otherwise."""
+        t, k, buf, tables = rp * w, w - 1, self.buffers, self.tables
         vrows = self.verify_rows[:rp]
+        if ops.backend_for(vrows) == "triton":
+            kernels.verify_prepare(
+                rp, w, vrows, self.committed, self.verify_first, self.verify_drafts,
+                tables.rows, tables.table, tables.block_size, tables.null_row,
+                buf.input_ids, buf.positions, buf.seq_lens, buf.query_start_loc,
+                buf.row_slots, buf.last_token_idx, buf.slot_mapping,
+            )  # fmt: skip
+            return
         base = self.committed.index_select(0, vrows)  # [rp]
         drafts = self.verify_drafts[:rp, :k]
         ids = torch.cat([self.verify_first[:rp, None], drafts.clamp(min=0)], dim=1)
@@ -557,13 +575,10 @@ class TargetRunner:
         buf.last_token_idx[:rp].copy_(last[:rp])
         self.builder._slot_mapping(rp, t)
         # a padded request (null row) writes nothing, row 0 included; nor does a -1 draft
-        real = (vrows != self.tables.null_row)[:, None]
+        real = (vrows != tables.null_row)[:, None]
         valid = torch.cat([real, (drafts >= 0) & real], dim=1)
         slots = buf.slot_mapping[:t]
         slots.copy_(torch.where(valid.view(-1), slots, -1))
-        meta = self.builder._metadata(rp, t, w, t, rp)
-        logits = self._model_call(buf.input_ids[:t], meta, all_logits=True)
-        return logits, (self.last_features if self._features is not None else None)
 
     def readback(self, num_reqs: int, *, with_logprobs: bool) -> Readback:
         """Start copying this step's tokens to pinned host memory; read them a step

@@ -335,19 +335,27 @@ class SamplingTensors:
 
     def select(self, index: torch.Tensor) -> SamplingTensors:
         """Rows gathered by a device index (e.g. a request's row repeated K + 1 times for
-        verification). Negative entries (padding) read row 0 rather than trip a device
-        assert inside a graph; their tokens are to be ignored. The host flags are those of
+        verification), in one launch on the Triton backend. Entries outside the table
+        (padding: -1) read row 0 rather than trip a device assert inside a graph; their
+        tokens are to be ignored. The host flags are those of
         all rows of self (conservative)."""
         if index.dtype not in (torch.int32, torch.int64) or index.dim() != 1:
             raise TypeError(
                 f"index must be a 1-D int32/int64 tensor, got {index.dtype} "
                 f"with shape {tuple(index.shape)}"
             )
-        idx = index.to(self.device, torch.int64).clamp(min=0)
         out = object.__new__(SamplingTensors)
         out.device = self.device
-        for name in self._FIELDS:
-            setattr(out, name, getattr(self, name).index_select(0, idx))
+        if index.device == self.greedy.device and ops.backend_for(index) == "triton":
+            # one launch for the five gathers (and the clamp)
+            fields = kernels.gather_params(index, *(getattr(self, n) for n in self._FIELDS))
+            for name, t in zip(self._FIELDS, fields):
+                setattr(out, name, t)
+        else:
+            idx = index.to(self.device, torch.int64)
+            idx = torch.where((idx >= 0) & (idx < self.greedy.shape[0]), idx, 0)
+            for name in self._FIELDS:
+                setattr(out, name, getattr(self, name).index_select(0, idx))
         out._host_greedy = self._host_greedy
         out._host_filter = self._host_filter
         return out
@@ -539,13 +547,16 @@ def sample(
     any_filter: bool = True,
     all_greedy: bool = False,
     return_probs: bool = False,
+    out_probs: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Tokens int64 [N] drawn from filtered_probs(logits, params) by an exponential race
     keyed by (params.seed, positions, stream); greedy rows take argmax(logits).
 
     positions [N]: absolute index of each drawn token in its sequence. any_filter and
     all_greedy are host-side promises from the caller (see filtered_probs): all_greedy
-    skips the random draws. return_probs also returns the probs (e.g. the draft's q).
+    skips the random draws. return_probs also returns the probs (e.g. the draft's q);
+    out_probs (float32 [N, V], unit column stride, e.g. q[:, j]) receives them, written
+    by the fused kernels directly (implies return_probs).
 
     With any_filter=False, where specdraft.ops picks the Triton backend for the logits'
     device, the fused kernels (kernels/sampling.py: three launches, logits read twice)
@@ -560,6 +571,7 @@ def sample(
         )
     if positions.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"positions must be int32 or int64, got {positions.dtype}")
+    return_probs = return_probs or out_probs is not None
     if all_greedy and not return_probs:
         return logits.argmax(dim=-1)
     if not any_filter and positions.device == logits.device and _fused(logits):
@@ -572,14 +584,24 @@ def sample(
             stream,
             return_probs=return_probs,
             all_greedy=all_greedy,
+            out_probs=out_probs,
         )
         return (tokens, probs) if return_probs else tokens
+    if out_probs is not None and (
+        not isinstance(out_probs, torch.Tensor) or out_probs.shape != logits.shape
+    ):
+        raise ValueError(
+            f"out_probs must be a [{n}, {logits.shape[-1]}] tensor, got "
+            f"{getattr(out_probs, 'shape', out_probs)}"
+        )
     probs = filtered_probs(logits, params, any_filter=any_filter)
     if all_greedy:
         tokens = logits.argmax(dim=-1)
     else:
         # Greedy rows are one-hot, so the race returns their argmax too.
         tokens = exponential_race(probs, params.seed, positions, stream)
+    if out_probs is not None:
+        probs = out_probs.copy_(probs)
     return (tokens, probs) if return_probs else tokens
 
 

@@ -158,6 +158,27 @@ def apply_rotary(
         t[..., half : 2 * half] = (x2 * cos + x1 * sin).to(t.dtype)
 
 
+def rotary_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """apply_rotary then store_kv, as the fused kernel: q rotated in place, the rotated
+    k rows only in the cache (k itself is left as it was)."""
+    k_rot = k.clone()
+    apply_rotary(q, k_rot, positions, cos_sin_cache)
+    store_kv(k_rot, v, k_cache, v_cache, slot_mapping)
+
+
+def embed_concat(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    return torch.cat([F.embedding(ids, table), hidden], dim=-1)
+
+
 def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     n = x.shape[1] // 2
     y = F.silu(x[:, :n].float()) * x[:, n:].float()

@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdraft.kernels import apply_rotary, argmax_rows, linear_small_m, rms_norm, silu_and_mul
+from specdraft.kernels import (
+    apply_rotary,
+    argmax_rows,
+    embed_concat,
+    linear_small_m,
+    rms_norm,
+    silu_and_mul,
+)
 from specdraft.layers import cos_sin_table, rope_inv_freq
 from specdraft.models.config import DecoderConfig, RopeConfig, UnsupportedModelError
 
@@ -79,6 +86,90 @@ def test_argmax_rows_first_index_of_the_maximum(device, dtype, rows, n):
         x[0] = float("nan")
         x[-1, n // 4] = float("nan")
         assert torch.equal(argmax_rows(x), x.float().argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows, n", [(1, 7), (5, 1000), (3, 3001)])
+def test_argmax_rows_one_launch_into_a_column_through_an_id_map(device, dtype, rows, n):
+    """With tickets: one launch whose last block per row writes the token into a strided
+    column, mapped through offsets (EAGLE-3's d2t), and leaves the tickets zero; called
+    twice on fresh rows (a stale ticket would skip or double a row's combine). The rest
+    of the table is untouched."""
+    tickets = torch.zeros(rows + 3, dtype=torch.int32, device=device)
+    offsets = torch.randint(0, 50_000, (n,), device=device)
+    for call in range(2):
+        x = torch.randn(rows, n, device=device).to(dtype)
+        top = x[-1].float().max() + 1
+        x[-1, n - 1] = x[-1, n // 2] = top  # tie across blocks: the earlier index wins
+        table = torch.full((rows, 4), -7, dtype=torch.int64, device=device)
+        col = table[:, 2]
+        got = argmax_rows(x, out=col, tickets=tickets, offsets=None if call else offsets)
+        want = x.float().argmax(dim=-1)
+        if not call:
+            want = want + offsets[want]
+        assert got is col and torch.equal(table[:, 2], want), (call, table, want)
+        assert bool((table[:, [0, 1, 3]] == -7).all())
+        assert int(tickets.abs().sum()) == 0
+
+
+def test_argmax_rows_one_launch_bad_inputs(device):
+    """Bad tickets / offsets: a ValueError or TypeError naming them, the output untouched."""
+    x = torch.randn(3, 40, device=device)
+    out = torch.full((3,), -7, dtype=torch.int64, device=device)
+    zeros = torch.zeros(3, dtype=torch.int32, device=device)
+    bad = [
+        (TypeError, "tickets", dict(tickets=zeros.long())),
+        (ValueError, "tickets", dict(tickets=zeros[:2])),
+        (ValueError, "tickets", dict(tickets=torch.zeros_like(zeros).repeat(2)[::2])),
+        (TypeError, "offsets", dict(tickets=zeros, offsets=torch.zeros(40, device=device))),
+        (ValueError, "offsets", dict(tickets=zeros, offsets=torch.zeros(39, dtype=torch.int64,
+                                                                      device=device))),  # fmt: skip
+        (ValueError, "offsets", dict(offsets=torch.zeros(40, dtype=torch.int64, device=device))),
+        (ValueError, "out", dict(out=torch.zeros(3, 2, dtype=torch.int64, device=device)[:, 0])),
+    ]
+    for exc, name, kw in bad:
+        kw.setdefault("out", out)
+        with pytest.raises(exc, match=name):
+            argmax_rows(x, **kw)
+        assert bool((out == -7).all()) and int(zeros.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n, e, h", [(1, 8, 8), (5, 24, 40), (3, 576, 576)])
+def test_embed_concat_is_embedding_then_hidden(device, dtype, n, e, h):
+    """Fresh rows; the output poisoned first; bit-equal to torch's gather + cat, from a
+    strided hidden view (an EAGLE round's carried state is a slice)."""
+    table = torch.randn(50, e, device=device).to(dtype)
+    ids = torch.randint(0, 50, (n,), device=device)
+    wide = torch.randn(n, h + 3, device=device).to(dtype)
+    hidden = wide[:, 1 : h + 1]
+    out = torch.full((n, e + h), float("nan"), device=device, dtype=dtype)
+    got = embed_concat(ids, table, hidden, out=out)
+    assert got is out
+    assert torch.equal(got, torch.cat([table[ids], hidden], dim=-1))
+    assert torch.equal(embed_concat(ids.int(), table, hidden), got)
+
+
+def test_embed_concat_bad_inputs(device):
+    """A TypeError / ValueError naming the argument; out untouched."""
+    table = torch.randn(10, 4, device=device)
+    ids = torch.tensor([1, 2], device=device)
+    hidden = torch.randn(2, 6, device=device)
+    out = torch.full((2, 10), -7.0, device=device)
+    bad = [
+        (TypeError, "ids", dict(ids=ids.float())),
+        (ValueError, "hidden", dict(hidden=hidden[:1])),
+        (TypeError, "hidden", dict(hidden=hidden.half())),
+        (ValueError, "out", dict(out=torch.zeros(2, 9, device=device))),
+        (TypeError, "out", dict(out=torch.zeros(2, 10, device=device, dtype=torch.float16))),
+        (ValueError, "table", dict(table=table[:0])),
+    ]
+    for exc, name, kw in bad:
+        args = dict(ids=ids, table=table, hidden=hidden, out=out)
+        args.update(kw)
+        with pytest.raises(exc, match=name):
+            embed_concat(args["ids"], args["table"], args["hidden"], out=args["out"])
+        assert bool((out == -7.0).all())
 
 
 @pytest.mark.gpu

@@ -641,15 +641,18 @@ def test_counters_accumulate_and_padding_writes_nothing(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("block_g", [None, 16])
-def test_greedy_one_launch_resets_its_tickets(device, block_g):
+@pytest.mark.parametrize("block_g, sub_g", [(None, None), (16, None), (32, 8), (16, 4)])
+def test_greedy_one_launch_resets_its_tickets(device, block_g, sub_g):
     """All-greedy batches take the one-launch kernel, whose last program per request
     finishes it: tickets are back to zero after every call, so fresh logits in a second
-    call are decided from scratch (padded requests write -1 / 0 both times)."""
+    call are decided from scratch (padded requests write -1 / 0 both times). sub_g
+    below block_g: the block is read in a loop (ties across its lanes and iterations;
+    the last block runs past V)."""
     b, k, v = 7, 3, 40
     g = torch.Generator().manual_seed(11)
     st = make_params(b, [SP(0.0)], device)
-    cfg = kr.RejectionConfig(8, 1, 16, 1, 16, 16, 8, 16, 1, 1, block_g)  # 5 or 3 blocks
+    # 5, 3 or 2 blocks per row
+    cfg = kr.RejectionConfig(8, 1, 16, 1, 16, 16, 8, 16, 1, 1, block_g, sub_g, None, 2)
     batch = None
     for call in range(2):
         logits, drafts, _, _, pos = random_case(b, k, v, [SP(0.0)], ties=True, gen=g)

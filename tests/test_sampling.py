@@ -204,6 +204,36 @@ def test_tensors_from_params_and_write_rows():
     assert sel.seed.tolist() == [11, 11, 99, 13] and sel.any_filter
 
 
+@pytest.mark.parametrize("n", [1, 5, 300])
+def test_select_one_launch_equals_index_select(device, n):
+    """SamplingTensors.select through kernels.gather_params (one launch) equals the torch
+    gathers field by field, fresh random rows; entries outside the table (-1, -5, the
+    row count) read row 0 on both paths."""
+    g = torch.Generator().manual_seed(n)
+    rows = 7
+    t = SamplingTensors(rows, device)
+    params = []
+    for i in range(rows):
+        u = torch.rand(3, generator=g).tolist()
+        seed = int(torch.randint(0, 2**40, (1,), generator=g))
+        params.append(SP(2 * u[0] + 0.1, top_k=int(9 * u[1]), top_p=0.9 * u[2] + 0.1, seed=seed)
+                      if i % 3 else SP(0.0, seed=i))  # fmt: skip
+    t.write_rows(range(rows), params)
+    index = torch.randint(0, rows, (n,), generator=g)
+    index[0] = -1
+    if n > 2:
+        index[1], index[2] = -5, rows
+    index = index.to(device)
+    got = t.select(index)
+    with ops.use_backend("torch"):
+        want = t.select(index)
+    for name in SamplingTensors._FIELDS:
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert torch.equal(got.seed[:1], t.seed[:1])
+    assert got.any_filter == t.any_filter and got.all_greedy == t.all_greedy
+
+
 @pytest.mark.parametrize(
     "rows, params, exc, word",
     [
@@ -592,6 +622,19 @@ def test_fused_strided_logits_and_all_greedy(device):
     fused = sample(logits, st, pos, TARGET_SAMPLE, any_filter=False, return_probs=True)
     assert torch.equal(q[:, 1], fused[1])
     assert bool(q[:, 0].isnan().all()) and bool(q[:, 2].isnan().all())
+    # The same through sample(out_probs=...), on the fused path and on the torch path
+    # (filters on), where the definition's probs are copied in; a wrong shape is refused
+    # before anything is written.
+    t = sample(logits, st, pos, TARGET_SAMPLE, any_filter=False, out_probs=q[:, 2])
+    assert torch.equal(t[0], fused[0]) and t[1] is not None and torch.equal(q[:, 2], fused[1])
+    q[:, 2] = math.nan
+    t = sample(logits, st, pos, TARGET_SAMPLE, any_filter=True, out_probs=q[:, 2])
+    want = _torch_sample(logits, st, pos, TARGET_SAMPLE, return_probs=True)
+    assert torch.equal(t[0], want[0]) and torch.equal(q[:, 2], want[1])
+    q[:, 2] = math.nan
+    with pytest.raises(ValueError, match="out_probs"):
+        sample(logits, st, pos, TARGET_SAMPLE, out_probs=q[:, 2, :-1])
+    assert bool(q[:, 2].isnan().all())
     # all_greedy with probs: argmax tokens and one-hot rows, exactly as the definition.
     gp = SamplingTensors.from_params([SP(0.0)] * n, device)
     t, q = sample(logits, gp, pos, BONUS, any_filter=False, all_greedy=True, return_probs=True)

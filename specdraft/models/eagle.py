@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specdraft import ops
 from specdraft.attn_metadata import AttentionMetadata
 from specdraft.layers import (
     DecoderLayer,
@@ -154,13 +155,13 @@ class EagleHead(nn.Module):
         h = self.cfg.hidden_size
         _check_hidden(hidden_states, meta.num_tokens, h, "hidden_size", self.dtype)
         caches = _check_step(self, input_ids, meta, kv_caches, logits_indices, all_logits)
-        embeds = self.embed_tokens(input_ids)
-        x = self.fc(torch.cat([embeds, hidden_states], dim=-1))
-        residual = None
+        # [embed(token); hidden] in one launch; the last layer adds its residual inside
+        # its down projection (no norm follows it).
+        x = self.fc(ops.embed_concat(input_ids, self.embed_tokens.weight, hidden_states))
+        residual, last = None, len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, meta, caches[i])
-        hidden = x + residual
-        return hidden, select_logits(hidden, self.lm_head, meta, logits_indices, all_logits)
+            x, residual = layer(x, residual, meta, caches[i], add_residual=i == last)
+        return x, select_logits(x, self.lm_head, meta, logits_indices, all_logits)
 
 
 class Eagle3DecoderLayer(DecoderLayer):
