@@ -199,10 +199,6 @@ def _paged_attention_kernel(
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    tickets_ptr=None,
-    MERGE: tl.constexpr = False,
-    SPLIT_CHUNK: tl.constexpr = 1,
-    PART_MAX: tl.constexpr = 1e30,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -220,8 +216,8 @@ def _paged_attention_kernel(
 
     if req == num_reqs:
         # Past every request: rows of padded tokens get zeros (invariant 2). With splits
-        # merged by the combine kernel, that kernel writes them instead.
-        if (NUM_SPLITS == 1) | (MERGE & (split == 0)):
+        # the combine kernel writes them instead.
+        if NUM_SPLITS == 1:
             # q_start is clamped and q_block >= 0 here: rows stay in [0, num_tokens).
             tok = q_start + q_block * BLOCK_Q + local_q
             rows = (local_q < BLOCK_Q) & (tok < num_tokens)
@@ -365,54 +361,6 @@ def _paged_attention_kernel(
         )
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(part_lse_ptr + row, lse, mask=rows)
-        if MERGE:
-            # The last split of this (query tile, KV head) to finish merges the tile's
-            # rows: an acq_rel ticket publishes each split's partials and makes them all
-            # visible to the last one, which resets the ticket for the next launch.
-            slot = tickets_ptr + tile * tl.num_programs(1) + kv_head
-            if tl.atomic_add(slot, 1, sem="acq_rel") == NUM_SPLITS - 1:
-                tl.store(slot, 0)
-                _merge_splits(
-                    out_ptr, part_out_ptr, part_lse_ptr, tok, head, rows, num_tokens,
-                    stride_ot, stride_oh, offs_d, d_mask, NUM_Q_HEADS, HEAD_DIM_P,
-                    NUM_SPLITS, SPLIT_CHUNK, PART_MAX,
-                )  # fmt: skip
-
-
-@triton.jit
-def _merge_splits(
-    out_ptr, part_out_ptr, part_lse_ptr, tok, head, rows, num_tokens, stride_ot, stride_oh,
-    offs_d, d_mask, NUM_Q_HEADS: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, PART_MAX: tl.constexpr,
-):  # fmt: skip
-    """out[rows] = sum_s w_s o_s / sum_s w_s, w_s = exp2(lse_s - max lse): the combine
-    kernel's merge for one query tile's rows (tokens x heads), SPLIT_CHUNK splits per
-    load, with its guards (NaN / +inf lse as empty, NaN partials as 0, clamped)."""
-    offs_s = tl.arange(0, NUM_SPLITS)
-    prow = (offs_s[:, None] * num_tokens + tok[None, :]) * NUM_Q_HEADS + head[None, :]
-    lse = tl.load(part_lse_ptr + prow, mask=rows[None, :], other=float("-inf"))
-    lse = tl.where((lse == lse) & (lse < float("inf")), lse, float("-inf"))
-    lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp2(lse - lse_max[None, :])  # [NUM_SPLITS, BLOCK_M]
-    den = tl.sum(w, 0)
-    den = tl.where(den == 0.0, 1.0, den)
-    acc = tl.zeros([tok.shape[0], HEAD_DIM_P], dtype=tl.float32)
-    offs_c = tl.arange(0, SPLIT_CHUNK)
-    for c in tl.static_range(0, NUM_SPLITS, SPLIT_CHUNK):
-        wc = tl.sum(tl.where((offs_s[:, None, None] == c + offs_c[None, :, None]),
-                             w[:, None, :], 0.0), 0)  # [SPLIT_CHUNK, BLOCK_M]  # fmt: skip
-        r = ((c + offs_c[:, None]) * num_tokens + tok[None, :]) * NUM_Q_HEADS + head[None, :]
-        m = (rows[None, :] & (wc > 0.0))[:, :, None]
-        parts = tl.load(
-            part_out_ptr + r[:, :, None] * HEAD_DIM_P + offs_d[None, None, :], mask=m, other=0.0
-        )
-        parts = tl.where(parts == parts, parts, 0.0)
-        parts = tl.minimum(tl.maximum(parts, -PART_MAX), PART_MAX)
-        acc += tl.sum(wc[:, :, None] * parts, 0)
-    o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, (acc / den[:, None]).to(out_ptr.dtype.element_ty),
-             mask=rows[:, None] & d_mask[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -548,23 +496,6 @@ def choose_launch_config(
     return AttentionLaunchConfig(block_m, block_q, block_n, num_splits, num_warps, num_stages)
 
 
-def tickets_needed(num_tokens: int, num_reqs: int, num_kv_heads: int, block_q: int) -> int:
-    """Tickets one launch of that shape uses (its query tiles x KV heads)."""
-    return (cdiv(num_tokens, block_q) + num_reqs) * num_kv_heads
-
-
-def _check_tickets(tickets, need: int, device) -> None:
-    if not isinstance(tickets, torch.Tensor) or tickets.dtype != torch.int32:
-        raise TypeError(f"tickets must be an int32 tensor, got {tickets!r:.60}")
-    if tickets.dim() != 1 or tickets.numel() < need or tickets.stride(0) != 1:
-        raise ValueError(
-            f"tickets must be a contiguous 1-D int32 tensor of at least {need} zeros, got "
-            f"shape {tuple(tickets.shape)}"
-        )
-    if tickets.device != device:
-        raise ValueError(f"tickets are on {tickets.device}, q on {device}")
-
-
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -589,7 +520,6 @@ def paged_attention(
     softcap: float | None = None,
     num_splits: int | None = None,
     config: AttentionLaunchConfig | None = None,
-    tickets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a ragged batch of queries over a paged K/V cache.
 
@@ -615,12 +545,6 @@ def paged_attention(
     query_start_loc) are not written without splits and get finite values with them.
     With validation mode on (kernels/validation.py; the default for CPU tensors) such
     metadata raises ValueError before anything is launched.
-
-    tickets: int32 zeros, at least tickets_needed(...) of them, that the caller keeps for
-    this call site alone (one launch in flight at a time): with KV splits the last split
-    of each query tile then merges the tile's rows, so the launch needs no combine kernel
-    (rows no request covers are then not written, as without splits). The launch leaves
-    them zero.
     """
     check_paged_attention_args(
         q,
@@ -674,10 +598,6 @@ def paged_attention(
     else:
         part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
     grid = (cdiv(num_tokens, cfg.block_q) + num_reqs, num_kv_heads, cfg.num_splits)
-    merge = tickets is not None and cfg.num_splits > 1
-    if merge:
-        _check_tickets(tickets, grid[0] * grid[1], q.device)
-    part_max = 65504.0 if q.dtype == torch.float16 else 1e30
     _paged_attention_kernel[grid](
         out,
         part_out,
@@ -718,16 +638,10 @@ def paged_attention(
         USE_SOFTCAP=softcap is not None,
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        tickets_ptr=tickets if merge else None,
-        MERGE=merge,
-        SPLIT_CHUNK=max(
-            1, min(cfg.num_splits, _floor_pow2(max(1, 8192 // (cfg.block_m * head_dim_p))))
-        ),
-        PART_MAX=part_max,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if cfg.num_splits > 1 and not merge:
+    if cfg.num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_q_heads)](
             out,
             part_out,
@@ -743,7 +657,7 @@ def paged_attention(
             NUM_SPLITS=cfg.num_splits,
             # Bounds partials that no program wrote (see the kernel): the out dtype's
             # range for fp16, a value no real attention output reaches otherwise.
-            PART_MAX=part_max,
+            PART_MAX=65504.0 if q.dtype == torch.float16 else 1e30,
             num_warps=1 if head_dim_p <= 128 else 2,
         )
     return out

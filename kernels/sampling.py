@@ -465,7 +465,10 @@ def gather_params(
     if n == 0 or n_rows == 0:
         return outs
     block = min(1024, max(16, triton.next_power_of_2(n)))
-    args = (index, n, n_rows, *fields, *outs, block)
+    # bool moves as bytes (Triton's i1 pointers do not load / store torch's bool bytes
+    # faithfully on the GPU)
+    raw = [t.view(torch.uint8) if t.dtype == torch.bool else t for t in (*fields, *outs)]
+    args = (index, n, n_rows, *raw, block)
     key = (index.device.index, index.dtype, block) + tuple(t.dtype for t in fields)
     _GATHER(key, (triton.cdiv(n, block),), args, {"num_warps": 1 if block <= 256 else 4})
     return outs

@@ -8,7 +8,7 @@ import torch
 
 from specdraft.kernels import as_int, check_paged_attention_args
 from specdraft.kernels.validation import MAX_HEAD_DIM
-from specdraft.ops import backend_for, paged_attention, store_kv
+from specdraft.ops import paged_attention, store_kv
 
 from .attn_metadata import AttentionMetadata
 
@@ -70,10 +70,6 @@ class PagedAttention(torch.nn.Module):
         self.scale = float(scale)
         self.sliding_window = sliding_window
         self.softcap = None if softcap is None else float(softcap)
-        # Per layer: the split-merge tickets of the attention launch (zero between
-        # launches), grown on demand; a grown buffer's predecessors stay alive, since
-        # graphs captured with them hold their addresses.
-        self._tickets: list[torch.Tensor] = []
 
     def forward(
         self,
@@ -96,20 +92,9 @@ class PagedAttention(torch.nn.Module):
         k_cache, v_cache = kv_cache
         if not stored:
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        kw = self._options(meta)
-        if backend_for(q) == "triton":  # KV splits merged inside the launch
-            kw["tickets"] = self._tickets_for(meta, q.device)
         return paged_attention(
-            q, k_cache, v_cache, *self._metadata(meta), self.scale, out=out, **kw
+            q, k_cache, v_cache, *self._metadata(meta), self.scale, out=out, **self._options(meta)
         )
-
-    def _tickets_for(self, meta: AttentionMetadata, device) -> torch.Tensor:
-        need = (meta.num_tokens + meta.num_reqs) * self.num_kv_heads  # any query tiling
-        last = self._tickets[-1] if self._tickets else None
-        if last is None or last.numel() < need or last.device != device:
-            last = torch.zeros(max(need, 64), dtype=torch.int32, device=device)
-            self._tickets.append(last)
-        return last
 
     def check(
         self,

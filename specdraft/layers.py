@@ -194,12 +194,13 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """With a residual: residual + the MLP's output, added inside the down GEMM."""
+        """With a residual: residual + the MLP's output, added in place inside the down
+        GEMM (the residual must be the caller's own stream)."""
         act = silu_and_mul(self.gate_up_proj(x))
         if residual is None or self.down_proj.bias is not None:
             out = self.down_proj(act)
             return out if residual is None else out + residual
-        return ops.linear_residual(act, self.down_proj.weight, residual)
+        return ops.linear_residual_(act, self.down_proj.weight, residual)
 
 
 class DecoderLayer(nn.Module):

@@ -98,10 +98,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """residual + x W^T in one cuBLAS call (the addition in the GEMM's float32 epilogue,
-    one rounding): a layer's output with its residual stream added."""
-    return torch.addmm(residual, x, weight.t())
+def linear_residual_(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual += x W^T in place, one cuBLAS call (the addition in the GEMM's float32
+    epilogue, one rounding; in place, so no copy of the residual first): a layer's output
+    with its residual stream added. Returns residual."""
+    return residual.addmm_(x, weight.t())
 
 
 def embed_concat(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

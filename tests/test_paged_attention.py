@@ -21,7 +21,21 @@ from tests.reference import paged_attention_ref
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def _launch(b, out, scale, sliding_window, softcap, num_splits, max_query_len, config, tickets):
+def run_and_check(
+    b: PagedBatch,
+    dtype: torch.dtype,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    num_splits: int | None = None,
+    max_query_len: int | None = None,
+    config: AttentionLaunchConfig | None = None,
+) -> torch.Tensor:
+    """Run the kernel on a NaN-poisoned output and compare every element with the
+    reference: real rows within tolerance, padded rows exactly zero."""
+    head_dim = b.q.shape[-1]
+    scale = head_dim**-0.5
+    out = torch.full_like(b.q, float("nan"))
     paged_attention(
         b.q,
         b.k_cache,
@@ -37,38 +51,7 @@ def _launch(b, out, scale, sliding_window, softcap, num_splits, max_query_len, c
         softcap=softcap,
         num_splits=num_splits,
         config=config,
-        tickets=tickets,
     )
-
-
-def run_and_check(
-    b: PagedBatch,
-    dtype: torch.dtype,
-    *,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    num_splits: int | None = None,
-    max_query_len: int | None = None,
-    config: AttentionLaunchConfig | None = None,
-    merge: bool = False,
-) -> torch.Tensor:
-    """Run the kernel on a NaN-poisoned output and compare every element with the
-    reference: real rows within tolerance, padded rows exactly zero. merge: with
-    tickets (the splits merged inside the launch), called twice (the tickets must be
-    back to zero after each call)."""
-    head_dim = b.q.shape[-1]
-    scale = head_dim**-0.5
-    out = torch.full_like(b.q, float("nan"))
-    tickets = None
-    if merge:  # more than any launch of this batch uses (block_q >= 1)
-        n = (b.q.shape[0] + b.query_start_loc.numel()) * b.k_cache.shape[2]
-        tickets = torch.zeros(n, dtype=torch.int32, device=b.q.device)
-    for _ in range(2 if merge else 1):
-        out.fill_(float("nan"))
-        _launch(b, out, scale, sliding_window, softcap, num_splits, max_query_len, config,
-                tickets)  # fmt: skip
-        if merge:
-            assert int(tickets.abs().sum()) == 0, "tickets left non-zero"
     ref = paged_attention_ref(
         b.q,
         b.k_cache,
@@ -150,10 +133,9 @@ def test_long_prefill_with_decodes(device):
     run_and_check(b, torch.float16)
 
 
-@pytest.mark.parametrize("merge", [False, True], ids=["combine", "merged"])
 @pytest.mark.parametrize("num_splits", [2, 8, 32])
 @pytest.mark.parametrize("q_choices", [[1], [1, 4, 8]], ids=["decode", "mixed"])
-def test_split_kv(device, num_splits, q_choices, merge):
+def test_split_kv(device, num_splits, q_choices):
     # 32 splits over short contexts leave most splits empty; they must contribute
     # nothing and produce no NaN.
     rng = random.Random(num_splits * 7 + len(q_choices))
@@ -170,7 +152,7 @@ def test_split_kv(device, num_splits, q_choices, merge):
         pad_reqs=2,
         pad_tokens=3,
     )
-    run_and_check(b, torch.float16, num_splits=num_splits, merge=merge)
+    run_and_check(b, torch.float16, num_splits=num_splits)
 
 
 @pytest.mark.parametrize("block_m, block_n", [(32, 32), (16, 128)])
@@ -198,9 +180,8 @@ def test_explicit_launch_configs(device, block_m, block_n, num_splits):
     run_and_check(b, torch.float16, config=cfg)
 
 
-@pytest.mark.parametrize("merge", [False, True], ids=["combine", "merged"])
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_padded_requests_and_tokens(device, num_splits, merge):
+def test_padded_requests_and_tokens(device, num_splits):
     b = make_paged_batch(
         [1, 3, 1],
         [17, 40, 64],
@@ -212,7 +193,7 @@ def test_padded_requests_and_tokens(device, num_splits, merge):
         pad_reqs=3,
         pad_tokens=5,
     )
-    run_and_check(b, torch.float32, num_splits=num_splits, max_query_len=4, merge=merge)
+    run_and_check(b, torch.float32, num_splits=num_splits, max_query_len=4)
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
@@ -373,9 +354,8 @@ def test_gpu_bf16_mixed(heads, head_dim):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("merge", [False, True], ids=["combine", "merged"])
 @pytest.mark.parametrize("num_splits", [1, 16])
-def test_gpu_window_softcap_bf16(num_splits, merge):
+def test_gpu_window_softcap_bf16(num_splits):
     b = make_paged_batch(
         [1, 4, 1, 900],
         [4000, 1000, 10, 100],
@@ -387,9 +367,7 @@ def test_gpu_window_softcap_bf16(num_splits, merge):
         pad_reqs=1,
         pad_tokens=2,
     )
-    run_and_check(
-        b, torch.bfloat16, sliding_window=1000, softcap=30.0, num_splits=num_splits, merge=merge
-    )
+    run_and_check(b, torch.bfloat16, sliding_window=1000, softcap=30.0, num_splits=num_splits)
 
 
 @pytest.mark.gpu
