@@ -422,7 +422,7 @@ def sample_tokens(
 # ------------------------------------------------------------- the batch's parameter rows
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_index", "n_rows"])
 def _gather_params_kernel(
     index_ptr, n_index, n_rows, g_ptr, t_ptr, k_ptr, p_ptr, s_ptr,
     og_ptr, ot_ptr, ok_ptr, op_ptr, os_ptr, BLOCK: tl.constexpr,
@@ -469,6 +469,7 @@ def gather_params(
     # faithfully on the GPU)
     raw = [t.view(torch.uint8) if t.dtype == torch.bool else t for t in (*fields, *outs)]
     args = (index, n, n_rows, *raw, block)
-    key = (index.device.index, index.dtype, block) + tuple(t.dtype for t in fields)
+    # n and n_rows are not specialized (a kernel compiled for n == 1 must not serve n == 5)
+    key = (index.device.index,) + specialization_key((index, *raw, block))
     _GATHER(key, (triton.cdiv(n, block),), args, {"num_warps": 1 if block <= 256 else 4})
     return outs

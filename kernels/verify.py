@@ -39,9 +39,9 @@ def _verify_prepare_kernel(
     r = tl.program_id(0).to(tl.int64)
     row = tl.load(rows_ptr + r)
     base = tl.load(committed_ptr + row)
-    real = row != null_row
     j = tl.arange(0, WP)
     jm = j < W
+    real = (tl.zeros([WP], tl.int64) + row) != null_row  # a vector: masks stay i1
     d = tl.load(drafts_ptr + r * stride_d + j - 1, mask=jm & (j >= 1), other=0)
     first = tl.load(first_ptr + r)
     tok = tl.where(j == 0, first, tl.maximum(d, 0))
@@ -62,7 +62,8 @@ def _verify_prepare_kernel(
     tl.store(slot_ptr + t, tl.where(ok, blk * BLOCK_SIZE + pos % BLOCK_SIZE, -1), mask=jm)
     tl.store(seq_ptr + r, (base + W).to(tl.int32))
     tl.store(qsl_ptr + r, (r * W).to(tl.int32))
-    tl.store(qsl_ptr + num_reqs, (num_reqs * W).to(tl.int32), mask=r == num_reqs - 1)
+    if r == num_reqs - 1:
+        tl.store(qsl_ptr + num_reqs, (num_reqs * W).to(tl.int32))
     tl.store(row_slots_ptr + r, row)
     tl.store(last_ptr + r, r * W + W - 1)
 

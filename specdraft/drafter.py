@@ -375,6 +375,13 @@ class Drafter:
             hid = self.loop.hidden.view(-1, self.width, self.hidden_in)[:num_reqs, :w]
         return b.verified[:num_reqs, :w], b.accepted[:num_reqs], hid
 
+    def token_table(self, k_max: int) -> torch.Tensor:
+        """[max_num_reqs, k_max] int64: the persistent buffer every round with this K_max
+        writes its draft tokens into (Proposal.tokens is its first rows), valid until the
+        next round. An engine whose verification reads drafts from here needs no copy."""
+        k_max = _check_int("k_max", k_max, 1, self.k_cap)
+        return self.buffers.tokens[: self.max_num_reqs * k_max].view(self.max_num_reqs, k_max)
+
     def propose(
         self,
         req_ids: Sequence[Hashable],

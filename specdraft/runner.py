@@ -458,6 +458,33 @@ class TargetRunner:
             manager.teardown()
         self._verify_graphs.clear()
 
+    def read_drafts_from(self, table: torch.Tensor) -> None:
+        """Verification reads its drafts from `table` ([>= max_num_reqs, k] int64 on this
+        device, e.g. Drafter.token_table(k)) instead of verify_drafts' own buffer: call
+        before capture_verify(k); graphs captured before over the old buffer are
+        dropped. Refused (ValueError, nothing changed) for a table of another shape."""
+        k = self._vk
+        r = self.limits.max_num_reqs
+        if (
+            not isinstance(table, torch.Tensor)
+            or table.dtype != torch.int64
+            or table.dim() != 2
+            or table.shape[0] < r
+            or table.shape[1] != k
+            or table.stride(1) != 1
+            or table.device != self.device
+        ):
+            raise ValueError(
+                f"table must be an int64 [>= {r}, {k}] tensor with unit column stride on "
+                f"{self.device}, got {getattr(table, 'shape', table)}"
+            )
+        self.verify_drafts = table
+        self.generation += 1
+        for manager in self._verify_graphs.values():
+            manager.teardown()
+        self._verify_graphs.clear()
+        self._verify_rows_for = None
+
     def capture_verify(self, k: int) -> None:
         """Capture verification graphs for k drafts per request (k + 1 rows each), one
         per request count of the decode capture sizes that fits max_num_tokens; a no-op

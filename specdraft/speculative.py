@@ -129,6 +129,12 @@ class SpeculativeEngine:
                         f"{aux} give {len(aux) * runner.model.cfg.hidden_size}"
                     )
             runner.keep_features(aux)
+        # Verification reads the drafts where the round writes them (no copy per step)
+        # when the drafter's table covers the runner's requests.
+        table = drafter.token_table(k)
+        self._drafts_shared = table.shape[0] >= runner.limits.max_num_reqs and runner._vk == k
+        if self._drafts_shared and runner.verify_drafts.data_ptr() != table.data_ptr():
+            runner.read_drafts_from(table)
         runner.capture_verify(k)  # after keep_features: the graphs return the features
         self.stats = SpecStats(proposed=[0] * k, accepted=[0] * k)
         self._checker = Engine(runner, tokenizer)  # request checks only; never run
@@ -335,12 +341,23 @@ class SpeculativeEngine:
         positions of draft 0, then `_after_verify`. Returns the sampler's output."""
         runner, k = self.runner, self.k
         runner.verify_first[:b].copy_(verified.gather(1, accepted.long()[:, None])[:, 0])
-        runner.verify_drafts[:b, :k].copy_(proposal.tokens)
+        self._drafts_in(b, proposal)
         logits = runner.execute_verify(b, k, rows=rows)
         feats = runner.last_features if self.eagle else None
         vrows = runner.verify_rows[:b]
         self._positions[:b].copy_(runner.committed.index_select(0, vrows) + 1)
         return self._after_verify(b, proposal, logits, feats)
+
+    def _drafts_in(self, b: int, proposal) -> None:
+        """The drafts into the verification's inputs: already there when verification
+        reads the drafter's own table (the proposal is its first rows)."""
+        drafts = self.runner.verify_drafts
+        if not (
+            self._drafts_shared
+            and proposal.tokens.data_ptr() == drafts.data_ptr()
+            and proposal.tokens.stride() == drafts.stride()
+        ):
+            drafts[:b, : self.k].copy_(proposal.tokens)
 
     def _after_verify(self, b: int, proposal, logits, feats):
         """Rejection sampling, then the bookkeeping in one launch (kernels/commit.py):
@@ -384,7 +401,7 @@ class SpeculativeEngine:
         per batch size while the batch runs, at the price of a full verification
         capture each time a request leaves.)"""
         runner, k = self.runner, self.k
-        runner.verify_drafts[:b, :k].copy_(proposal.tokens)
+        self._drafts_in(b, proposal)
         logits, feats = runner.replay_verify(b, k)
         q = proposal.q
         table = runner.sampling  # its host flags pick the sampler's launches

@@ -122,8 +122,11 @@ def test_argmax_rows_one_launch_bad_inputs(device):
         (ValueError, "tickets", dict(tickets=zeros[:2])),
         (ValueError, "tickets", dict(tickets=torch.zeros_like(zeros).repeat(2)[::2])),
         (TypeError, "offsets", dict(tickets=zeros, offsets=torch.zeros(40, device=device))),
-        (ValueError, "offsets", dict(tickets=zeros, offsets=torch.zeros(39, dtype=torch.int64,
-                                                                      device=device))),  # fmt: skip
+        (
+            ValueError,
+            "offsets",
+            dict(tickets=zeros, offsets=torch.zeros(39, dtype=torch.int64, device=device)),
+        ),  # fmt: skip
         (ValueError, "offsets", dict(offsets=torch.zeros(40, dtype=torch.int64, device=device))),
         (ValueError, "out", dict(out=torch.zeros(3, 2, dtype=torch.int64, device=device)[:, 0])),
     ]

@@ -152,6 +152,25 @@ def test_replay_verify_needs_the_rows_of_execute_verify(models):
         runner.replay_verify(2, 3)
 
 
+def test_verification_reads_the_drafters_table(models):
+    """The engine points verification at the drafter's token table (no copy per step);
+    a table of the wrong shape, dtype or device is refused and changes nothing."""
+    target, _, other = models
+    se = spec_engine(target, other, k=3, step_graphs=False)
+    runner, table = se.runner, se.drafter.token_table(3)
+    assert runner.verify_drafts.data_ptr() == table.data_ptr()
+    assert runner.verify_drafts.stride() == table.stride()
+    before = runner.verify_drafts
+    for bad in (table[:, :2], table.int(), table[:1], torch.zeros(8, 3), "x"):
+        with pytest.raises(ValueError, match="table"):
+            runner.read_drafts_from(bad)
+        assert runner.verify_drafts is before
+    out = se.generate(PROMPTS[:2], max_new_tokens=6)  # still the target's greedy tokens
+    ref = Engine(TargetRunner(target, max_num_reqs=4, max_num_tokens=256, max_model_len=128,
+                              num_blocks=33)).generate(PROMPTS[:2], max_new_tokens=6)  # fmt: skip
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+
+
 def test_step_graphs_need_a_gpu_or_a_backend(models):
     target, _, other = models
     with pytest.raises(ValueError, match="step_graphs=True needs the target on a CUDA device"):
