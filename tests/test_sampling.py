@@ -232,6 +232,11 @@ def test_select_one_launch_equals_index_select(device, n):
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert torch.equal(got.seed[:1], t.seed[:1])
     assert got.any_filter == t.any_filter and got.all_greedy == t.all_greedy
+    fields = [getattr(t, name) for name in SamplingTensors._FIELDS]
+    with pytest.raises(TypeError, match="index"):
+        kernels.gather_params(index.float(), *fields)
+    with pytest.raises(ValueError, match="temperature"):
+        kernels.gather_params(index, fields[0], fields[1][:-1], *fields[2:])
 
 
 @pytest.mark.parametrize(

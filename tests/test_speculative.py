@@ -161,6 +161,9 @@ def test_verification_reads_the_drafters_table(models):
     assert runner.verify_drafts.data_ptr() == table.data_ptr()
     assert runner.verify_drafts.stride() == table.stride()
     before = runner.verify_drafts
+    for bad_k in (0, se.drafter.k_cap + 1, 2.0):
+        with pytest.raises((TypeError, ValueError), match="k_max"):
+            se.drafter.token_table(bad_k)
     for bad in (table[:, :2], table.int(), table[:1], torch.zeros(8, 3), "x"):
         with pytest.raises(ValueError, match="table"):
             runner.read_drafts_from(bad)
