@@ -62,9 +62,6 @@ gather_params = runnable(gather_params)
 verify_prepare = runnable(verify_prepare)
 
 __all__ = [
-    "gather_params",
-    "check_verify_prepare_args",
-    "verify_prepare",
     "INTERPRET",
     "argmax_rows",
     "check_argmax_args",
@@ -73,6 +70,7 @@ __all__ = [
     "commit_step_torch",
     "check_embed_concat_args",
     "embed_concat",
+    "gather_params",
     "check_linear_small_m_args",
     "linear_small_m",
     "AttentionLaunchConfig",
@@ -87,6 +85,7 @@ __all__ = [
     "check_rotary_args",
     "check_rotary_store_kv_args",
     "check_sample_args",
+    "check_verify_prepare_args",
     "check_silu_and_mul_args",
     "check_store_kv_args",
     "check_tensors_runnable",
@@ -104,6 +103,7 @@ __all__ = [
     "rotary_store_kv",
     "sample_tokens",
     "sample_workspace",
+    "verify_prepare",
     "set_validation",
     "silu_and_mul",
     "store_kv",

@@ -465,8 +465,7 @@ def gather_params(
     if n == 0 or n_rows == 0:
         return outs
     block = min(1024, max(16, triton.next_power_of_2(n)))
-    # bool moves as bytes (Triton's i1 pointers do not load / store torch's bool bytes
-    # faithfully on the GPU)
+    # every field moves as plain values; the bool one as its bytes
     raw = [t.view(torch.uint8) if t.dtype == torch.bool else t for t in (*fields, *outs)]
     args = (index, n, n_rows, *raw, block)
     # n and n_rows are not specialized (a kernel compiled for n == 1 must not serve n == 5)

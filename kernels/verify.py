@@ -143,6 +143,6 @@ def verify_prepare(
             seq_lens, query_start_loc, row_slots, last_token_idx, slot_mapping, num_reqs, w,
             block_size, triton.next_power_of_2(w),
             min(1024, triton.next_power_of_2(max(max_blocks, 1))))  # fmt: skip
-    key = specialization_key(args[:18]) + (args[19], args[20], args[21], args[22],
-                                           rows.device.index)  # fmt: skip
+    # num_reqs (args[18]) is not specialized: one compiled kernel serves every batch size
+    key = specialization_key(args[:18] + args[19:]) + (rows.device.index,)
     _LAUNCH(key, (num_reqs,), args, {"num_warps": 1})

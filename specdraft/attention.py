@@ -85,10 +85,11 @@ class PagedAttention(torch.nn.Module):
         """q [num_tokens, Hq, D], k and v [num_tokens, Hkv, D] with num_tokens equal to
         meta.num_tokens; returns [num_tokens, Hq, D] (zeros on padded tokens).
 
-        stored=True: the caller has already written this step's K/V into kv_cache at
-        meta.slot_mapping (kernels.rotary_store_kv), so store_kv is skipped and k, v are
-        only checked; attention reads K/V from the cache either way."""
-        self._check(q, k, v, kv_cache, meta, out)
+        stored=True: the caller has run check() and then written this step's K/V into
+        kv_cache at meta.slot_mapping (kernels.rotary_store_kv), so neither the layer's
+        checks nor store_kv run again; attention reads K/V from the cache either way."""
+        if not stored:
+            self._check(q, k, v, kv_cache, meta, out)
         k_cache, v_cache = kv_cache
         if not stored:
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
