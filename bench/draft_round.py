@@ -228,6 +228,20 @@ class Bench:
         steady = (d.steady_rounds - steady0) / (2 * iters)
         launch_idle = host_us(graph.replay, iters, 0)
         launch_busy = host_us(graph.replay, iters, spin)
+        # As the engine calls it: the inputs written where the round reads them
+        # (Drafter.input_views), so that propose() copies nothing.
+        views = d.input_views(b, k + 1)
+        for dst, src in zip(views, self._inp):
+            if dst is not None:
+                dst.copy_(src)
+        self.reset()
+        d.propose(self.rids, views[0], views[1], target_hidden=views[2], k_max=k)
+
+        def own():
+            d.propose(self.rids, views[0], views[1], target_hidden=views[2], k_max=k)
+
+        host_own = host_us(own, iters, 0)
+        host_own_busy = host_us(own, iters, spin)
         self.reset()
         launches = graph_launches(lambda: self.propose(k), 5)
         return dict(
@@ -240,6 +254,8 @@ class Bench:
             host_p90_us=sorted(host)[int(0.9 * (len(host) - 1))],
             host_busy_us=statistics.median(host_busy),
             host_busy_p90_us=sorted(host_busy)[int(0.9 * (len(host_busy) - 1))],
+            host_own_busy_us=statistics.median(host_own_busy),
+            host_own_us=statistics.median(host_own),
             launch_idle_us=statistics.median(launch_idle),
             launch_busy_us=statistics.median(launch_busy),
             steady_share=steady,
@@ -310,6 +326,8 @@ COLUMNS = [
     ("host_busy_p90_us", "p90"),
     ("host_us", "host µs / round (GPU idle)"),
     ("host_p90_us", "p90"),
+    ("host_own_busy_us", "host µs / round, inputs in input_views (GPU busy)"),
+    ("host_own_us", "same (GPU idle)"),
     ("launch_busy_us", "bare graph launch µs (busy)"),
     ("launch_idle_us", "bare graph launch µs (idle)"),
     ("steady_share", "steady rounds"),
@@ -440,6 +458,14 @@ def check_bars(rows: list[dict], smol_us: float) -> list[str]:
         f"{worst['host_busy_us']:.1f} µs: {worst['model']} b{worst['batch']} K{worst['k']}); "
         f"on an idle GPU worst {idle['host_us']:.1f} µs ({idle['model']} b{idle['batch']} "
         f"K{idle['k']}), of which the bare cudaGraphLaunch {idle['launch_idle_us']:.1f} µs"
+    )
+    own = max(rows, key=lambda r: r["host_own_busy_us"])
+    out.append(
+        f"host <= 30 µs per round with the inputs written into Drafter.input_views (as "
+        f"SpeculativeEngine calls it; no input copies): "
+        f"{'met' if own['host_own_busy_us'] <= 30 else 'MISSED'} (worst "
+        f"{own['host_own_busy_us']:.1f} µs busy: {own['model']} b{own['batch']} K{own['k']}, "
+        f"its bare cudaGraphLaunch {own['launch_busy_us']:.1f} µs)"
     )
     worst = max(rows, key=lambda r: r["capture_again_s_per_graph"])
     first = max(r["capture_s_per_graph"] for r in rows)

@@ -108,6 +108,14 @@ class DraftLoop:
         self.map_tokens = mapped
         self.q = torch.zeros(r * k_cap * self.q_vocab, dtype=torch.float32, device=self.device)
         self._tickets = torch.zeros(r, dtype=torch.int32, device=self.device)  # the argmax's
+        # Prompt prefill graphs (Drafter sets the manager up): the target states of a
+        # prompt chunk go here first.
+        self.prompt_graphs = None
+        self.prompt_hidden = None
+        if kind is not DraftKind.LLAMA:
+            self.prompt_hidden = torch.zeros(
+                limits.max_num_tokens, hidden_in, dtype=self.dtype, device=self.device
+            )
         self._meta: dict[tuple[str, int], AttentionMetadata] = {}
 
     # ---- the round -------------------------------------------------------------------
@@ -243,17 +251,45 @@ class DraftLoop:
     # ---- the prompt ------------------------------------------------------------------
 
     def prefill_prompt(self, req_id, ids: list[int], hidden: torch.Tensor | None) -> int:
-        """The draft's KV for a new request's prompt, eagerly, in chunks of the builder's
-        token budget; returns the draft's KV length (EAGLE: one pair per prompt token
-        but the last)."""
+        """The draft's KV for a new request's prompt, in chunks of the builder's token
+        budget: each chunk a replay of the smallest prompt graph that holds it (padding
+        rows write no KV), eagerly when none does; returns the draft's KV length (EAGLE:
+        one pair per prompt token but the last)."""
         toks = ids[self.shift :]
         length = len(toks)
         step = self.builder.limits.max_num_tokens
+        graphs = self.prompt_graphs
         for s in range(0, length, step):
             chunk = toks[s : s + step]
-            meta = self.builder.build(ScheduledBatch.from_requests([(req_id, chunk, s)]))
-            if self.kind is DraftKind.LLAMA:
-                self.model(meta.input_ids, meta, self.cache)
-            else:
-                self.model(meta.input_ids, hidden[s : s + len(chunk)], meta, self.cache)
+            n = len(chunk)
+            batch = ScheduledBatch.from_requests([(req_id, chunk, s)])
+            desc = None
+            if graphs is not None and graphs.captured:
+                desc = graphs.dispatch(1, n, max_query_len=n)
+            if desc is None:
+                meta = self.builder.build(batch)
+                if self.kind is DraftKind.LLAMA:
+                    self.model(meta.input_ids, meta, self.cache)
+                else:
+                    self.model(meta.input_ids, hidden[s : s + n], meta, self.cache)
+                continue
+            if self.prompt_hidden is not None:
+                self.prompt_hidden[:n].copy_(hidden[s : s + n])
+            self.builder.build(
+                batch,
+                num_reqs_padded=desc.num_reqs,
+                num_tokens_padded=desc.num_tokens,
+                max_query_len=desc.max_query_len,
+            )
+            graphs.replay(desc)
         return length
+
+    def prompt_forward(self, meta: AttentionMetadata) -> None:
+        """The draft's forward over a prompt chunk the builder laid out (an EAGLE head
+        reads its target states from prompt_hidden's first rows; rows past the chunk
+        hold earlier prompts' finite states, and padding rows write no KV). What a
+        prompt graph captures."""
+        if self.kind is DraftKind.LLAMA:
+            self.model(meta.input_ids, meta, self.cache)
+        else:
+            self.model(meta.input_ids, self.prompt_hidden[: meta.num_tokens], meta, self.cache)

@@ -73,6 +73,7 @@ logger = logging.getLogger(__name__)
 GREEDY = SamplingParams(temperature=0.0)
 _MODES = tuple(SamplingMode)
 _DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)  # prompt-chunk graph sizes
 _HEADROOM_ROUNDS = 16
 
 
@@ -235,8 +236,22 @@ class Drafter:
                     mixed=False,
                     backend=graph_backend,
                 )
+        # The prompt prefill of add_request, by chunk size (one request, any length up
+        # to the size): eager, it costs ~15 launches of host time per new request.
+        if use_graphs:
+            budget = limits.max_num_tokens
+            prompt_sizes = [s for s in _PROMPT_BUCKETS if s < budget] + [budget]
+            self.loop.prompt_graphs = SpeculatorCudaGraphManager(
+                max_num_reqs=max_num_reqs,
+                max_num_tokens=budget,
+                cg_mode=CUDAGraphMode.FULL,
+                capture_sizes=prompt_sizes,
+                uniform_token_counts=(),
+                mixed=True,
+                backend=graph_backend,
+            )
         self.capture_seconds = 0.0
-        if self._managers and capture_now:
+        if (self._managers or use_graphs) and capture_now:
             self.capture()
 
     # ---- configuration ----------------------------------------------------------------
@@ -269,7 +284,8 @@ class Drafter:
     def capture(self, order_seed: int | None = None) -> None:
         """Warm up and capture every round graph, largest first across all of them (or
         shuffled by order_seed, to show that order does not matter), each pass on fresh
-        dummy inputs for exactly its descriptor (the capture rule)."""
+        dummy inputs for exactly its descriptor (the capture rule); then the prompt
+        graphs of add_request."""
         todo = [(d, key) for key, m in self._managers.items() for d in m.descriptors]
         todo.sort(key=lambda x: (-x[0].num_tokens, -x[1][0], -int(x[1][1])))
         if order_seed is not None:
@@ -286,13 +302,30 @@ class Drafter:
                 self._managers[(k, mode)].capture(
                     forward, _CaptureInputs(self.loop, k), descriptors=[desc]
                 )
+            prompt = self.loop.prompt_graphs
+            if prompt is not None:
+
+                def prompt_forward(num_reqs, num_tokens, meta, slots, dp, cg_mode):
+                    self.loop.prompt_forward(meta)
+
+                prompt.capture(prompt_forward, self.loop.builder, "Capturing draft prompt graphs")
         self.buffers.counters.copy_(counters)  # warm-ups ran dummy rounds
         self.capture_seconds = time.perf_counter() - start
-        logger.info("captured %d draft-round graphs in %.2f s", len(todo), self.capture_seconds)
+        logger.info(
+            "captured %d draft-round and %d prompt graphs in %.2f s",
+            len(todo),
+            self.num_prompt_graphs,
+            self.capture_seconds,
+        )
 
     @property
     def num_graphs(self) -> int:
         return sum(len(m.captured) for m in self._managers.values())
+
+    @property
+    def num_prompt_graphs(self) -> int:
+        prompt = self.loop.prompt_graphs
+        return 0 if prompt is None else len(prompt.captured)
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -311,7 +344,8 @@ class Drafter:
         *,
         target_hidden: torch.Tensor | None = None,
     ) -> None:
-        """Admit a request and run the draft's prefill over its prompt (eagerly).
+        """Admit a request and run the draft's prefill over its prompt (a prompt graph
+        replay per chunk when graphs are on).
 
         Llama draft: the prompt's KV. EAGLE heads: target_hidden [n, h_in] holds the
         target's hidden states (EAGLE-3: auxiliary states) at the n prompt positions;
@@ -569,6 +603,8 @@ class Drafter:
         self._leave_steady()
         for m in self._managers.values():
             m.teardown()
+        if self.loop.prompt_graphs is not None:
+            self.loop.prompt_graphs.teardown()
 
 
 _NEVER = object()

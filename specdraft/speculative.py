@@ -244,7 +244,24 @@ class SpeculativeEngine:
         # step wrote this round's inputs where the drafter reads them
         settled = False
         batch = None
+        out, b = None, 0
         while active:
+            if out is not None and all(
+                len(group[i].output) + w >= group[i].max_new_tokens for i in active
+            ):
+                # Every running request may reach max_new_tokens in the step in flight:
+                # wait for its readback instead of launching a step that would most
+                # likely be thrown away (the readback is one step late).
+                self._process(group, *pending, stream)
+                pending = None
+                keep = [j for j, i in enumerate(active) if not group[i].finished]
+                if len(keep) != len(active):
+                    verified, accepted, hidden_in = self._keep(group, ids, active, keep, out, b)
+                    active = [active[j] for j in keep]
+                    settled = False
+                    batch = None
+                    if not active:
+                        break
             if batch is None:  # the batch changed: its lists once, not every step
                 batch = [group[i] for i in active]
                 batch_ids = [ids[i] for i in active]
@@ -263,18 +280,12 @@ class SpeculativeEngine:
             else:
                 out = self._step_body(b, proposal, verified, accepted, rows=batch_rows)
             prev, pending = pending, (*self._readback_stage(b), list(active))
-            self._process(group, *prev, stream)
+            if prev is not None:
+                self._process(group, *prev, stream)
             # next step: the requests still running, their verified rows gathered
             keep = [j for j, i in enumerate(active) if not group[i].finished]
             if len(keep) != len(active):
-                for i in active:
-                    if group[i].finished:
-                        self._drop(ids[i])
-                idx = self._upload_index(keep)
-                verified = out.tokens.index_select(0, idx)  # index_select makes copies
-                accepted = out.num_accepted.index_select(0, idx)
-                if self.eagle:  # the state at verify row j predicted the token after it
-                    hidden_in = runner.last_features.view(b, w, -1).index_select(0, idx)
+                verified, accepted, hidden_in = self._keep(group, ids, active, keep, out, b)
                 active = [active[j] for j in keep]
                 settled = False
                 batch = None
@@ -286,6 +297,23 @@ class SpeculativeEngine:
         if pending is not None:
             self._process(group, *pending, stream)
         self.rejection_counters()
+
+    def _keep(self, group, ids, active, keep, out, b: int):
+        """Drop the finished requests; the verified rows, accepted counts and (EAGLE)
+        target states of the kept ones, gathered from the last step's outputs."""
+        for i in active:
+            if group[i].finished:
+                self._drop(ids[i])
+        if not keep:
+            return None, None, None
+        idx = self._upload_index(keep)
+        verified = out.tokens.index_select(0, idx)  # index_select makes copies
+        accepted = out.num_accepted.index_select(0, idx)
+        hidden_in = None
+        if self.eagle:  # the state at verify row j predicted the token after it
+            w = self.k + 1
+            hidden_in = self.runner.last_features.view(b, w, -1).index_select(0, idx)
+        return verified, accepted, hidden_in
 
     def _grow(self, batch: list[_Req], batch_ids: list[int]) -> int:
         """Blocks by upper bound before a step: a request's committed length is at most

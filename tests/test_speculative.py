@@ -247,6 +247,26 @@ def test_target_blocks_grow_every_few_steps_not_every_step(models):
     assert len(calls) <= 3 * 4, (len(calls), steps)
 
 
+@pytest.mark.parametrize("max_new", [5, 12, 13])
+def test_no_step_is_launched_past_max_new_tokens(models, max_new):
+    """The readback is one step late; when every running request may reach
+    max_new_tokens in the step in flight, generate() waits for it instead of launching
+    one more. With the same-weights draft (every draft accepted, k + 1 tokens a step)
+    each request runs exactly ceil((max_new - 1) / (k + 1)) rounds after its first
+    token, and the output is target-only's."""
+    target, same, _ = models
+    k = 3
+    se = spec_engine(target, same, k=k, max_num_reqs=1)
+    with ops.use_backend("torch"):
+        want = Engine(se.runner).generate(PROMPTS, max_new_tokens=max_new)
+        rounds0 = se.drafter.rounds
+        got = se.generate(PROMPTS, max_new_tokens=max_new)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert all(len(o.token_ids) == max_new for o in got)
+    per_request = -(-(max_new - 1) // (k + 1))
+    assert se.drafter.rounds - rounds0 == len(PROMPTS) * per_request
+
+
 def test_rows_of_finished_sampled_requests_go_back_to_greedy(models):
     """A runner that served sampled requests, then greedy speculation on it: the rows
     the sampled requests left are greedy again (they used to keep the runner's host
