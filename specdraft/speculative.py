@@ -56,7 +56,7 @@ class _Req:
     capacity: int = 0  # tokens its target KV blocks cover
 
 
-_MAX_STEP_GRAPHS = 32  # small graphs (the sampler and bookkeeping): cheap to keep
+_MAX_STEP_GRAPHS = 96  # small graphs (the sampler and bookkeeping): cheap to keep
 
 
 class _StepGraph:
@@ -275,11 +275,13 @@ class SpeculativeEngine:
             proposal = drafter.propose(
                 batch_ids, d_in[0], d_in[1], k=ks, k_max=k, target_hidden=d_in[2]
             )
-            if settled and self.step_graphs:
-                out = self._steady_step(b, greedy, proposal)
+            slot = self._next_host  # the pinned slot this step's tokens go to
+            if settled and self.step_graphs:  # its graph copies them there itself
+                out, copied = self._steady_step(b, greedy, proposal, slot), True
             else:
                 out = self._step_body(b, proposal, verified, accepted, rows=batch_rows)
-            prev, pending = pending, (*self._readback_stage(b), list(active))
+                copied = False
+            prev, pending = pending, (*self._readback_stage(b, copied), list(active))
             if prev is not None:
                 self._process(group, *prev, stream)
             # next step: the requests still running, their verified rows gathered
@@ -387,13 +389,15 @@ class SpeculativeEngine:
         ):
             drafts[:b, : self.k].copy_(proposal.tokens)
 
-    def _after_verify(self, b: int, proposal, logits, feats):
+    def _after_verify(self, b: int, proposal, logits, feats, slot: int | None = None):
         """Rejection sampling, then the bookkeeping in one launch (kernels/commit.py):
         committed lengths, the emitted tokens and counts into the stage, and the next
         step's inputs where their readers find them (the drafter's verified block and
         accepted counts, the target's verify_first, the positions of the next draft 0),
         plus the features into the drafter's hidden-state input. Fixed shapes and no
-        host reads: what a step graph captures. Returns the sampler's output."""
+        host reads: what a step graph captures. With `slot`, the stage is also copied
+        into that pinned readback slot (inside the graph: an eager copy after it costs
+        ~15 µs of host time and a gap on the GPU). Returns the sampler's output."""
         runner, w = self.runner, self.k + 1
         vrows = runner.verify_rows[:b]
         table = runner.sampling
@@ -410,6 +414,9 @@ class SpeculativeEngine:
                self._stage, runner.verify_first, ver, acc, self._positions)  # fmt: skip
         if hid is not None:
             hid.copy_(feats.view(b, w, -1))
+        if slot is not None:
+            host, dev, _ = self._stage_view(slot, b)
+            host.copy_(dev, non_blocking=True)
         return out
 
     def _drafter_views(self, b: int):
@@ -418,23 +425,24 @@ class SpeculativeEngine:
             views = self._d_views[b] = self.drafter.input_views(b, self.k + 1)
         return views
 
-    def _steady_step(self, b: int, greedy: bool, proposal):
+    def _steady_step(self, b: int, greedy: bool, proposal, slot: int):
         """A step of the batch of the step before: its verify rows, verify_first and
         the drafter's inputs are on the device already. The drafts go into the verify
         inputs, verification replays the target's graph for this size (captured at
         start-up, padded requests writing nothing), and everything after it is one
         small graph replay. The first step for a key (batch size, sampling flags, the
         addresses read) runs that part eagerly and captures it for the next; the cache
-        keeps the last few keys. (A single graph over the whole step would be captured
-        per batch size while the batch runs, at the price of a full verification
-        capture each time a request leaves.)"""
+        keeps the last few keys. The graph also copies the step's tokens into pinned
+        readback slot `slot` (one graph per slot). (A single graph over the whole step
+        would be captured per batch size while the batch runs, at the price of a full
+        verification capture each time a request leaves.)"""
         runner, k = self.runner, self.k
         self._drafts_in(b, proposal)
         logits, feats = runner.replay_verify(b, k)
         q = proposal.q
         table = runner.sampling  # its host flags pick the sampler's launches
         key = (
-            (b, greedy, table.any_filter, table.all_greedy, runner.generation),
+            (b, greedy, table.any_filter, table.all_greedy, runner.generation, slot),
             (proposal.tokens.data_ptr(), 0 if q is None else q.data_ptr()),
             (logits.data_ptr(), 0 if feats is None else feats.data_ptr()),
         )
@@ -446,13 +454,13 @@ class SpeculativeEngine:
         else:
             eager = not self._backend.executes_on_capture
             if eager:  # this step's work; a capture then only records
-                out = self._after_verify(b, proposal, logits, feats)
+                out = self._after_verify(b, proposal, logits, feats, slot)
             if len(self._steps) >= _MAX_STEP_GRAPHS:
                 self._steps.popitem(last=False)
             t0 = time.perf_counter()
             with torch.no_grad():
                 graph, g_out = self._backend.capture(
-                    lambda: self._after_verify(b, proposal, logits, feats), self._pool()
+                    lambda: self._after_verify(b, proposal, logits, feats, slot), self._pool()
                 )
             self.stats.captures += 1
             self.stats.capture_seconds += time.perf_counter() - t0
@@ -469,19 +477,24 @@ class SpeculativeEngine:
 
         return shared_graph_pool()
 
-    def _readback_stage(self, b: int):
-        """The step's staged tokens and counts into pinned memory (one copy) and a
-        reusable event after it; the slot is read (and waited for) two steps before it
-        comes round again."""
-        i = self._next_host
-        self._next_host = (i + 1) % len(self._host_stage)
+    def _stage_view(self, i: int, b: int):
+        """(pinned slot i's first b rows, the device stage's, their (tokens, counts))."""
         views = self._stage_views.get((i, b))
         if views is None:
             host = self._host_stage[i][:b]
             views = (host, self._stage[:b], (host[:, : self.k + 1], host[:, self.k + 1]))
             self._stage_views[(i, b)] = views
-        host, dev, payload = views
-        host.copy_(dev, non_blocking=True)
+        return views
+
+    def _readback_stage(self, b: int, copied: bool = False):
+        """The step's staged tokens and counts into pinned memory (one copy; `copied`:
+        the step graph made it) and a reusable event after it; the slot is read (and
+        waited for) two steps before it comes round again."""
+        i = self._next_host
+        self._next_host = (i + 1) % len(self._host_stage)
+        host, dev, payload = self._stage_view(i, b)
+        if not copied:
+            host.copy_(dev, non_blocking=True)
         event = self._stage_events[i]
         if event is not None:
             event.record(self._stream())
