@@ -77,17 +77,32 @@ def default_capture_sizes(max_num_tokens: int) -> list[int]:
 
 
 _SHARED_POOL: Any = None
-# Managers whose graphs hold the shared pool. A pool whose graphs have all been freed
-# cannot take new captures (the caching allocator asserts on it), so the handle is
-# replaced once no live manager holds graphs.
+# A pool whose graphs have all been freed cannot take new captures (the caching
+# allocator asserts on it). Deciding from the managers alive when a capture starts was
+# racy: an unreachable manager still holding graphs (a reference cycle the collector had
+# not reached) made the old pool look alive, then died before the next capture. So the
+# shared pool holds a one-kernel graph of its own for as long as the process runs.
+_POOL_KEEPER: Any = None
+# Managers whose graphs are in the shared pool (for inspection).
 _POOL_HOLDERS: weakref.WeakSet = weakref.WeakSet()
 
 
 def shared_graph_pool() -> Any:
     """One memory pool for every manager's graphs (docs/architecture.md, invariant 4)."""
-    global _SHARED_POOL
-    if _SHARED_POOL is None or not any(m._graphs for m in _POOL_HOLDERS):
-        _SHARED_POOL = torch.cuda.graph_pool_handle()
+    global _SHARED_POOL, _POOL_KEEPER
+    if _SHARED_POOL is None:
+        pool = torch.cuda.graph_pool_handle()
+        keeper = torch.cuda.CUDAGraph()
+        here, side = torch.cuda.current_stream(), torch.cuda.Stream()
+        side.wait_stream(here)
+        with torch.cuda.stream(side):
+            keeper.capture_begin(pool)
+            try:
+                torch.zeros(1, device="cuda").add_(1)
+            finally:
+                keeper.capture_end()
+        here.wait_stream(side)
+        _SHARED_POOL, _POOL_KEEPER = pool, keeper
     return _SHARED_POOL
 
 
