@@ -140,6 +140,35 @@ def test_padded_graph_path_equals_unpadded_eager(setup, torch_layers):
     assert torch.count_nonzero(g.cache.data[:, :, 0]) == 0
 
 
+def test_prompt_graphs_equal_the_eager_prefill(setup, torch_layers):
+    """add_request through (stand-in) prompt graphs: each chunk of the 16-token budget
+    replays the 16-token graph, padded (a 37-token prompt is three replays). The K/V
+    equals an unpadded eager prefill's, and no other block changes (padding rows and
+    the capture's dummy rows write nothing)."""
+    g = drafter(setup, capture_sizes=[2], graph_backend=EagerBackend(), cuda_graphs=True)
+    e = drafter(setup)
+    assert g.num_prompt_graphs == 1 and e.num_prompt_graphs == 0
+    assert torch.count_nonzero(g.cache.data[:, :, 0]) == 0, "capture wrote the null block"
+    replays = []
+    replay = g.loop.prompt_graphs.replay
+    g.loop.prompt_graphs.replay = lambda desc: replays.append(desc.num_tokens) or replay(desc)
+    gen = torch.Generator().manual_seed(3)
+    g.cache.data[:, :, 1:].normal_(generator=gen)
+    for rid, n in enumerate((37, 5)):
+        ids = torch.randint(0, g.vocab_size, (n,), generator=gen).tolist()
+        hid = None
+        if g.hidden_in:
+            hid = torch.randn(n, g.hidden_in, generator=gen, dtype=g.dtype)
+        before = g.cache.data.clone()
+        g.add_request(rid, ids, target_hidden=hid)
+        e.add_request(rid, ids, target_hidden=hid)
+        length = n - g.loop.shift
+        torch.testing.assert_close(kv_rows(g, rid, length), kv_rows(e, rid, length))
+        others = [i for i in range(g.cache.num_blocks) if i not in g.tables.blocks_of(rid)]
+        assert torch.equal(g.cache.data[:, :, others], before[:, :, others]), f"prompt of {n}"
+    assert replays == [16, 16, 16, 16]
+
+
 def test_steady_rounds_equal_the_full_path(setup, torch_layers):
     """Rounds that repeat the previous graph round (same ids, k, k_max and input
     addresses) take the steady path: the same drafts as an unpadded eager drafter, the
