@@ -13,7 +13,6 @@ import bisect
 import enum
 import logging
 import time
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -83,8 +82,6 @@ _SHARED_POOL: Any = None
 # not reached) made the old pool look alive, then died before the next capture. So the
 # shared pool holds a one-kernel graph of its own for as long as the process runs.
 _POOL_KEEPER: Any = None
-# Managers whose graphs are in the shared pool (for inspection).
-_POOL_HOLDERS: weakref.WeakSet = weakref.WeakSet()
 
 
 def shared_graph_pool() -> Any:
@@ -271,7 +268,6 @@ class CudaGraphManager:
             return
         if self._pool is None:
             self._pool = self.backend.pool()
-            _POOL_HOLDERS.add(self)
         free_before = self.backend.free_memory()
         start = time.perf_counter()
         for desc in _progress(todo, progress_bar_desc):
@@ -381,7 +377,6 @@ class CudaGraphManager:
         self._outputs.clear()
         self._ranked, self._ranked_tokens = [], []
         self._pool = None
-        _POOL_HOLDERS.discard(self)
 
 
 def _rank(d: BatchExecutionDescriptor) -> tuple:
