@@ -250,7 +250,8 @@ class Drafter:
                 mixed=True,
                 backend=graph_backend,
             )
-        self.capture_seconds = 0.0
+        self.capture_seconds = 0.0  # the round graphs'
+        self.prompt_capture_seconds = 0.0
         if (self._managers or use_graphs) and capture_now:
             self.capture()
 
@@ -302,6 +303,7 @@ class Drafter:
                 self._managers[(k, mode)].capture(
                     forward, _CaptureInputs(self.loop, k), descriptors=[desc]
                 )
+            self.capture_seconds = time.perf_counter() - start  # the round graphs'
             prompt = self.loop.prompt_graphs
             if prompt is not None:
 
@@ -309,13 +311,14 @@ class Drafter:
                     self.loop.prompt_forward(meta)
 
                 prompt.capture(prompt_forward, self.loop.builder, "Capturing draft prompt graphs")
+                self.prompt_capture_seconds = prompt.capture_seconds
         self.buffers.counters.copy_(counters)  # warm-ups ran dummy rounds
-        self.capture_seconds = time.perf_counter() - start
         logger.info(
-            "captured %d draft-round and %d prompt graphs in %.2f s",
+            "captured %d draft-round graphs in %.2f s and %d prompt graphs in %.2f s",
             len(todo),
-            self.num_prompt_graphs,
             self.capture_seconds,
+            self.num_prompt_graphs,
+            self.prompt_capture_seconds,
         )
 
     @property
