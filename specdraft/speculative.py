@@ -244,46 +244,43 @@ class SpeculativeEngine:
         # step wrote this round's inputs where the drafter reads them
         settled = False
         batch = None
-        out, b = None, 0
         while active:
-            if out is not None and all(
-                len(group[i].output) + w >= group[i].max_new_tokens for i in active
-            ):
-                # Every running request may reach max_new_tokens in the step in flight:
-                # wait for its readback instead of launching a step that would most
-                # likely be thrown away (the readback is one step late).
+            # Every running request may reach max_new_tokens in the step in flight: wait
+            # for its readback instead of launching a step that would most likely be
+            # thrown away (the readback is one step late). Only on a settled batch, whose
+            # rows are the in-flight step's rows (the gather below indexes both alike),
+            # and once per step in flight.
+            tail = (
+                settled
+                and pending is not None
+                and all(len(group[i].output) + w >= group[i].max_new_tokens for i in active)
+            )
+            if tail:
                 self._process(group, *pending, stream)
                 pending = None
-                keep = [j for j, i in enumerate(active) if not group[i].finished]
-                if len(keep) != len(active):
-                    verified, accepted, hidden_in = self._keep(group, ids, active, keep, out, b)
-                    active = [active[j] for j in keep]
-                    settled = False
-                    batch = None
-                    if not active:
-                        break
-            if batch is None:  # the batch changed: its lists once, not every step
-                batch = [group[i] for i in active]
-                batch_ids = [ids[i] for i in active]
-                batch_rows = [rows[i] for i in active]
-                ks = [k] * len(batch)
-            if unchecked <= 0:
-                unchecked = self._grow(batch, batch_ids)
-            unchecked -= 1
-            b = len(batch)
-            d_in = self._drafter_views(b) if settled else (verified, accepted, hidden_in)
-            proposal = drafter.propose(
-                batch_ids, d_in[0], d_in[1], k=ks, k_max=k, target_hidden=d_in[2]
-            )
-            slot = self._next_host  # the pinned slot this step's tokens go to
-            if settled and self.step_graphs:  # its graph copies them there itself
-                out, copied = self._steady_step(b, greedy, proposal, slot), True
             else:
-                out = self._step_body(b, proposal, verified, accepted, rows=batch_rows)
-                copied = False
-            prev, pending = pending, (*self._readback_stage(b, copied), list(active))
-            if prev is not None:
-                self._process(group, *prev, stream)
+                if batch is None:  # the batch changed: its lists once, not every step
+                    batch = [group[i] for i in active]
+                    batch_ids = [ids[i] for i in active]
+                    batch_rows = [rows[i] for i in active]
+                    ks = [k] * len(batch)
+                if unchecked <= 0:
+                    unchecked = self._grow(batch, batch_ids)
+                unchecked -= 1
+                b = len(batch)
+                d_in = self._drafter_views(b) if settled else (verified, accepted, hidden_in)
+                proposal = drafter.propose(
+                    batch_ids, d_in[0], d_in[1], k=ks, k_max=k, target_hidden=d_in[2]
+                )
+                slot = self._next_host  # the pinned slot this step's tokens go to
+                if settled and self.step_graphs:  # its graph copies them there itself
+                    out, copied = self._steady_step(b, greedy, proposal, slot), True
+                else:
+                    out = self._step_body(b, proposal, verified, accepted, rows=batch_rows)
+                    copied = False
+                prev, pending = pending, (*self._readback_stage(b, copied), list(active))
+                if prev is not None:
+                    self._process(group, *prev, stream)
             # next step: the requests still running, their verified rows gathered
             keep = [j for j, i in enumerate(active) if not group[i].finished]
             if len(keep) != len(active):

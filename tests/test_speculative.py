@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 
 import pytest
 import torch
@@ -265,6 +266,33 @@ def test_no_step_is_launched_past_max_new_tokens(models, max_new):
     assert all(len(o.token_ids) == max_new for o in got)
     per_request = -(-(max_new - 1) // (k + 1))
     assert se.drafter.rounds - rounds0 == len(PROMPTS) * per_request
+
+
+def test_requests_ending_at_different_steps_near_the_end(models):
+    """Requests that stop (stop ids) or reach max_new_tokens at different steps, with a
+    draft whose acceptance varies per request and step, so that the end-of-generation
+    wait sees some requests finish and others run on right after other requests left
+    the batch (these stop sets and lengths do; the wait once gathered the survivors'
+    rows by their places in the shrunk batch from a step of the larger one). Every
+    output equals target-only's."""
+    target, _, other = models
+    prompts = PROMPTS + [[5, 6, 7, 8], [30, 2], list(range(40, 52))]
+    with ops.use_backend("torch"):
+        ref = Engine(
+            TargetRunner(
+                target, max_num_reqs=6, max_num_tokens=128, max_model_len=128, num_blocks=60
+            )
+        )
+        free = [o.token_ids for o in ref.generate(prompts, max_new_tokens=24)]
+        for trial in (11, 31, 57, 82, 87, 113):
+            rng = random.Random(trial)
+            max_new = rng.randint(6, 24)
+            picks = rng.sample(range(6), rng.randint(1, 4))
+            stops = sorted({rng.choice(free[i][1:max_new]) for i in picks})
+            want = ref.generate(prompts, max_new_tokens=max_new, stop_token_ids=stops)
+            se = spec_engine(target, other, k=3, max_num_reqs=6)
+            got = se.generate(prompts, max_new_tokens=max_new, stop_token_ids=stops)
+            assert [o.token_ids for o in got] == [o.token_ids for o in want], (trial, stops)
 
 
 def test_rows_of_finished_sampled_requests_go_back_to_greedy(models):
