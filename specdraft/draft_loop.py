@@ -108,8 +108,8 @@ class DraftLoop:
         self.map_tokens = mapped
         self.q = torch.zeros(r * k_cap * self.q_vocab, dtype=torch.float32, device=self.device)
         self._tickets = torch.zeros(r, dtype=torch.int32, device=self.device)  # the argmax's
-        # Prompt prefill graphs (Drafter sets the manager up): the target states of a
-        # prompt chunk go here first.
+        # Prompt prefill graphs (Drafter sets the manager up); the target states of a
+        # prompt chunk go to prompt_hidden first, graph or not.
         self.prompt_graphs = None
         self.prompt_hidden = None
         if kind is not DraftKind.LLAMA:
@@ -266,15 +266,11 @@ class DraftLoop:
             desc = None
             if graphs is not None and graphs.captured:
                 desc = graphs.dispatch(1, n, max_query_len=n)
-            if desc is None:
-                meta = self.builder.build(batch)
-                if self.kind is DraftKind.LLAMA:
-                    self.model(meta.input_ids, meta, self.cache)
-                else:
-                    self.model(meta.input_ids, hidden[s : s + n], meta, self.cache)
-                continue
             if self.prompt_hidden is not None:
                 self.prompt_hidden[:n].copy_(hidden[s : s + n])
+            if desc is None:
+                self.prompt_forward(self.builder.build(batch))
+                continue
             self.builder.build(
                 batch,
                 num_reqs_padded=desc.num_reqs,
@@ -287,8 +283,8 @@ class DraftLoop:
     def prompt_forward(self, meta: AttentionMetadata) -> None:
         """The draft's forward over a prompt chunk the builder laid out (an EAGLE head
         reads its target states from prompt_hidden's first rows; rows past the chunk
-        hold earlier prompts' finite states, and padding rows write no KV). What a
-        prompt graph captures."""
+        hold earlier prompts' finite states, and padding rows write no KV): what a
+        prompt graph captures, and the eager path."""
         if self.kind is DraftKind.LLAMA:
             self.model(meta.input_ids, meta, self.cache)
         else:
