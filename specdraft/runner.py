@@ -398,12 +398,11 @@ class TargetRunner:
         if features == self._features:
             return
         # graphs that return features return the kind they captured
-        for manager in [*self._verify_graphs.values(), *self._feature_graphs.values()]:
+        for manager in self._feature_graphs.values():
             manager.teardown()
-        self._verify_graphs.clear()
         self._feature_graphs.clear()
+        self._drop_verify_graphs()
         self._features = features
-        self.generation += 1
         if self._graph_mode is CUDAGraphMode.NONE:
             return
         for m in _SETS:
@@ -430,6 +429,15 @@ class TargetRunner:
 
     # ---- verification (speculative decoding) ----------------------------------------
 
+    def _drop_verify_graphs(self) -> None:
+        """The verification graphs read buffers or features about to change: drop them,
+        and (a new generation) mark graphs captured elsewhere over them stale."""
+        self.generation += 1
+        for manager in self._verify_graphs.values():
+            manager.teardown()
+        self._verify_graphs.clear()
+        self._verify_rows_for = None
+
     def _verify_buffers(self, k_max: int) -> None:
         """Persistent inputs of the verification step, sized once for k_max (never
         shrunk: captured verification graphs read them)."""
@@ -437,10 +445,9 @@ class TargetRunner:
             return
         dev, r = self.device, self.limits.max_num_reqs + 1
         self._vk = k_max
-        self.generation += 1  # graphs captured elsewhere over the old buffers are stale
+        self._drop_verify_graphs()  # they read the buffers replaced below
         self.committed = torch.zeros(r, dtype=torch.int64, device=dev)
         self.verify_rows = torch.full((r,), self.tables.null_row, dtype=torch.int64, device=dev)
-        self._verify_rows_for = None
         self.verify_first = torch.zeros(r, dtype=torch.int64, device=dev)
         self.verify_drafts = torch.full((r, k_max), -1, dtype=torch.int64, device=dev)
         self._arange_w = torch.arange(k_max + 1, device=dev)
@@ -454,9 +461,6 @@ class TargetRunner:
             for w in range(1, k_max + 2)
         }
         self._rows_ring = PinnedRing(r, torch.int64, dev)
-        for manager in self._verify_graphs.values():  # they read the buffers replaced
-            manager.teardown()
-        self._verify_graphs.clear()
 
     def read_drafts_from(self, table: torch.Tensor) -> None:
         """Verification reads its drafts from `table` ([>= max_num_reqs, k] int64 on this
@@ -479,11 +483,7 @@ class TargetRunner:
                 f"{self.device}, got {getattr(table, 'shape', table)}"
             )
         self.verify_drafts = table
-        self.generation += 1
-        for manager in self._verify_graphs.values():
-            manager.teardown()
-        self._verify_graphs.clear()
-        self._verify_rows_for = None
+        self._drop_verify_graphs()
 
     def capture_verify(self, k: int) -> None:
         """Capture verification graphs for k drafts per request (k + 1 rows each), one
