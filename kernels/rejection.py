@@ -555,7 +555,7 @@ def _resample_kernel(
             z = tl.where(z == 0.0, 0.0, z)
             p = tl.math.div_rn(tl.where(z >= thr, tl.exp(z - m), 0.0), tot)
             qptrs = q_ptr + req * stride_qb + qrow * stride_qk + offs
-            qv = tl.load(qptrs, mask=mask & residual, other=0.0)
+            qv = tl.load(qptrs, mask=mask & ((lane * 0 + r) < k), other=0.0)  # int1 vector
             w = tl.where(residual, tl.maximum(p - qv, 0.0), p)
             if tl.max(w, axis=0) > 0.0:
                 u = _uniform(h, offs.to(tl.uint64))
@@ -572,7 +572,7 @@ def _resample_kernel(
         tl.store(done_ptr + req, 0)
         one = req + tl.arange(0, 1)
         jj = tl.arange(0, KP)
-        real = (one >= 0) & (pos >= 0)
+        real = (one * 0 + pos) >= 0  # a vector compare: masks stay int1 vectors
         dm = real[:, None] & (jj < K)[None, :]
         d = tl.load(drafts_ptr + one[:, None] * stride_db + jj[None, :], mask=dm, other=-1)
         _emit(
