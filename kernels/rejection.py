@@ -713,6 +713,7 @@ class RejectionConfig:
     sub_g: int | None = None  # columns it reads per loop iteration (None: the whole tile)
     warps_g: int | None = None  # its warps (None: by tile size)
     stages_g: int = 1  # its loop's pipelining depth
+    chunk_t: int = 8  # candidates per slice of the cut's pairwise resolution (registers)
 
     @property
     def max_passes(self) -> int:
@@ -742,7 +743,7 @@ def choose_rejection_config(
         rows_p=max(1, min(tile // block_v, _p2(rows))),
         block_t=min(_p2(vocab), 2048),
         cap=_p2(cap) if cap is not None else min(256, _p2(vocab)),
-        nbin=256,
+        nbin=128,
         block_r=block_r,
         sub_r=min(block_r, 4096 if INTERPRET else 512),
         rows_w=max(1, min(tile // (kp * nb), _p2(num_reqs), 1024 if INTERPRET else 64)),
@@ -1033,7 +1034,7 @@ def _plan(
             (rows,),
             (target_logits, lm, greedy, temperature, top_k, top_p, ws.part_min, ws.row_max,
              ws.row_thr, ws.row_sum, ws.cand, v, k + 1, nb, nbp, cfg.block_t, cfg.cap,
-             cfg.nbin, cfg.max_passes, min(cfg.cap, 32), fxs),
+             cfg.nbin, cfg.max_passes, min(cfg.cap, cfg.chunk_t), fxs),
             8 if cfg.block_t >= 2048 else 4,
         )  # fmt: skip
     _WALK.add(
