@@ -195,10 +195,12 @@ SMALL_TILES = kr.RejectionConfig(
     block_v=4,
     rows_p=4,
     block_t=4,
+    rows_t=2,
     cap=2,
-    nbin=2,
+    cap_big=8,
+    nsplit=2,
     block_r=4,
-    sub_r=2,
+    rows_r=2,
     rows_w=2,
 )
 # Many narrowing passes over a wider vocabulary at a bearable interpreter cost.
@@ -206,21 +208,26 @@ NARROW_TILES = kr.RejectionConfig(
     block_v=64,
     rows_p=8,
     block_t=64,
+    rows_t=8,
     cap=4,
-    nbin=4,
+    cap_big=32,
+    nsplit=4,
     block_r=64,
-    sub_r=16,
+    rows_r=4,
     rows_w=4,
 )
-# A larger pairwise scratch (8) and 8 bins a pass: the windows fit it after a pass or two.
+# The band kernel's compaction fits (cap_big 256 at v 203) but the pairwise scratch is tiny
+# (cap 4) and buckets halve the interval per pass: many narrowing passes read the band.
 BAND_TILES = kr.RejectionConfig(
     block_v=32,
     rows_p=4,
     block_t=64,
-    cap=8,
-    nbin=8,
+    rows_t=4,
+    cap=4,
+    cap_big=256,
+    nsplit=2,
     block_r=64,
-    sub_r=16,
+    rows_r=4,
     rows_w=4,
 )
 KINDS = [SP(0.0), SP(1.0), SP(0.7, top_k=5), SP(1.3, top_p=0.8), SP(0.5, top_k=9, top_p=0.6),
@@ -436,7 +443,7 @@ def test_wide_band_mixed_modes_match_reference(tiles, ties, device):
                   pos.to(device), cfg)  # fmt: skip
     for t in (batch.ws.row_thr, batch.ws.row_sum, batch.ws.row_max):
         t.fill_(float("nan"))
-    batch.ws.cand.fill_(float("nan"))  # scratch left over from an earlier call
+    batch.ws.band_cnt.fill_(12345)  # the init kernel must reset the counters
     tokens, nacc, nemit = (x.cpu() for x in batch.run())
     rt, rn, re = ref_rejection(logits, drafts, q, st, pos)
     assert torch.equal(tokens, rt) and torch.equal(nacc, rn) and torch.equal(nemit, re)
@@ -645,7 +652,7 @@ def test_greedy_one_launch_resets_its_tickets(device, block_g, sub_g):
     g = torch.Generator().manual_seed(11)
     st = make_params(b, [SP(0.0)], device)
     # 5, 3 or 2 blocks per row
-    cfg = kr.RejectionConfig(8, 1, 16, 16, 8, 16, 16, 1, block_g, sub_g, None, 2)
+    cfg = kr.RejectionConfig(8, 1, 16, 1, 16, 16, 8, 16, 1, 1, block_g, sub_g, None, 2)
     batch = None
     for call in range(2):
         logits, drafts, _, _, pos = random_case(b, k, v, [SP(0.0)], ties=True, gen=g)
