@@ -577,14 +577,20 @@ def _walk(
     dc = tl.where(in_vocab, d, 0)
     row = req[:, None] * (K + 1) + j[None, :]
     acc = tl.zeros([req.shape[0], KP], tl.int1)
+    amx = tl.zeros([req.shape[0], KP], tl.int64)
     if NEED_GREEDY:
+        # Every row's argmax (rows 0..K: the bonus row's too, for _finish), its block
+        # maxima and their indices read together, so no load waits on another.
         blocks = tl.arange(0, NBP)
         pptr = row[:, :, None] * NB + blocks[None, None, :]
-        pmask = live[:, :, None] & (blocks < NB)[None, None, :]
+        rows_ok = rmask[:, None] & (j <= K)[None, :]
+        pmask = rows_ok[:, :, None] & (blocks < NB)[None, None, :]
         pm = tl.load(pmax_ptr + pptr, mask=pmask, other=float("-inf"))
+        pa = tl.load(parg_ptr + pptr, mask=pmask, other=0)
         best = tl.argmax(pm, axis=2, tie_break_left=True)  # first block: first index
-        am = tl.load(parg_ptr + row * NB + best, mask=live, other=-1)
-        acc = am.to(tl.int64) == d
+        amx = tl.sum(tl.where(blocks[None, None, :] == best[:, :, None], pa, 0), axis=2)
+        amx = amx.to(tl.int64)
+        acc = amx == d
     if SAMPLED:
         x = tl.load(logits_ptr + row * stride_lm + dc, mask=live, other=0.0).to(tl.float32)
         z = tl.math.div_rn(x, t[:, None])
@@ -604,7 +610,7 @@ def _walk(
             acc = acc_s
     acc = acc & live
     r = tl.min(tl.where(present & (acc == 0), j[None, :], k[:, None]), axis=1)
-    return d, k, r
+    return d, k, r, amx
 
 
 @triton.jit
@@ -641,7 +647,7 @@ def _resample_kernel(
     racing = rmask & (greedy == 0) & (pos >= 0)
     if tl.sum(racing.to(tl.int32), axis=0) == 0:
         return
-    _, k, r = _walk(
+    _, k, r, _ = _walk(
         req, racing, drafts_ptr, stride_db, logits_ptr, stride_lm, q_ptr, stride_qb,
         stride_qk, greedy, t, seed, pos, rmax_ptr, rthr_ptr, rsum_ptr, rmax_ptr, rmax_ptr,
         K, V, 1, KP, 1, True, False, ACCEPT_MUL,
@@ -704,18 +710,14 @@ def _finish(
     greedy, t, seed, pos = _load_request(req, rmask, greedy_ptr, temp_ptr, seed_ptr, pos_ptr,
                                          SAMPLED)  # fmt: skip
     real = rmask & (pos >= 0)
-    d, k, r = _walk(
+    d, k, r, amx = _walk(
         req, real, drafts_ptr, stride_db, logits_ptr, stride_lm, q_ptr, stride_qb, stride_qk,
         greedy, t, seed, pos, rmax_ptr, rthr_ptr, rsum_ptr, pmax_ptr, parg_ptr, K, V, NB,
         KP, NBP, SAMPLED, True, ACCEPT_MUL,
     )  # fmt: skip
     # The target's argmax of row r (greedy token; fallback for a degenerate residual).
-    row = req * (K + 1) + r
-    blocks = tl.arange(0, NBP)
-    pmask = real[:, None] & (blocks < NB)[None, :]
-    pm = tl.load(pmax_ptr + row[:, None] * NB + blocks[None, :], mask=pmask, other=float("-inf"))
-    best = tl.argmax(pm, axis=1, tie_break_left=True)
-    token = tl.load(parg_ptr + row * NB + best, mask=real, other=0).to(tl.int64)
+    jj = tl.arange(0, KP)  # KP >= K + 1: one tile holds the whole token row
+    token = tl.sum(tl.where(jj[None, :] == r[:, None], amx, 0), axis=1)
     if SAMPLED:
         b2 = tl.arange(0, NB2P)
         smask = (real & (greedy == 0))[:, None] & (b2 < NB2)[None, :]
@@ -725,7 +727,6 @@ def _finish(
         # max(p - q, 0) is all zero only if p <= q everywhere after rounding (~never):
         # the argmax of p stands in for the undefined residual.
         token = tl.where((greedy == 0) & (rbest > 0.0), won.to(tl.int64), token)
-    jj = tl.arange(0, KP)  # KP >= K + 1: one tile holds the whole token row
     out = tl.where(jj[None, :] < r[:, None], d, -1)
     out = tl.where(jj[None, :] == r[:, None], token[:, None], out)
     out = tl.where(real[:, None], out, -1)
@@ -747,26 +748,36 @@ def _greedy_kernel(
     tokens_ptr, stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr,
     K, V, NB,
     KP: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr, NBP: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, PER_ROW: tl.constexpr,
 ):  # fmt: skip
-    """Every request greedy, in one launch: program (b, blk) takes the argmax of request
-    b's K + 1 rows over vocabulary block blk, and the last of the request's NB programs
-    to finish (a ticket from an acq_rel atomic, which also makes the others' partials
-    visible to it) walks the request and writes its tokens, then resets the ticket for
-    the next call. The block is read SUB columns at a time into per-lane running maxima
-    (few registers, loads pipelined across iterations), reduced once at the end: the
-    largest value, and the smallest index holding it. NB programs per request; the
-    partials are laid out [rows, NB] in the workspace (NB <= its columns)."""
-    req = tl.program_id(0).to(tl.int64)
-    blk = tl.program_id(1)
-    j = tl.arange(0, KP)
-    rows = req * (K + 1) + j
-    rmask = j < K + 1
+    """Every request greedy, in one launch. A program takes the argmax over vocabulary
+    block blk of one target row (PER_ROW: program (blk, row)) or of request b's K + 1
+    rows (program (b, blk)); the last of the request's programs to finish (a ticket from
+    an acq_rel atomic, which also makes the others' partials visible to it) walks the
+    request and writes its tokens, then resets the ticket for the next call. The block
+    is read SUB columns at a time into per-lane running maxima (few registers, loads
+    pipelined across iterations), reduced once at the end: the largest value, and the
+    smallest index holding it. The partials are laid out [rows, NB] in the workspace
+    (NB <= its columns). One row per program keeps a row's programs adjacent in launch
+    order and loads no padding rows (KP > K + 1)."""
+    if PER_ROW:
+        blk = tl.program_id(0)
+        rows = tl.program_id(1).to(tl.int64) + tl.arange(0, 1)
+        rmask = rows >= 0
+        req = tl.program_id(1).to(tl.int64) // (K + 1)
+        programs = (K + 1) * NB
+    else:
+        req = tl.program_id(0).to(tl.int64)
+        blk = tl.program_id(1)
+        j = tl.arange(0, KP)
+        rows = req * (K + 1) + j
+        rmask = j < K + 1
+        programs = NB
     base = logits_ptr + rows[:, None] * stride_lm
     lane = tl.arange(0, SUB)
     lo = blk * BLOCK_V
-    best = tl.full([KP, SUB], float("-inf"), tl.float32)
-    where = tl.zeros([KP, SUB], tl.int32) + (lo + lane)[None, :]
+    best = tl.full([rows.shape[0], SUB], float("-inf"), tl.float32)
+    where = tl.zeros([rows.shape[0], SUB], tl.int32) + (lo + lane)[None, :]
     for c in tl.range(0, BLOCK_V, SUB, num_stages=STAGES):
         offs = lo + c + lane
         mask = rmask[:, None] & (offs < V)[None, :]
@@ -780,7 +791,7 @@ def _greedy_kernel(
     tl.store(pmax_ptr + out, bmax, mask=rmask)
     tl.store(parg_ptr + out, barg, mask=rmask)
     ticket = tl.atomic_add(done_ptr + req, 1, sem="acq_rel")
-    if ticket == NB - 1:
+    if ticket == programs - 1:
         tl.store(done_ptr + req, 0)
         one = req + tl.arange(0, 1)
         _finish(
@@ -816,6 +827,8 @@ class RejectionConfig:
     sub_g: int | None = None  # columns it reads per loop iteration (None: the whole tile)
     warps_g: int | None = None  # its warps (None: by tile size)
     stages_g: int = 1  # its loop's pipelining depth
+    row_g: bool = False  # one target row per program (else a request's K + 1 rows); the
+    # grid's second dimension is then B * (K + 1) <= 65535
 
     @property
     def max_passes(self) -> int:
@@ -843,6 +856,11 @@ def choose_rejection_config(
     nb = _p2(-(-vocab // block_v))
     # The threshold search holds [rows, block, nsplit] one-hot tiles on the GPU.
     tile_t = tile if INTERPRET else tile // 8
+    # The all-greedy launch (H200, stop 23 sweeps): ~256 programs or more, 1024-column
+    # tiles at batch 1; with many rows, one row per program and ~1500 programs of up to
+    # 32k columns read 2048 at a time (B 64, K 5, V 49152: 16384 columns).
+    many = min(32768, _p2(vocab * rows // 1536))
+    block_g = min(_p2(vocab), max(1024, min(4096, _p2(vocab * num_reqs // 256)), many))
     return RejectionConfig(
         block_v=block_v,
         rows_p=max(1, min(tile // block_v, _p2(rows))),
@@ -854,13 +872,11 @@ def choose_rejection_config(
         block_r=block_r,
         rows_r=max(1, min(tile // block_r, _p2(num_reqs))),
         rows_w=max(1, min(tile // (kp * nb), _p2(num_reqs), 1024 if INTERPRET else 64)),
-        # ~256 greedy programs or more: 1024-column tiles at batch 1, 4096 from ~20 up
-        block_g=block_v
-        if INTERPRET
-        else min(_p2(vocab), max(1024, min(4096, _p2(vocab * num_reqs // 256)))),  # fmt: skip
-        sub_g=None if INTERPRET else min(_p2(vocab), 512),
-        warps_g=None if INTERPRET else 4,
+        block_g=block_v if INTERPRET else block_g,
+        sub_g=None if INTERPRET else min(block_g, 2048 if block_g >= 16384 else 512),
+        warps_g=None if INTERPRET else (8 if block_g >= 16384 else 4),
         stages_g=1,
+        row_g=not INTERPRET and rows >= 16,
     )
 
 
@@ -1119,14 +1135,14 @@ def _plan(
         bg = max(cfg.block_g or cfg.block_v, cfg.block_v)  # at most nb partials per row
         sub = min(cfg.sub_g or bg, bg)
         nbg = triton.cdiv(v, bg)
-        warps = cfg.warps_g or (8 if kp * sub >= 8192 else 4)
+        warps = cfg.warps_g or (8 if (1 if cfg.row_g else kp) * sub >= 8192 else 4)
         _GREEDY.add(
             launches,
-            (b, nbg),
+            (nbg, rows) if cfg.row_g and rows <= 65535 else (b, nbg),
             (target_logits, lm, draft_tokens, draft_tokens.stride(0), positions, ws.part_max,
              ws.part_arg, ws.done, out_tokens, out_tokens.stride(0), out_num_accepted,
              out_num_emitted, proposed_counts, accepted_counts, k, v, nbg, kp, bg, sub,
-             _p2(nbg), cfg.stages_g),
+             _p2(nbg), cfg.stages_g, cfg.row_g and rows <= 65535),
             warps,
         )  # fmt: skip
         return workspace, b, v, launches

@@ -11,6 +11,7 @@ losslessness.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -296,7 +297,7 @@ def _cpu(st):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("b, k, v", [(6, 1, 16), (13, 3, 16), (5, 5, 42), (3, 0, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tiles", ["default", "small"])
+@pytest.mark.parametrize("tiles", ["default", "small", "rows"])
 def test_greedy_matches_reference(b, k, v, dtype, tiles, device):
     g = torch.Generator().manual_seed(b * 100 + k)
     logits, drafts, _, _, pos = random_case(
@@ -304,6 +305,8 @@ def test_greedy_matches_reference(b, k, v, dtype, tiles, device):
     )
     st = make_params(b, [SP(0.0)], device)
     cfg = SMALL_TILES if tiles == "small" else None
+    if tiles == "rows":  # one target row per program
+        cfg = dataclasses.replace(kr.choose_rejection_config(v, b, k), row_g=True)
     _check_against_reference(logits, drafts, None, st, pos, cfg)
 
 
@@ -641,18 +644,23 @@ def test_counters_accumulate_and_padding_writes_nothing(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("block_g, sub_g", [(None, None), (16, None), (32, 8), (16, 4)])
-def test_greedy_one_launch_resets_its_tickets(device, block_g, sub_g):
+@pytest.mark.parametrize(
+    "block_g, sub_g, row_g",
+    [(None, None, False), (16, None, False), (32, 8, False), (16, 4, False), (None, None, True),
+     (16, 4, True), (32, 8, True)],
+)  # fmt: skip
+def test_greedy_one_launch_resets_its_tickets(device, block_g, sub_g, row_g):
     """All-greedy batches take the one-launch kernel, whose last program per request
     finishes it: tickets are back to zero after every call, so fresh logits in a second
     call are decided from scratch (padded requests write -1 / 0 both times). sub_g
     below block_g: the block is read in a loop (ties across its lanes and iterations;
-    the last block runs past V)."""
+    the last block runs past V). row_g: one target row per program, (K + 1) x blocks
+    tickets per request."""
     b, k, v = 7, 3, 40
     g = torch.Generator().manual_seed(11)
     st = make_params(b, [SP(0.0)], device)
     # 5, 3 or 2 blocks per row
-    cfg = kr.RejectionConfig(8, 1, 16, 1, 16, 16, 8, 16, 1, 1, block_g, sub_g, None, 2)
+    cfg = kr.RejectionConfig(8, 1, 16, 1, 16, 16, 8, 16, 1, 1, block_g, sub_g, None, 2, row_g)
     batch = None
     for call in range(2):
         logits, drafts, _, _, pos = random_case(b, k, v, [SP(0.0)], ties=True, gen=g)
