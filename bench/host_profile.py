@@ -100,6 +100,14 @@ def profile_spec(batch: int, k: int, new_tokens: int) -> dict:
     se = SpeculativeEngine(runner, drafter, k=k)
     ids = (prompts * (batch // len(prompts) + 1))[:batch]
     se.generate(ids, max_new_tokens=8, stop_token_ids=[])  # warm-up
+    # The step's host time with no timer inside it (each wrapped piece below adds its
+    # timer's own cost to the step): twice, the second reported (the first run on a
+    # freshly started machine read 2-2.5x slower, stop 23).
+    for _ in range(2):
+        bare, undo = _step_marks(drafter)
+        se.generate(ids, max_new_tokens=new_tokens, stop_token_ids=[])
+        undo()
+    bare_per = bare.busy_us()
     t = Timers()
     t.wrap(se, "_run_group", "SpeculativeEngine._run_group (whole)")
     t.wrap(drafter, "propose", "Drafter.propose")
@@ -132,7 +140,7 @@ def profile_spec(batch: int, k: int, new_tokens: int) -> dict:
             return getattr(rejection, name)
 
     se.rejection = Timed()
-    marks = _step_marks(drafter)
+    marks, _ = _step_marks(drafter)
     steps0 = se.stats.steps
     se.generate(ids, max_new_tokens=new_tokens, stop_token_ids=[])
     steps = se.stats.steps - steps0
@@ -142,7 +150,8 @@ def profile_spec(batch: int, k: int, new_tokens: int) -> dict:
     per = marks.busy_us()
     return {"part": "spec", "batch": batch, "k": k, "steps": steps, "rows": t.table(steps),
             "busy_us": round(busy, 1), "step_busy_p50_us": per[0],
-            "step_busy_p90_us": per[1], "graph_steps": se.graph_steps}  # fmt: skip
+            "step_busy_p90_us": per[1], "graph_steps": se.graph_steps,
+            "bare_step_busy_p50_us": bare_per[0], "bare_step_busy_p90_us": bare_per[1]}  # fmt: skip
 
 
 class _StepMarks:
@@ -164,8 +173,10 @@ class _StepMarks:
         return round(statistics.median(busy), 1), round(busy[int(0.9 * (len(busy) - 1))], 1)
 
 
-def _step_marks(drafter) -> _StepMarks:
+def _step_marks(drafter):
+    """(marks, undo): draft rounds' starts and event waits recorded until undo()."""
     marks = _StepMarks()
+    had = "propose" in vars(drafter)  # an instance attribute (another wrapper) or not
     propose = drafter.propose
 
     def marked(*a, **kw):
@@ -173,8 +184,8 @@ def _step_marks(drafter) -> _StepMarks:
         return propose(*a, **kw)
 
     drafter.propose = marked
+    sync = torch.cuda.Event.synchronize
     if torch.cuda.is_available():
-        sync = torch.cuda.Event.synchronize
 
         def timed_sync(ev):
             t0 = time.perf_counter()
@@ -184,7 +195,15 @@ def _step_marks(drafter) -> _StepMarks:
                 marks.waits.append((t0, time.perf_counter() - t0))
 
         torch.cuda.Event.synchronize = timed_sync
-    return marks
+
+    def undo():
+        torch.cuda.Event.synchronize = sync
+        if had:
+            drafter.propose = propose
+        else:
+            del drafter.propose
+
+    return marks, undo
 
 
 def _busy(t: Timers, whole: str) -> float:
@@ -205,7 +224,9 @@ def _markdown(results: list[dict]) -> str:
         out += [f"### {head}: {r['steps']} steps, busy {r['busy_us']} µs per step", ""]
         if "step_busy_p50_us" in r:
             out += [
-                f"Per step (round start to round start, waits removed): p50 "
+                f"Per step (round start to round start, waits removed), no timer inside "
+                f"the step: p50 {r['bare_step_busy_p50_us']} µs, p90 "
+                f"{r['bare_step_busy_p90_us']} µs; with the pieces' timers below: p50 "
                 f"{r['step_busy_p50_us']} µs, p90 {r['step_busy_p90_us']} µs; "
                 f"{r['graph_steps']} steps ran as one verification graph.",
                 "",
