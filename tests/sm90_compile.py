@@ -5,15 +5,22 @@ the GPU compiler rejects (stop 23: an MLIR dominance failure in a multi-row cut 
 with float32 logits), so the CPU suite compiles them too.
 
     TRITON_INTERPRET=0 python -m tests.sm90_compile [--cases V,B,K ...] [--dtypes ...]
+        [--sass]
 
-Prints one line per launch; exits 1 if any launch fails to compile. Run it in a
-process of its own: it replaces Triton's active driver."""
+Prints one line per launch; exits 1 if any launch fails to compile. --sass adds each
+kernel's SASS instruction count (nvdisasm), its local-memory loads and stores (register
+spills) and its most frequent opcodes: a device-free look at a kernel's cost. Run it in
+a process of its own: it replaces Triton's active driver."""
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 os.environ["TRITON_INTERPRET"] = "0"  # before any @triton.jit function is created
 
@@ -67,10 +74,26 @@ def launches(v: int, b: int, k: int, dtype: torch.dtype, sampled: bool) -> list[
     return plan[3]
 
 
+def sass_summary(cubin: bytes) -> str:
+    """Instruction count, spills (STL / LDL) and the top opcodes of a cubin."""
+    import triton
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", text)
+    count = collections.Counter(op.split(".")[0] for op in ops)
+    top = ", ".join(f"{op} {n}" for op, n in count.most_common(6))
+    return f"{len(ops)} SASS instructions, STL {count['STL']}, LDL {count['LDL']}; {top}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="*", default=["16,10,4", "49152,4,3"])
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--sass", action="store_true", help="instruction counts (nvdisasm)")
     args = ap.parse_args(argv)
     driver.set_active(_Sm90Driver())
     failed = 0
@@ -89,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
                         first = str(e).strip().splitlines()[:1] or [""]
                         print(f"FAIL {what}: {type(e).__name__}: {first[0][:200]}", flush=True)
                     else:
-                        cubin = len(compiled.asm.get("cubin", b""))
-                        print(f"ok   {what}: cubin {cubin} bytes", flush=True)
+                        cubin = compiled.asm.get("cubin", b"")
+                        extra = f"; {sass_summary(cubin)}" if args.sass else ""
+                        print(f"ok   {what}: cubin {len(cubin)} bytes{extra}", flush=True)
     print(f"{failed} launches failed to compile for sm_90")
     return 1 if failed else 0
 
