@@ -13,10 +13,10 @@ step graph alone; the eager round (propose(eager=True), host launches included);
 time of propose() per round, each call behind a spin kernel that keeps the GPU busy (as
 in the engine) and each on an idle GPU (median and p90, the share of rounds that took
 the steady path: same batch and inputs as the round before), and the bare
-cudaGraphLaunch of the round's graph timed both ways; graph
-launches per round (the profiler's cudaGraphLaunch count, taken on drafters built again
-after every host time: the profiler slows every later launch of its process); capture seconds per graph,
-the drafter's first capture (Triton compiling or loading its kernels in this process)
+cudaGraphLaunch of the round's graph timed both ways; graph launches per round (the
+profiler's cudaGraphLaunch count, taken on drafters built again after every host time:
+the profiler slows every later launch of its process); capture seconds per graph, the
+drafter's first capture (Triton compiling or loading its kernels in this process)
 and a second one (kernels cached: the bar); the floor (weights and K/V one round reads
 over the copy bandwidth measured in the same run). The bars of issue 11 are checked at
 the end, against SmolLM2-135M's own decode step (30 layers, batch 1, graph) measured in
@@ -276,6 +276,7 @@ class Bench:
 def count_launches(rows: list[dict], args, ks: list[int], room: int) -> None:
     """Each row's launches per round, on drafters built again once every host time of
     the run is measured (Bench.launches)."""
+    by_key = {(r["model"], r["batch"], r["k"], r["mode"]): r for r in rows}
     for case in args.cases.split(","):
         model = build(case, args.ctx + room)
         for mode_name in args.modes.split(","):
@@ -283,11 +284,8 @@ def count_launches(rows: list[dict], args, ks: list[int], room: int) -> None:
                 bench = Bench(model, batch, ks, args.ctx, (mode_name,), room)
                 for k in ks:
                     per = bench.launches(k)
-                    for row in rows:
-                        if (row["model"], row["batch"], row["k"], row["mode"]) == (
-                            case, batch, k, mode_name
-                        ):  # fmt: skip
-                            row["launches"], row["graph_launches"] = per, per["graph"]
+                    row = by_key[(case, batch, k, mode_name)]
+                    row["launches"], row["graph_launches"] = per, per["graph"]
                 bench.d.teardown()
                 del bench
                 torch.cuda.empty_cache()

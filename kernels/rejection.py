@@ -1135,14 +1135,15 @@ def _plan(
         bg = max(cfg.block_g or cfg.block_v, cfg.block_v)  # at most nb partials per row
         sub = min(cfg.sub_g or bg, bg)
         nbg = triton.cdiv(v, bg)
-        warps = cfg.warps_g or (8 if (1 if cfg.row_g else kp) * sub >= 8192 else 4)
+        per_row = bool(cfg.row_g) and rows <= 65535  # the grid's second dimension
+        warps = cfg.warps_g or (8 if (1 if per_row else kp) * sub >= 8192 else 4)
         _GREEDY.add(
             launches,
-            (nbg, rows) if cfg.row_g and rows <= 65535 else (b, nbg),
+            (nbg, rows) if per_row else (b, nbg),
             (target_logits, lm, draft_tokens, draft_tokens.stride(0), positions, ws.part_max,
              ws.part_arg, ws.done, out_tokens, out_tokens.stride(0), out_num_accepted,
              out_num_emitted, proposed_counts, accepted_counts, k, v, nbg, kp, bg, sub,
-             _p2(nbg), cfg.stages_g, cfg.row_g and rows <= 65535),
+             _p2(nbg), cfg.stages_g, per_row),
             warps,
         )  # fmt: skip
         return workspace, b, v, launches
