@@ -11,12 +11,12 @@ Greedy requests accept while x_j == argmax(row j) and emit the argmax at r.
 1. partials (rows x vocab blocks): per block max, first argmax, sum exp(z - max) and the
    smallest finite value, with z = logits / T. Nothing [B, K, V]-sized is written.
 2. init (row tiles): row max and mass from the partials; thresholds reset to -inf.
-3. cut (one filtered row per program; launched only when a request filters): the top-k
-   and top-p thresholds and the kept mass (below).
+3. cut (row tiles; launched only when a request filters): the top-k and top-p
+   thresholds and the kept mass (below), each row with its own search state.
 4. walk (request tiles): each request's k and r, once: a parallel test of its drafts.
-5. resample (requests x vocab blocks): an exponential race over the block of the
-   residual (or of p for the bonus); the request's last program to finish (a ticket)
-   writes its tokens, counts and the per-position counters.
+5. resample (request tiles x vocab blocks): an exponential race over the block of the
+   residual (or of p for the bonus); each request's last program to finish (a ticket
+   per request) writes its tokens, counts and the per-position counters.
 Greedy-only launches (no q) take one kernel: per-block argmax, and the request's last
 program walks it and writes its tokens.
 
@@ -32,7 +32,9 @@ target and the first that surely does; the next interval spans them, cut again a
 pivot (whose exact mass says on which side the answer lies), so it shrinks even where
 the bounds are loose. Once the interval's count fits the scratch (cap) the next pass
 compacts it and the answer is read off pairwise; a single value left is the answer. Real
-rows take 2-3 passes.
+rows take 2-3 passes. A tile's rows search side by side: a pass reads the rows not yet
+done, and each row's outcome (done, or its next interval) is a masked update, so every
+row takes the steps it would take alone and the thresholds do not depend on the tiling.
 
 Masses are int64 fixed point (exp(z - m) * 2^S, S = 62 - bits(V - 1)): sums are exact, so
 they do not depend on the order of the additions and the thresholds are bit-for-bit
@@ -207,139 +209,154 @@ def _below(x):
 
 @triton.jit
 def _cut(
-    logits_ptr, stride_lm, cand_ptr, row, t, m, V, floor_v, lo, hi, target_c, target_m,
-    MASS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, NBIN: tl.constexpr,
-    MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
+    logits_ptr, stride_lm, cand_ptr, rows, live, t, m, V, floor_v, lo, hi, target_c, target_m,
+    MASS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
+    NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
 ):  # fmt: skip
-    """One row's cut (module docstring): the largest value v among the survivors (z >=
-    floor_v, z finite) whose count (MASS False: target_c) or fixed-point mass (MASS True:
-    target_m, float64 FXS units) of survivors >= v reaches the target, known to lie in
-    [lo, hi]. Returns (v, the count and the mass of survivors >= v).
+    """A tile of cuts (module docstring): for each of the ROWS rows with `live` set, the
+    largest value v among its survivors (z >= floor_v, z finite) whose count (MASS False:
+    target_c) or fixed-point mass (MASS True: target_m, float64 FXS units) of survivors
+    >= v reaches the target, known to lie in [lo, hi]. Returns, per row, (v, the count
+    and the mass of survivors >= v); rows not live get hi and zeros.
 
-    Each pass reads the row once: the exact count and mass above hi, and a histogram of
-    counts over NBIN equal value bins of [lo, hi]. The bins' mass bounds (count times
-    exp at the bin's edges) pick the first bin that may reach the target and the first
-    that surely does; the next interval spans them. A pass whose window was predicted
-    to fit CAP compacts it into the row's scratch, and the answer is read off pairwise."""
+    Each pass reads the rows not yet done once: the exact count and mass above hi, and a
+    histogram of counts over NBIN equal value bins of [lo, hi]. The bins' mass bounds
+    (count times exp at the bin's edges) pick the first bin that may reach the target
+    and the first that surely does; the next interval spans them. A pass whose window
+    was predicted to fit CAP compacts it into the row's scratch, and the answer is read
+    off pairwise. Every row keeps its own interval and state; the passes go on while
+    any row of the tile is not done, and each outcome is a masked per-row update."""
     cols = tl.arange(0, BLOCK)
     bins = tl.arange(0, NBIN)
     slots = tl.arange(0, CAP)
-    base = logits_ptr + row * stride_lm
-    cbase = cand_ptr + row * CAP
+    # A row's histogram bins follow the previous row's: one 1-D histogram per chunk.
+    bin0 = tl.arange(0, ROWS)[:, None] * NBIN
+    base = logits_ptr + rows * stride_lm
+    cbase = cand_ptr + rows * CAP
+    unit = (tl.min(t, axis=0) == 1.0) & (tl.max(t, axis=0) == 1.0)
     thr = hi
-    kept_c = tl.zeros([], tl.int32)
-    kept_m = tl.zeros([], tl.int64)
-    done = tl.zeros([], tl.int32)
-    compact = tl.zeros([], tl.int32)
+    kept_c = tl.zeros([ROWS], tl.int32)
+    kept_m = tl.zeros([ROWS], tl.int64)
+    done = (live == 0).to(tl.int32)
+    compact = tl.zeros([ROWS], tl.int32)
     pivot = hi
     for _ in range(MAX_PASSES):
-        if done == 0:
+        if tl.min(done, axis=0) == 0:
+            act = done == 0
             span = hi - lo
             scale = tl.where(span > 0.0, NBIN / tl.maximum(span, 1e-30), 0.0)
-            hist = tl.zeros([NBIN], tl.int32)
-            n = tl.zeros([], tl.int32)  # compaction offset (compacting passes only)
+            hist = tl.zeros([ROWS, NBIN], tl.int32)
+            n = tl.zeros([ROWS], tl.int32)  # compaction offsets (compacting rows only)
             # Per-lane running sums, reduced once after the pass.
-            above_cv = tl.zeros([BLOCK], tl.int32)
-            above_mv = tl.zeros([BLOCK], tl.int64)
-            ge_cv = tl.zeros([BLOCK], tl.int32)
-            ge_mv = tl.zeros([BLOCK], tl.int64)
-            wminv = tl.full([BLOCK], float("inf"), tl.float32)
-            wmaxv = tl.full([BLOCK], float("-inf"), tl.float32)
+            above_cv = tl.zeros([ROWS, BLOCK], tl.int32)
+            above_mv = tl.zeros([ROWS, BLOCK], tl.int64)
+            ge_cv = tl.zeros([ROWS, BLOCK], tl.int32)
+            ge_mv = tl.zeros([ROWS, BLOCK], tl.int64)
+            wminv = tl.full([ROWS, BLOCK], float("inf"), tl.float32)
+            wmaxv = tl.full([ROWS, BLOCK], float("-inf"), tl.float32)
+            compacting = tl.max(compact, axis=0) != 0
             tl.debug_barrier()  # the previous pass's scratch reads are finished
             for v0 in range(0, V, BLOCK):
                 offs = v0 + cols
-                ok = offs < V
-                x = tl.load(base + offs, mask=ok, other=float("-inf")).to(tl.float32)
-                if t == 1.0:
+                ok = act[:, None] & (offs < V)[None, :]
+                x = tl.load(base[:, None] + offs[None, :], mask=ok, other=float("-inf"))
+                x = x.to(tl.float32)
+                if unit:
                     z = x
                 else:
-                    z = tl.math.div_rn(x, t)
+                    z = tl.math.div_rn(x, t[:, None])
                 z = tl.where(z == 0.0, 0.0, z)
-                surv = ok & (z >= floor_v) & (z > float("-inf"))
-                e = _fx(z, m, FXS)
-                up = surv & (z > hi)
+                surv = ok & (z >= floor_v[:, None]) & (z > float("-inf"))
+                e = _fx(z, m[:, None], FXS)
+                up = surv & (z > hi[:, None])
                 above_cv += up.to(tl.int32)
                 above_mv += tl.where(up, e, 0)
-                ge = surv & (z >= pivot)
+                ge = surv & (z >= pivot[:, None])
                 ge_cv += ge.to(tl.int32)
                 ge_mv += tl.where(ge, e, 0)
-                win = surv & (z >= lo) & (z <= hi)
-                b = tl.minimum(((hi - z) * scale).to(tl.int32), NBIN - 1)
-                hist += tl.histogram(tl.where(win, b, 0), NBIN, mask=win)
+                win = surv & (z >= lo[:, None]) & (z <= hi[:, None])
+                b = tl.minimum(((hi[:, None] - z) * scale[:, None]).to(tl.int32), NBIN - 1)
+                b = tl.reshape(tl.where(win, b, 0) + bin0, [ROWS * BLOCK])
+                h = tl.histogram(b, ROWS * NBIN, mask=tl.reshape(win, [ROWS * BLOCK]))
+                hist += tl.reshape(h, [ROWS, NBIN])
                 wminv = tl.minimum(wminv, tl.where(win, z, float("inf")))
                 wmaxv = tl.maximum(wmaxv, tl.where(win, z, float("-inf")))
-                if compact != 0:
-                    wi = win.to(tl.int32)
-                    idx = n + tl.cumsum(wi, axis=0) - 1
-                    tl.store(cbase + idx, z, mask=win & (idx < CAP))
-                    n += tl.sum(wi, axis=0)
-            n = tl.sum(hist, axis=0)
-            above_c = tl.sum(above_cv, axis=0)
-            above_m = tl.sum(above_mv, axis=0)
-            ge_c = tl.sum(ge_cv, axis=0)
-            ge_m = tl.sum(ge_mv, axis=0)
-            wmin = tl.min(wminv, axis=0)
-            wmax = tl.max(wmaxv, axis=0)
-            if n == 0:
-                # Nothing in [lo, hi] (rounding left the target unreached): keep what is
-                # above it; no survivor equals hi, so the test z >= hi says the same.
-                thr = hi
-                kept_c = above_c
-                kept_m = above_m
-                done = done | 1
-            elif wmin == wmax:
-                # One value left (a tie group): it is the cut.
-                thr = wmin
-                kept_c = above_c + n
-                kept_m = above_m + n.to(tl.int64) * _fx(wmin, m, FXS)
-                done = done | 1
-            elif (compact != 0) & (n <= CAP):
+                if compacting:
+                    wi = (win & (compact != 0)[:, None]).to(tl.int32)
+                    idx = n[:, None] + tl.cumsum(wi, axis=1) - 1
+                    tl.store(cbase[:, None] + idx, z, mask=(wi != 0) & (idx < CAP))
+                    n += tl.sum(wi, axis=1)
+            n = tl.sum(hist, axis=1)
+            above_c = tl.sum(above_cv, axis=1)
+            above_m = tl.sum(above_mv, axis=1)
+            ge_c = tl.sum(ge_cv, axis=1)
+            ge_m = tl.sum(ge_mv, axis=1)
+            wmin = tl.min(wminv, axis=1)
+            wmax = tl.max(wmaxv, axis=1)
+            # Each active row takes one of four outcomes.
+            # Nothing in [lo, hi] (rounding left the target unreached): keep what is above
+            # it; no survivor equals hi, so the test z >= hi says the same.
+            empty = act & (n == 0)
+            # One value left (a tie group): it is the cut.
+            single = act & (n != 0) & (wmin == wmax)
+            # The window is in the scratch: read the cut off pairwise.
+            pairs = act & (n != 0) & (wmin != wmax) & (compact != 0) & (n <= CAP)
+            # Else narrow the interval.
+            narrow = act & (n != 0) & (wmin != wmax) & ((compact == 0) | (n > CAP))
+            thr = tl.where(empty, hi, tl.where(single, wmin, thr))
+            kept_c = tl.where(empty, above_c, tl.where(single, above_c + n, kept_c))
+            kept_m = tl.where(empty, above_m, kept_m)
+            kept_m = tl.where(single, above_m + n.to(tl.int64) * _fx(wmin, m, FXS), kept_m)
+            if tl.max(pairs.to(tl.int32), axis=0) != 0:
                 tl.debug_barrier()  # the compaction's stores are visible to every thread
-                valid = slots < n
-                vals = tl.load(cbase + slots, mask=valid, other=float("-inf"))
-                ev = tl.where(valid, _fx(vals, m, FXS), 0)
-                v_hit = tl.full([], float("-inf"), tl.float32)
+                valid = pairs[:, None] & (slots[None, :] < n[:, None])
+                vals = tl.load(cbase[:, None] + slots[None, :], mask=valid, other=float("-inf"))
+                ev = tl.where(valid, _fx(vals, m[:, None], FXS), 0)
+                v_hit = tl.full([ROWS], float("-inf"), tl.float32)
                 for c0 in tl.static_range(0, CAP, CHUNK):
                     ci = c0 + tl.arange(0, CHUNK)
-                    vi_ok = ci < n
-                    vi = tl.load(cbase + ci, mask=vi_ok, other=float("-inf"))
-                    ge = valid[None, :] & (vals[None, :] >= vi[:, None])
+                    vi_ok = pairs[:, None] & (ci[None, :] < n[:, None])
+                    vi = tl.load(cbase[:, None] + ci[None, :], mask=vi_ok, other=float("-inf"))
+                    ge = valid[:, None, :] & (vals[:, None, :] >= vi[:, :, None])
                     if MASS:
-                        got = tl.sum(tl.where(ge, ev[None, :], 0), axis=1)
-                        hit = vi_ok & ((above_m + got).to(tl.float64) >= target_m)
+                        got = tl.sum(tl.where(ge, ev[:, None, :], 0), axis=2)
+                        got = (above_m[:, None] + got).to(tl.float64)
+                        hit = vi_ok & (got >= target_m[:, None])
                     else:
-                        got = tl.sum(ge.to(tl.int32), axis=1)
-                        hit = vi_ok & (above_c + got >= target_c)
-                    v_hit = tl.maximum(v_hit, tl.max(tl.where(hit, vi, float("-inf")), axis=0))
+                        got = tl.sum(ge.to(tl.int32), axis=2)
+                        hit = vi_ok & (above_c[:, None] + got >= target_c[:, None])
+                    v_hit = tl.maximum(v_hit, tl.max(tl.where(hit, vi, float("-inf")), axis=1))
                 # Float rounding can leave the target unreached: keep every candidate.
                 v = tl.where(v_hit > float("-inf"), v_hit, wmin)
-                keep = valid & (vals >= v)
-                thr = v
-                kept_c = above_c + tl.sum(keep.to(tl.int32), axis=0)
-                kept_m = above_m + tl.sum(tl.where(keep, ev, 0), axis=0)
-                done = done | 1
-            else:
+                keep = valid & (vals >= v[:, None])
+                thr = tl.where(pairs, v, thr)
+                kept_c = tl.where(pairs, above_c + tl.sum(keep.to(tl.int32), axis=1), kept_c)
+                kept_m = tl.where(pairs, above_m + tl.sum(tl.where(keep, ev, 0), axis=1), kept_m)
+            if tl.max(narrow.to(tl.int32), axis=0) != 0:
                 # Members of bin i lie in [hi - (i+1)/scale, hi - i/scale] up to rounding
                 # (delta: a few ulps of the interval's ends and of its span).
                 delta = (tl.abs(hi) + tl.abs(lo)) * 4.76837158203125e-07  # 2^-21
                 delta += span * 9.5367431640625e-07  # 2^-20
-                fi = bins.to(tl.float32)
+                bi = bins[None, :]
+                fi = bi.to(tl.float32)
                 if MASS:
-                    top = tl.minimum(hi - fi / scale + delta, hi)
-                    bot = tl.maximum(hi - (fi + 1.0) / scale - delta, lo)
+                    hi_c, sc, dc = hi[:, None], scale[:, None], delta[:, None]
+                    top = tl.minimum(hi_c - fi / sc + dc, hi_c)
+                    bot = tl.maximum(hi_c - (fi + 1.0) / sc - dc, lo[:, None])
                     c64 = hist.to(tl.float64)
-                    eu = tl.exp(top - m).to(tl.float64) * (FXS * 1.0000153)
-                    el = tl.exp(bot - m).to(tl.float64) * (FXS * 0.9999847) - 1.0
-                    upper = above_m.to(tl.float64) + tl.cumsum(c64 * eu, axis=0)
-                    lower = above_m.to(tl.float64) + tl.cumsum(c64 * tl.maximum(el, 0.0), axis=0)
-                    first = tl.min(tl.where(upper >= target_m, bins, NBIN - 1), axis=0)
-                    last = tl.min(tl.where(lower >= target_m, bins, NBIN - 1), axis=0)
+                    eu = tl.exp(top - m[:, None]).to(tl.float64) * (FXS * 1.0000153)
+                    el = tl.exp(bot - m[:, None]).to(tl.float64) * (FXS * 0.9999847) - 1.0
+                    am = above_m.to(tl.float64)[:, None]
+                    upper = am + tl.cumsum(c64 * eu, axis=1)
+                    lower = am + tl.cumsum(c64 * tl.maximum(el, 0.0), axis=1)
+                    first = tl.min(tl.where(upper >= target_m[:, None], bi, NBIN - 1), axis=1)
+                    last = tl.min(tl.where(lower >= target_m[:, None], bi, NBIN - 1), axis=1)
                 else:
-                    counts = above_c + tl.cumsum(hist, axis=0)
-                    first = tl.min(tl.where(counts >= target_c, bins, NBIN - 1), axis=0)
+                    counts = above_c[:, None] + tl.cumsum(hist, axis=1)
+                    first = tl.min(tl.where(counts >= target_c[:, None], bi, NBIN - 1), axis=1)
                     last = first
-                inw = (bins >= first) & (bins <= last)
-                est = tl.sum(tl.where(inw, hist, 0), axis=0)
+                inw = (bi >= first[:, None]) & (bi <= last[:, None])
+                est = tl.sum(tl.where(inw, hist, 0), axis=1)
                 new_hi = tl.minimum(hi - first.to(tl.float32) / scale + delta, hi)
                 new_lo = tl.maximum(hi - (last + 1).to(tl.float32) / scale - delta, lo)
                 # The pivot's exact count / mass says on which side of it the cut lies;
@@ -348,73 +365,85 @@ def _cut(
                     at_or_above = ge_m.to(tl.float64) >= target_m
                 else:
                     at_or_above = ge_c >= target_c
-                if at_or_above:
-                    new_lo = tl.maximum(new_lo, pivot)
-                else:
-                    new_hi = tl.minimum(new_hi, _below(pivot))
+                new_lo = tl.where(at_or_above, tl.maximum(new_lo, pivot), new_lo)
+                new_hi = tl.where(at_or_above, new_hi, tl.minimum(new_hi, _below(pivot)))
                 # Next pivot: the edge splitting the window's count in two, else the
                 # middle of the new interval.
-                half = tl.cumsum(tl.where(inw, hist, 0), axis=0) >= (est + 1) // 2
-                j = tl.min(tl.where(half, bins, NBIN - 1), axis=0)
-                pivot = hi - (j + 1).to(tl.float32) / scale
+                half = tl.cumsum(tl.where(inw, hist, 0), axis=1) >= ((est + 1) // 2)[:, None]
+                j = tl.min(tl.where(half, bi, NBIN - 1), axis=1)
+                nxt = hi - (j + 1).to(tl.float32) / scale
                 mid = new_lo + 0.5 * (new_hi - new_lo)
-                pivot = tl.where((pivot > new_lo) & (pivot <= new_hi), pivot, mid)
-                hi = new_hi
-                lo = new_lo
-                compact = (est <= CAP).to(tl.int32)
+                nxt = tl.where((nxt > new_lo) & (nxt <= new_hi), nxt, mid)
+                pivot = tl.where(narrow, nxt, pivot)
+                hi = tl.where(narrow, new_hi, hi)
+                lo = tl.where(narrow, new_lo, lo)
+                compact = tl.where(narrow, (est <= CAP).to(tl.int32), compact)
+            done = done | (empty | single | pairs).to(tl.int32)
     # Not reached with the launcher's MAX_PASSES for real rows (each pass shrinks the
     # interval about NBIN / (last - first + 1)-fold); keep its top rather than garbage.
-    if done == 0:
-        thr = hi
+    thr = tl.where(done == 0, hi, thr)
     return thr, kept_c, kept_m
 
 
 @triton.jit
 def _cut_kernel(
     logits_ptr, stride_lm, greedy_ptr, temp_ptr, topk_ptr, topp_ptr,
-    pmin_ptr, rmax_ptr, rthr_ptr, rsum_ptr, cand_ptr, V, K1, NB,
-    NBP: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, NBIN: tl.constexpr,
-    MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
+    pmin_ptr, rmax_ptr, rthr_ptr, rsum_ptr, cand_ptr, num_rows, V, K1, NB,
+    ROWS: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
+    NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
 ):  # fmt: skip
-    """One filtered row per program: the top-k cut (the k-th largest value), then the
-    top-p cut over the top-k survivors; writes the threshold and the kept mass."""
-    row = tl.program_id(0).to(tl.int64)
-    req = row // K1
-    if tl.load(greedy_ptr + req) != 0:
-        return
-    k = tl.load(topk_ptr + req)
-    p = tl.load(topp_ptr + req)
+    """A tile of ROWS rows per program; a filtered row gets the top-k cut (the k-th
+    largest value), then the top-p cut over the top-k survivors, and its threshold and
+    kept mass are written. Other rows are left as the init kernel wrote them."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rmask = rows < num_rows
+    req = rows // K1
+    greedy = tl.load(greedy_ptr + req, mask=rmask, other=1) != 0
+    k = tl.load(topk_ptr + req, mask=rmask, other=0)
+    p = tl.load(topp_ptr + req, mask=rmask, other=1.0)
+    m = tl.load(rmax_ptr + rows, mask=rmask, other=float("-inf"))
     use_k = (k > 0) & (k < V)
     use_p = p < 1.0
-    m = tl.load(rmax_ptr + row)
-    if (use_k | use_p) & (m > float("-inf")):
-        t = tl.load(temp_ptr + req)
-        total = tl.load(rsum_ptr + row)
+    live = rmask & (greedy == 0) & (use_k | use_p) & (m > float("-inf"))
+    if tl.max(live.to(tl.int32), axis=0) != 0:
+        use_k = live & use_k
+        use_p = live & use_p
+        m = tl.where(live, m, 0.0)
+        t = tl.load(temp_ptr + req, mask=live, other=1.0)
+        total = tl.load(rsum_ptr + rows, mask=live, other=1.0)
         blocks = tl.arange(0, NBP)
-        zmin = tl.min(tl.load(pmin_ptr + row * NB + blocks, mask=blocks < NB, other=float("inf")),
-                      axis=0)  # fmt: skip
-        thr = tl.full([], float("-inf"), tl.float32)
+        pmask = live[:, None] & (blocks < NB)[None, :]
+        pmin = tl.load(pmin_ptr + rows[:, None] * NB + blocks[None, :], mask=pmask,
+                       other=float("inf"))  # fmt: skip
+        zmin = tl.min(pmin, axis=1)
+        thr = tl.full([ROWS], float("-inf"), tl.float32)
         kept_f = total
-        kept_c = V
-        if use_k:
-            thr, kept_c, kept_m = _cut(
-                logits_ptr, stride_lm, cand_ptr, row, t, m, V, float("-inf"), zmin, m, k,
-                0.0, False, BLOCK, CAP, NBIN, MAX_PASSES, CHUNK, FXS,
+        kept_c = tl.zeros([ROWS], tl.int32) + V
+        if tl.max(use_k.to(tl.int32), axis=0) != 0:
+            # No floor: thr is -inf here.
+            thr_k, kept_ck, kept_m = _cut(
+                logits_ptr, stride_lm, cand_ptr, rows, use_k, t, m, V, thr, zmin, m, k,
+                tl.zeros([ROWS], tl.float64), False, ROWS, BLOCK, CAP, NBIN, MAX_PASSES,
+                CHUNK, FXS,
             )  # fmt: skip
-            kept_f = (kept_m.to(tl.float64) * (1.0 / FXS)).to(tl.float32)
-        if use_p:
+            thr = tl.where(use_k, thr_k, thr)
+            kept_c = tl.where(use_k, kept_ck, kept_c)
+            kept_f = tl.where(use_k, (kept_m.to(tl.float64) * (1.0 / FXS)).to(tl.float32), kept_f)
+        if tl.max(use_p.to(tl.int32), axis=0) != 0:
             # Tokens with exp(z - m) < (1 - top_p) * mass / V hold under (1 - top_p) of
             # the mass together, so the cut is above them (one e of margin for rounding).
             lo = m + tl.log((1.0 - p) * kept_f / kept_c.to(tl.float32)) - 1.0
             lo = tl.minimum(tl.maximum(lo, tl.maximum(thr, zmin)), m)
             target = p.to(tl.float64) * kept_f.to(tl.float64) * FXS
-            thr, kept_c, kept_m = _cut(
-                logits_ptr, stride_lm, cand_ptr, row, t, m, V, thr, lo, m, 0, target,
-                True, BLOCK, CAP, NBIN, MAX_PASSES, CHUNK, FXS,
+            thr_p, _, kept_m = _cut(
+                logits_ptr, stride_lm, cand_ptr, rows, use_p, t, m, V, thr, lo, m,
+                tl.zeros([ROWS], tl.int32), target, True, ROWS, BLOCK, CAP, NBIN,
+                MAX_PASSES, CHUNK, FXS,
             )  # fmt: skip
-            kept_f = (kept_m.to(tl.float64) * (1.0 / FXS)).to(tl.float32)
-        tl.store(rthr_ptr + row, thr)
-        tl.store(rsum_ptr + row, kept_f)
+            thr = tl.where(use_p, thr_p, thr)
+            kept_f = tl.where(use_p, (kept_m.to(tl.float64) * (1.0 / FXS)).to(tl.float32), kept_f)
+        tl.store(rthr_ptr + rows, thr, mask=live)
+        tl.store(rsum_ptr + rows, kept_f, mask=live)
 
 
 # ----------------------------------------------------------------------------- the walk
@@ -519,66 +548,78 @@ def _resample_kernel(
     greedy_ptr, temp_ptr, seed_ptr, pos_ptr, rmax_ptr, rthr_ptr, rsum_ptr,
     pmax_ptr, parg_ptr, walk_ptr, rval_ptr, ridx_ptr, done_ptr,
     tokens_ptr, stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr,
-    K, V, NB, NB2,
-    KP: tl.constexpr, NBP: tl.constexpr, NB2P: tl.constexpr, BLOCK_V: tl.constexpr,
-    SUB: tl.constexpr, RESIDUAL_MUL: tl.constexpr, BONUS_MUL: tl.constexpr,
+    B, K, V, NB, NB2,
+    ROWS: tl.constexpr, KP: tl.constexpr, NBP: tl.constexpr, NB2P: tl.constexpr,
+    BLOCK_V: tl.constexpr, SUB: tl.constexpr, RESIDUAL_MUL: tl.constexpr,
+    BONUS_MUL: tl.constexpr,
 ):  # fmt: skip
-    """Program (b, blk): request b's exponential race over vocabulary block blk of its
-    residual max(p_r - q_r, 0) (or of p_k for the bonus), SUB columns at a time; a
-    slice whose weights are all zero (cut by top-k / top-p, or p <= q) draws nothing.
-    The last of the request's NB2 programs (ticket, as in the greedy kernel) writes its
-    tokens, counts and counters."""
-    req = tl.program_id(0).to(tl.int64)
+    """Program (i, blk): the exponential races of a tile of ROWS requests over
+    vocabulary block blk of each one's residual max(p_r - q_r, 0) (or of p_k for the
+    bonus), SUB columns at a time; a request whose slice weights are all zero (cut by
+    top-k / top-p, or p <= q) draws nothing there, and a slice with no weight in the
+    whole tile is skipped. Each request has its own ticket (as in the greedy kernel):
+    the last of its NB2 programs writes its tokens, counts and counters, for every
+    request of the tile it was last for."""
+    req = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     blk = tl.program_id(1)
-    pos = tl.load(pos_ptr + req)
-    greedy = tl.load(greedy_ptr + req) != 0
-    k = tl.load(walk_ptr + req * 2)
-    r = tl.load(walk_ptr + req * 2 + 1)
-    if (greedy == 0) & (pos >= 0):  # padded and greedy requests need no race
-        t = tl.load(temp_ptr + req)
-        seed = tl.load(seed_ptr + req)
+    rmask = req < B
+    pos = tl.load(pos_ptr + req, mask=rmask, other=-1)
+    greedy = tl.load(greedy_ptr + req, mask=rmask, other=1) != 0
+    k = tl.load(walk_ptr + req * 2, mask=rmask, other=0)
+    r = tl.load(walk_ptr + req * 2 + 1, mask=rmask, other=0)
+    race = rmask & (greedy == 0) & (pos >= 0)  # padded and greedy requests need no race
+    if tl.max(race.to(tl.int32), axis=0) != 0:
+        t = tl.load(temp_ptr + req, mask=race, other=1.0)
+        seed = tl.load(seed_ptr + req, mask=race, other=0)
         row = req * (K + 1) + r
-        m = tl.load(rmax_ptr + row)
-        thr = tl.load(rthr_ptr + row)
-        tot = tl.load(rsum_ptr + row)
+        m = tl.load(rmax_ptr + row, mask=race, other=0.0)
+        thr = tl.load(rthr_ptr + row, mask=race, other=0.0)
+        tot = tl.load(rsum_ptr + row, mask=race, other=1.0)
         residual = r < k
         qrow = tl.minimum(r, K - 1)  # a bonus row has no q row; nothing is read for it
-        h = _stream_key(seed, pos + r, tl.where(residual, RESIDUAL_MUL, BONUS_MUL))
+        h = _stream_key(seed, pos + r, tl.where(residual, RESIDUAL_MUL, BONUS_MUL))[:, None]
         lane = tl.arange(0, SUB)
-        best = tl.full([SUB], -1.0, tl.float32)
-        where = tl.zeros([SUB], tl.int32)
+        best = tl.full([ROWS, SUB], -1.0, tl.float32)
+        where = tl.zeros([ROWS, SUB], tl.int32)
         for c in range(0, BLOCK_V, SUB):
             offs = blk * BLOCK_V + c + lane
-            mask = offs < V
-            x = tl.load(logits_ptr + row * stride_lm + offs, mask=mask, other=float("-inf"))
-            z = tl.math.div_rn(x.to(tl.float32), t)
+            mask = race[:, None] & (offs < V)[None, :]
+            x = tl.load(logits_ptr + row[:, None] * stride_lm + offs[None, :], mask=mask,
+                        other=float("-inf"))  # fmt: skip
+            z = tl.math.div_rn(x.to(tl.float32), t[:, None])
             z = tl.where(z == 0.0, 0.0, z)
-            p = tl.math.div_rn(tl.where(z >= thr, tl.exp(z - m), 0.0), tot)
-            qptrs = q_ptr + req * stride_qb + qrow * stride_qk + offs
-            qv = tl.load(qptrs, mask=mask & ((lane * 0 + r) < k), other=0.0)  # int1 vector
-            w = tl.where(residual, tl.maximum(p - qv, 0.0), p)
-            if tl.max(w, axis=0) > 0.0:
-                u = _uniform(h, offs.to(tl.uint64))
-                ratio = tl.where(mask, tl.math.div_rn(w, _exponential(u)), -1.0)
+            p = tl.math.div_rn(tl.where(z >= thr[:, None], tl.exp(z - m[:, None]), 0.0),
+                               tot[:, None])  # fmt: skip
+            qptrs = q_ptr + req[:, None] * stride_qb + qrow[:, None] * stride_qk + offs[None, :]
+            qv = tl.load(qptrs, mask=mask & residual[:, None], other=0.0)
+            w = tl.where(residual[:, None], tl.maximum(p - qv, 0.0), p)
+            draw = tl.max(w, axis=1) > 0.0
+            if tl.max(draw.to(tl.int32), axis=0) != 0:
+                u = _uniform(h, offs.to(tl.uint64)[None, :])
+                ratio = tl.math.div_rn(w, _exponential(u))
+                ratio = tl.where(mask & draw[:, None], ratio, -1.0)
                 up = ratio > best  # strict: a lane keeps its first index of a tie
                 best = tl.where(up, ratio, best)
-                where = tl.where(up, offs, where)
-        bmax = tl.max(best, axis=0)
-        barg = tl.min(tl.where(best == bmax, where, 2147483647), axis=0)
-        tl.store(rval_ptr + req * NB2 + blk, bmax)
-        tl.store(ridx_ptr + req * NB2 + blk, barg)
-    ticket = tl.atomic_add(done_ptr + req, 1, sem="acq_rel")
-    if ticket == NB2 - 1:
-        tl.store(done_ptr + req, 0)
-        one = req + tl.arange(0, 1)
+                where = tl.where(up, offs[None, :], where)
+        bmax = tl.max(best, axis=1)
+        barg = tl.min(tl.where(best == bmax[:, None], where, 2147483647), axis=1)
+        tl.store(rval_ptr + req * NB2 + blk, bmax, mask=race)
+        tl.store(ridx_ptr + req * NB2 + blk, barg, mask=race)
+    # A request's ticket may be taken by another thread than the one that stored its
+    # winner: the barrier puts every store of the tile before the tickets' release.
+    tl.debug_barrier()
+    ticket = tl.atomic_add(done_ptr + req, tl.full([ROWS], 1, tl.int32), mask=rmask, sem="acq_rel")
+    last = rmask & (ticket == NB2 - 1)
+    if tl.max(last.to(tl.int32), axis=0) != 0:
+        tl.store(done_ptr + req, tl.zeros([ROWS], tl.int32), mask=last)
         jj = tl.arange(0, KP)
-        real = (one * 0 + pos) >= 0  # a vector compare: masks stay int1 vectors
+        real = last & (pos >= 0)
         dm = real[:, None] & (jj < K)[None, :]
-        d = tl.load(drafts_ptr + one[:, None] * stride_db + jj[None, :], mask=dm, other=-1)
+        d = tl.load(drafts_ptr + req[:, None] * stride_db + jj[None, :], mask=dm, other=-1)
         _emit(
-            one, one >= 0, real, one * 0 + greedy, d, one * 0 + k, one * 0 + r, pmax_ptr,
-            parg_ptr, rval_ptr, ridx_ptr, tokens_ptr, stride_tb, nacc_ptr, nemit_ptr,
-            cprop_ptr, cacc_ptr, K, NB, NB2, KP, NBP, NB2P, True,
+            req, last, real, greedy, d, k, r, pmax_ptr, parg_ptr, rval_ptr, ridx_ptr,
+            tokens_ptr, stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr, K, NB, NB2, KP,
+            NBP, NB2P, True,
         )  # fmt: skip
 
 
@@ -699,7 +740,8 @@ class RejectionConfig:
     """Tile sizes (all powers of two). block_v / rows_p: partials tile; block_t: the cut
     kernel's chunk of a row; cap: candidates resolved pairwise; nbin: histogram bins per
     cut pass; block_r / sub_r: a race program's vocabulary block and the slice it draws at
-    once; rows_w: requests per walk program."""
+    once; rows_w: requests per walk program; rows_t: rows per cut program; rows_r:
+    requests per race program."""
 
     block_v: int
     rows_p: int
@@ -714,6 +756,8 @@ class RejectionConfig:
     warps_g: int | None = None  # its warps (None: by tile size)
     stages_g: int = 1  # its loop's pipelining depth
     chunk_t: int = 8  # candidates per slice of the cut's pairwise resolution (registers)
+    rows_t: int = 1
+    rows_r: int = 1
 
     @property
     def max_passes(self) -> int:
@@ -735,17 +779,28 @@ def choose_rejection_config(
     tile = 1 << 16 if INTERPRET else 4096
     rows = num_reqs * (k_max + 1)
     block_v = min(_p2(vocab), 1024)
+    block_t = min(_p2(vocab), 2048)
+    cap = _p2(cap) if cap is not None else min(256, _p2(vocab))
+    nbin = 128
     block_r = min(_p2(vocab), 2048)
+    sub_r = min(block_r, 4096 if INTERPRET else 512)
     kp = _p2(k_max + 1)
     nb = _p2(-(-vocab // block_v))
+    # Cut and race tiles. GPU: one row / request per program from 4096 columns on (a row
+    # fills a program); below, as many as fit the tile with the cut's histogram and
+    # pairwise slices (8 x cap) in it too, and races of at most 2048 columns. The
+    # interpreter: a row chunk / race slice of `tile` (its other tensors are larger).
+    wide = vocab >= 4096 and not INTERPRET
+    rows_t = tile // (block_t if INTERPRET else max(block_t, nbin, 8 * cap))
+    rows_r = (tile if INTERPRET else 2048) // sub_r
     return RejectionConfig(
         block_v=block_v,
         rows_p=max(1, min(tile // block_v, _p2(rows))),
-        block_t=min(_p2(vocab), 2048),
-        cap=_p2(cap) if cap is not None else min(256, _p2(vocab)),
-        nbin=128,
+        block_t=block_t,
+        cap=cap,
+        nbin=nbin,
         block_r=block_r,
-        sub_r=min(block_r, 4096 if INTERPRET else 512),
+        sub_r=sub_r,
         rows_w=max(1, min(tile // (kp * nb), _p2(num_reqs), 1024 if INTERPRET else 64)),
         # ~256 greedy programs or more: 1024-column tiles at batch 1, 4096 from ~20 up
         block_g=block_v
@@ -754,6 +809,8 @@ def choose_rejection_config(
         sub_g=None if INTERPRET else min(_p2(vocab), 512),
         warps_g=None if INTERPRET else 4,
         stages_g=1,
+        rows_t=1 if wide else max(1, min(rows_t, _p2(rows))),
+        rows_r=1 if wide else max(1, min(rows_r, _p2(num_reqs))),
     )
 
 
@@ -1031,11 +1088,11 @@ def _plan(
         fxs = float(2 ** (62 - (v - 1).bit_length()))  # v * 2^S <= 2^62: int64 sums fit
         _CUT.add(
             launches,
-            (rows,),
+            (triton.cdiv(rows, cfg.rows_t),),
             (target_logits, lm, greedy, temperature, top_k, top_p, ws.part_min, ws.row_max,
-             ws.row_thr, ws.row_sum, ws.cand, v, k + 1, nb, nbp, cfg.block_t, cfg.cap,
-             cfg.nbin, cfg.max_passes, min(cfg.cap, cfg.chunk_t), fxs),
-            8 if cfg.block_t >= 2048 else 4,
+             ws.row_thr, ws.row_sum, ws.cand, rows, v, k + 1, nb, cfg.rows_t, nbp, cfg.block_t,
+             cfg.cap, cfg.nbin, cfg.max_passes, min(cfg.cap, cfg.chunk_t), fxs),
+            8 if cfg.rows_t * cfg.block_t >= 2048 else 4,
         )  # fmt: skip
     _WALK.add(
         launches,
@@ -1045,15 +1102,17 @@ def _plan(
          b, k, v, nb, cfg.rows_w, kp, nbp, mul_a),
         4,
     )  # fmt: skip
+    sub_r = min(cfg.sub_r, cfg.block_r)
+    race_tile = cfg.rows_r * sub_r
     _RESAMPLE.add(
         launches,
-        (b, nb2),
+        (triton.cdiv(b, cfg.rows_r), nb2),
         (target_logits, lm, draft_tokens, draft_tokens.stride(0), q, *sq, greedy,
          temperature, seed, positions, ws.row_max, ws.row_thr, ws.row_sum, ws.part_max,
          ws.part_arg, ws.walk, ws.race_val, ws.race_idx, ws.done, out_tokens,
          out_tokens.stride(0), out_num_accepted, out_num_emitted, proposed_counts,
-         accepted_counts, k, v, nb, nb2, kp, nbp, _p2(nb2), cfg.block_r,
-         min(cfg.sub_r, cfg.block_r), mul_r, mul_b),
-        4 if cfg.sub_r >= 512 else 2 if cfg.sub_r >= 128 else 1,
+         accepted_counts, b, k, v, nb, nb2, cfg.rows_r, kp, nbp, _p2(nb2), cfg.block_r, sub_r,
+         mul_r, mul_b),
+        8 if race_tile >= 2048 else 4 if race_tile >= 512 else 2 if race_tile >= 128 else 1,
     )  # fmt: skip
     return workspace, b, v, launches
