@@ -261,7 +261,7 @@ def _cut(
                 ok = act[:, None] & (offs < V)[None, :]
                 x = tl.load(base[:, None] + offs[None, :], mask=ok, other=float("-inf"))
                 x = x.to(tl.float32)
-                if unit:
+                if unit:  # x / 1 == x: skip the ~10-instruction IEEE division
                     z = x
                 else:
                     z = tl.math.div_rn(x, t[:, None])
@@ -284,7 +284,11 @@ def _cut(
                 if compacting:
                     wi = (win & (compact != 0)[:, None]).to(tl.int32)
                     idx = n[:, None] + tl.cumsum(wi, axis=1) - 1
-                    tl.store(cbase[:, None] + idx, z, mask=(wi != 0) & (idx < CAP))
+                    # Not z itself: storing it inside this branch makes Triton's sm_90
+                    # layout pass break dominance for float32 logits (an MLIR error;
+                    # tests/sm90_compile.py).
+                    zc = tl.where(wi != 0, z, 0.0)
+                    tl.store(cbase[:, None] + idx, zc, mask=(wi != 0) & (idx < CAP))
                     n += tl.sum(wi, axis=1)
             n = tl.sum(hist, axis=1)
             above_c = tl.sum(above_cv, axis=1)
