@@ -1,0 +1,123 @@
+"""Compile the rejection sampler's launches for an H100 / H200 (sm_90) on a machine
+without a GPU: Triton's NVIDIA backend and its bundled ptxas run on the CPU once the
+active driver reports a target. Nothing is launched. The interpreter accepts programs
+the GPU compiler rejects (stop 23: an MLIR dominance failure in a multi-row cut tile
+with float32 logits), so the CPU suite compiles them too.
+
+    TRITON_INTERPRET=0 python -m tests.sm90_compile [--cases V,B,K ...] [--dtypes ...]
+        [--sass]
+
+Prints one line per launch; exits 1 if any launch fails to compile. --sass adds each
+kernel's SASS instruction count (nvdisasm), its local-memory loads and stores (register
+spills) and its most frequent opcodes: a device-free look at a kernel's cost. Run it in
+a process of its own: it replaces Triton's active driver."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ["TRITON_INTERPRET"] = "0"  # before any @triton.jit function is created
+
+import torch  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+
+
+class _Sm90Driver:
+    """What Triton's JIT asks of the active driver to compile (warmup), nothing more."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def set_current_device(self, device):
+        pass
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        return torch.cuda
+
+
+def launches(v: int, b: int, k: int, dtype: torch.dtype, sampled: bool) -> list[tuple]:
+    """The launches rejection_sample would make for this shape (the GPU's tile choice),
+    with every sampling mode in the batch when sampled."""
+    import kernels.rejection as kr
+    from specdraft.sampling import SamplingParams as SP
+    from specdraft.sampling import SamplingTensors
+
+    kinds = [SP(0.0), SP(1.0), SP(0.7, top_k=5), SP(1.3, top_p=0.8), SP(0.5, top_k=9, top_p=0.6)]
+    kinds = kinds if sampled else kinds[:1]
+    ws = kr.RejectionWorkspace.allocate(b, k, v, "cpu")
+    st = SamplingTensors.from_params([kinds[i % len(kinds)] for i in range(b)], "cpu")
+    q = torch.softmax(torch.randn(b, k, v), -1) if sampled else None
+    outs = (torch.empty(b, k + 1, dtype=torch.int64), torch.empty(b, dtype=torch.int32),
+            torch.empty(b, dtype=torch.int32), torch.zeros(k, dtype=torch.int64),
+            torch.zeros(k, dtype=torch.int64))  # fmt: skip
+    plan = kr._plan(
+        torch.randn(b * (k + 1), v).to(dtype), torch.randint(0, v, (b, k)), q, st.greedy,
+        st.temperature, st.top_k, st.top_p, st.seed, torch.arange(b), *outs, ws, True,
+        (2, 3, 4),
+    )  # fmt: skip
+    return plan[3]
+
+
+def sass_summary(cubin: bytes) -> str:
+    """Instruction count, spills (STL / LDL) and the top opcodes of a cubin."""
+    import triton
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", text)
+    count = collections.Counter(op.split(".")[0] for op in ops)
+    top = ", ".join(f"{op} {n}" for op, n in count.most_common(6))
+    return f"{len(ops)} SASS instructions, STL {count['STL']}, LDL {count['LDL']}; {top}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", nargs="*", default=["16,10,4", "49152,4,3"])
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--sass", action="store_true", help="instruction counts (nvdisasm)")
+    args = ap.parse_args(argv)
+    driver.set_active(_Sm90Driver())
+    failed = 0
+    for case in args.cases:
+        v, b, k = map(int, case.split(","))
+        for name in args.dtypes.split(","):
+            for sampled in (True, False):
+                for cached, _, grid, kargs, options in launches(
+                    v, b, k, getattr(torch, name), sampled
+                ):
+                    what = f"V {v} B {b} K {k} {name} {cached.jit_fn.__name__}"
+                    try:
+                        compiled = cached.jit_fn.warmup(*kargs, grid=grid, **options)
+                    except Exception as e:  # any compiler failure is the finding
+                        failed += 1
+                        first = str(e).strip().splitlines()[:1] or [""]
+                        print(f"FAIL {what}: {type(e).__name__}: {first[0][:200]}", flush=True)
+                    else:
+                        cubin = compiled.asm.get("cubin", b"")
+                        extra = f"; {sass_summary(cubin)}" if args.sass else ""
+                        print(f"ok   {what}: cubin {len(cubin)} bytes{extra}", flush=True)
+    print(f"{failed} launches failed to compile for sm_90")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

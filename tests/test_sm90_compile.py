@@ -1,0 +1,30 @@
+"""The rejection sampler's kernels compile for sm_90 on a CPU-only machine
+(tests/sm90_compile.py, in a process of its own): the interpreter runs programs that
+the GPU compiler may reject."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.interpreter
+def test_sampler_kernels_compile_for_sm90():
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.sm90_compile"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    compiled = re.findall(r"^ok   (.+ (_\w+_kernel)): cubin (\d+) bytes$", proc.stdout, re.M)
+    names = {name for _, name, _ in compiled}
+    # Both paths (sampled with filters, all greedy), two vocabularies, two logits dtypes.
+    assert len(compiled) >= 2 * 2 * 2 * 2, out[-4000:]
+    assert {"_partials_kernel", "_resample_kernel", "_greedy_kernel"} <= names, names
+    assert all(int(size) > 0 for _, _, size in compiled), compiled
