@@ -1,4 +1,5 @@
-"""Lossless rejection sampler for speculative decoding: four launches, six with top-k / top-p.
+"""Lossless rejection sampler for speculative decoding: four launches, five with top-k / top-p;
+one when every request is greedy.
 
 Request b owns target rows b * (K + 1) + j (j = 0..K) and drafts x_j, j < k[b]. Row j's
 target distribution p_j is specdraft.sampling's filtered_probs (temperature, then top-k,
@@ -7,46 +8,40 @@ min(1, p_j(x_j) / q_j(x_j)); the first rejected position r emits a token drawn f
 max(p_r - q_r, 0), and a request whose k drafts all pass emits a bonus token from p_k.
 Greedy requests accept while x_j == argmax(row j) and emit the argmax at r.
 
-1. partials (rows x vocab blocks): per block max, first argmax, sum exp(z - max), min and
-   second max, with z = logits / T. Nothing [B, K, V]-sized is written.
-2. init (row tiles): row max and sum from the partials; for rows using top-k / top-p
-   the band, a key interval known to hold the threshold (below).
-3. band (rows x vocab blocks; filtered launches only): compacts each filtered row's band
-   into its scratch row and sums the mass inside and below the band.
-4. threshold (row tiles; filtered launches only): the smallest kept value, found
-   exactly from the compacted band (below), and the kept mass.
-5. resample (request tiles x vocab blocks): each program repeats its requests' walk
-   over the drafts (a few loads and hashes) to find r, then runs an exponential race
-   over its vocabulary block of the residual (or of p for the bonus).
-6. finalize (request tiles): the walk again, the race winner, tokens, counts and the
-   per-position counters (atomics).
-Greedy-only launches (no q) run 1 and 6. Passes over the [B * (K + 1), V] logits: greedy
-and unfiltered 1, filtered 2 (partials, band) while every band fits the scratch.
+1. partials (rows x vocab blocks): per block max, first argmax, sum exp(z - max) and the
+   smallest finite value, with z = logits / T. Nothing [B, K, V]-sized is written.
+2. init (row tiles): row max and mass from the partials; thresholds reset to -inf.
+3. cut (row tiles; launched only when a request filters): the top-k and top-p
+   thresholds and the kept mass (below), each row with its own search state.
+4. walk (request tiles): each request's k and r, once: a parallel test of its drafts.
+5. resample (request tiles x vocab blocks): an exponential race over the block of the
+   residual (or of p for the bonus); each request's last program to finish (a ticket
+   per request) writes its tokens, counts and the per-position counters.
+Greedy-only launches (no q) take one kernel: per-block argmax, and the request's last
+program walks it and writes its tokens.
 
-Top-k / top-p thresholds. Keys are the int32 images of z's float32 bits ordered like the
-values (-0 folded into +0), so "kept iff z >= thr" is a key comparison and tie groups are
-single keys. The k-th largest value (with multiplicity) and the top-p cut (the largest
-value v with mass(z >= v) >= top_p * mass) are found by narrowing a key interval (lo, hi]
-known to hold the answer. Starting intervals (the band): top-k from the k-th largest of
-the block maxima and second maxima (2 per block: k <= 2 * blocks gets a tight band);
-top-p from a floor below which every token is provably cut, from the block partials
-(max, second max, sum; see _band_floor), so that a peaked row has a band of a few dozen
-to a few thousand tokens. The band kernel compacts the band in parallel over the whole
-grid (per-row atomic offsets, up to cap_big candidates). The threshold kernel then works
-on the compacted band only: once the interval's candidates fit (CAP) the answer is read
-off exactly by comparing them pairwise; otherwise a pass over the band counts them and
-sums their mass per key bucket (NSPLIT power-of-two buckets), keeps the bucket holding
-the answer and compacts its candidates for the next pass. A band over cap_big (a top-k
-with k > 2 * blocks, a very flat row) is searched the same way over the vocabulary row
-(correct, slower: one serial pass per narrowing step). Top-p after top-k reads the
-top-k band, which holds every top-k survivor.
+Cuts. The k-th largest value (with multiplicity) and the top-p cut (the largest value v
+whose mass of values >= v reaches top_p times the mass, after top-k when both are set)
+are found in [lo, hi]: top-k starts from the row's smallest finite value, top-p from a
+floor below which every token is provably cut (the tokens under (1 - top_p) * mass / n
+together hold less than (1 - top_p) of it). Each pass reads the row once and sums, per
+lane then once per pass, the exact count and fixed-point mass above hi and above a pivot,
+and a histogram of counts over equal value bins of [lo, hi]. Count bounds on each bin's
+mass (its count times exp at the bin's edges) give the first bin that may reach the
+target and the first that surely does; the next interval spans them, cut again at the
+pivot (whose exact mass says on which side the answer lies), so it shrinks even where
+the bounds are loose. Once the interval's count fits the scratch (cap) the next pass
+compacts it and the answer is read off pairwise; a single value left is the answer. Real
+rows take 2-3 passes. A tile's rows search side by side: a pass reads the rows not yet
+done, and each row's outcome (done, or its next interval) is a masked update, so every
+row takes the steps it would take alone and the thresholds do not depend on the tiling.
 
-Masses in the search are int64 fixed point (exp(z - max) * 2^S, S = 62 - bits(V - 1)):
-sums are exact, so they do not depend on the compaction's order and the thresholds are
-bit-for-bit reproducible (graph replays); the resolution (2^-46 at V 49152) is far finer
-than float32. The kept mass is converted to float32 once. Sums are in a different order
-from torch's cumsum: a token whose preceding mass is within float rounding of top_p * mass
-may fall the other way (the rules and ties are the same).
+Masses are int64 fixed point (exp(z - m) * 2^S, S = 62 - bits(V - 1)): sums are exact, so
+they do not depend on the order of the additions and the thresholds are bit-for-bit
+reproducible; the resolution (2^-46 at V 49152) is far finer than float32. The kept mass
+is converted to float32 once. The top-p target is top_p times the row's float32 mass
+from the partials: a token whose preceding mass is within float rounding of it may fall
+the other way from torch's cumsum (the rules and ties are the same).
 
 Random draws are specdraft.sampling's keyed uniforms, bit for bit: SplitMix64 over
 (seed, position, stream, counter) in uint64. Acceptance: counter 0 at the draft's
@@ -70,8 +65,6 @@ from .launch import CachedLaunch, specialization_key
 ACCEPT, RESIDUAL, BONUS = 2, 3, 4
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
-# Key of -inf: the smallest key a non-NaN float32 has.
-KEY_NEG_INF = tl.constexpr(-2139095041)
 
 
 def _stream_mul(stream: int) -> int:
@@ -126,31 +119,6 @@ else:
 
 
 @triton.jit
-def _key(z):
-    """Order-preserving int64 key of float32 z (z == 0 folded to +0 by the caller)."""
-    bits = z.to(tl.int32, bitcast=True)
-    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
-
-
-@triton.jit
-def _value(key):
-    k = key.to(tl.int32)
-    return (k ^ ((k >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _nbits(x):
-    """Bits needed for int64 x >= 0 (0 for 0), by a six-step binary search."""
-    n = tl.zeros_like(x)
-    for s in tl.static_range(5, -1, -1):
-        t = x >> (1 << s)
-        c = t > 0
-        x = tl.where(c, t, x)
-        n += tl.where(c, 1 << s, 0)
-    return n + (x > 0).to(tl.int64)
-
-
-@triton.jit
 def _load_z(logits_ptr, stride_lm, rows, offs, mask, t):
     """z = logits / T (correctly rounded, like torch.div), -0 folded into +0."""
     ptrs = logits_ptr + rows[:, None] * stride_lm + offs[None, :]
@@ -168,7 +136,7 @@ def _load_z(logits_ptr, stride_lm, rows, offs, mask, t):
 @triton.jit
 def _partials_kernel(
     logits_ptr, stride_lm, greedy_ptr, temp_ptr,
-    pmax_ptr, parg_ptr, psum_ptr, pmin_ptr, pmax2_ptr,
+    pmax_ptr, parg_ptr, psum_ptr, pmin_ptr,
     num_rows, V, K1, NB,
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SAMPLED: tl.constexpr,
 ):  # fmt: skip
@@ -193,365 +161,477 @@ def _partials_kernel(
     if SAMPLED:
         ref = tl.where(bmax == float("-inf"), 0.0, bmax)
         tl.store(psum_ptr + out, tl.sum(tl.exp(z - ref[:, None]), axis=1), mask=rmask)
-        tl.store(pmin_ptr + out, tl.min(tl.where(mask, z, float("inf")), axis=1), mask=rmask)
-        # The second largest (the max again if tied): bounds the mass below a value.
-        cols = tl.arange(0, BLOCK_V)
-        z2 = tl.where(cols[None, :] == barg[:, None], float("-inf"), z)
-        tl.store(pmax2_ptr + out, tl.max(z2, axis=1), mask=rmask)
+        # The smallest finite value (+inf for none): the low end of a top-k search.
+        finite = mask & (z > float("-inf"))
+        tl.store(pmin_ptr + out, tl.min(tl.where(finite, z, float("inf")), axis=1), mask=rmask)
 
 
-# ------------------------------------------------------------------------ 2. threshold
+# ------------------------------------------------------------------------ 2. row stats
+
+
+@triton.jit
+def _init_kernel(
+    pmax_ptr, psum_ptr, rmax_ptr, rthr_ptr, rsum_ptr, num_rows, NB,
+    ROWS: tl.constexpr, NBP: tl.constexpr,
+):  # fmt: skip
+    """Row max and mass (relative to the max) from the block partials; thresholds reset
+    to -inf (kept: every token), which the cut kernel overwrites for filtered rows."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rmask = rows < num_rows
+    blocks = tl.arange(0, NBP)
+    pmask = rmask[:, None] & (blocks < NB)[None, :]
+    pm = tl.load(pmax_ptr + rows[:, None] * NB + blocks[None, :], mask=pmask, other=float("-inf"))
+    ps = tl.load(psum_ptr + rows[:, None] * NB + blocks[None, :], mask=pmask, other=0.0)
+    m = tl.where(rmask, tl.max(pm, axis=1), 0.0)  # finite on rows past the batch
+    scale = tl.where(pm == float("-inf"), 0.0, tl.exp(pm - m[:, None]))
+    tl.store(rmax_ptr + rows, m, mask=rmask)
+    tl.store(rthr_ptr + rows, tl.full([ROWS], float("-inf"), tl.float32), mask=rmask)
+    tl.store(rsum_ptr + rows, tl.sum(ps * scale, axis=1), mask=rmask)
+
+
+# ------------------------------------------------------------------------- 3. the cuts
 
 
 @triton.jit
 def _fx(z, m, FXS: tl.constexpr):
     """exp(z - m) <= 1 as an int64 of FXS units (the vocabulary's worth fits 2^62). Sums
-    of these are exact, so they do not depend on the order of the candidates, which the
-    band compaction's atomics leave unspecified: the thresholds stay deterministic."""
+    of these are exact, hence independent of the order they are added in."""
     return (tl.exp(z - m) * FXS).to(tl.int64)
 
 
 @triton.jit
-def _select(
-    logits_ptr, stride_lm, cand_ptr, stride_c, rows, active, t, m, V,
-    floor_key, klo, khi, target_cnt, target_fx, src_big, nbig, hist_first,
-    MASS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
-    CAPB: tl.constexpr, NSPLIT: tl.constexpr, LOG2_NSPLIT: tl.constexpr,
+def _below(x):
+    """The largest float32 below x (finite x)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where(x > 0.0, bits - 1, tl.where(x < 0.0, bits + 1, -2147483647))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _cut_row(
+    logits_ptr, stride_lm, cand_ptr, row, t, m, V, floor_v, lo, hi, target_c, target_m,
+    MASS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, NBIN: tl.constexpr,
     MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
 ):  # fmt: skip
-    """Per row, the threshold value and the kept mass (int64, FXS units; module
-    docstring). Candidates are survivors (key >= floor_key) with key in (klo, khi];
-    count mode finds the target_cnt-th largest value, mass mode the top-p cut: the
-    largest v whose mass of values >= v reaches target_fx (float64, FXS units).
-
-    Scratch row: [0, CAP) the candidates being resolved, [CAP, CAP + CAPB) the band's
-    candidates. A row with src_big set reads its nbig band candidates there (the band
-    kernel compacted them, or this search's first pass did); the others read the
-    vocabulary row, and their first pass fills the band region when it fits."""
+    """One row's cut with scalar state: _cut_tile's algorithm, arithmetic and results for
+    a single row (tests check the two bit for bit). The GPU takes it at large
+    vocabularies, one row per program, where _cut_tile's per-row vectors spill registers
+    (sm_90 SASS: 35.6k instructions with 2k local loads and stores, against 18.7k and
+    10)."""
     cols = tl.arange(0, BLOCK)
+    bins = tl.arange(0, NBIN)
     slots = tl.arange(0, CAP)
-    dvec = tl.arange(0, NSPLIT)
-    done = active == 0
-    thr = tl.full([ROWS], float("-inf"), tl.float32)
-    kept = tl.zeros([ROWS], tl.int64)
-    above_c = tl.zeros([ROWS], tl.int32)
-    above_m = tl.zeros([ROWS], tl.int64)
-    cbase = cand_ptr + rows[:, None] * stride_c
-    for it in range(MAX_PASSES):
-        if tl.sum((done == 0).to(tl.int32), axis=0) > 0:
-            live = done == 0
-            from_big = live & (src_big > 0)
-            fill = live & (src_big == 0) & (it == 0)  # this pass fills the band region
-            out0 = tl.where(fill, CAP, 0)
-            capr = tl.where(fill, CAPB, CAP)
-            length = tl.max(tl.where(live, tl.where(from_big, nbig, V), 0), axis=0)
-            # Reading the band region, the first pass is already a narrowing one.
-            hist = (it > 0) | hist_first | (tl.sum(from_big.to(tl.int32), axis=0) > 0)
-            shift = tl.maximum(_nbits(khi - klo - 1) - LOG2_NSPLIT, 0)
-            gc = tl.zeros([ROWS, NSPLIT], tl.int32)
-            gm = tl.zeros([ROWS, NSPLIT], tl.int64)
-            n = tl.zeros([ROWS], tl.int32)
+    base = logits_ptr + row * stride_lm
+    cbase = cand_ptr + row * CAP
+    thr = hi
+    kept_c = tl.zeros([], tl.int32)
+    kept_m = tl.zeros([], tl.int64)
+    done = tl.zeros([], tl.int32)
+    compact = tl.zeros([], tl.int32)
+    pivot = hi
+    for _ in range(MAX_PASSES):
+        if done == 0:
+            span = hi - lo
+            scale = tl.where(span > 0.0, NBIN / tl.maximum(span, 1e-30), 0.0)
+            hist = tl.zeros([NBIN], tl.int32)
+            n = tl.zeros([], tl.int32)  # compaction offset (compacting passes only)
+            # Per-lane running sums, reduced once after the pass.
+            above_cv = tl.zeros([BLOCK], tl.int32)
+            above_mv = tl.zeros([BLOCK], tl.int64)
+            ge_cv = tl.zeros([BLOCK], tl.int32)
+            ge_mv = tl.zeros([BLOCK], tl.int64)
+            wminv = tl.full([BLOCK], float("inf"), tl.float32)
+            wmaxv = tl.full([BLOCK], float("-inf"), tl.float32)
             tl.debug_barrier()  # the previous pass's scratch reads are finished
-            for v0 in range(0, length, BLOCK):
+            for v0 in range(0, V, BLOCK):
                 offs = v0 + cols
-                mask_b = from_big[:, None] & (offs[None, :] < nbig[:, None])
-                zb = tl.load(cbase + CAP + offs[None, :], mask=mask_b, other=float("-inf"))
-                mask_l = (live & (from_big == 0))[:, None] & (offs < V)[None, :]
-                zl = _load_z(logits_ptr, stride_lm, rows, offs, mask_l, t)
-                z = tl.where(from_big[:, None], zb, zl)
-                mask = mask_b | mask_l
-                key = _key(z)
-                surv = mask & (key >= floor_key[:, None])
-                cand = surv & (key > klo[:, None]) & (key <= khi[:, None])
-                if hist:
-                    e = _fx(z, m[:, None], FXS)
-                    # Suffix form: bucket >= d, so the scan below needs no cumsum.
-                    b = (key - klo[:, None] - 1) >> shift[:, None]
-                    ge = cand[:, :, None] & (b[:, :, None] >= dvec[None, None, :])
-                    gc += tl.sum(ge.to(tl.int32), axis=1)
-                    gm += tl.sum(tl.where(ge, e[:, :, None], 0), axis=1)
-                ci = cand.to(tl.int32)
-                if tl.min(n - capr, axis=0) <= 0:  # once every row overflowed, only count
-                    idx = n[:, None] + tl.cumsum(ci, axis=1) - 1
-                    tl.store(cbase + out0[:, None] + idx, z, mask=cand & (idx < capr[:, None]))
-                n += tl.sum(ci, axis=1)
-            # Candidates that fit: the answer is the largest candidate v whose count or
-            # mass of values >= v (plus what lies above the interval) reaches the
-            # target; pairwise in CHUNK slices, no sort (ties count whole by >=).
-            small = live & (n <= CAP)
-            tl.debug_barrier()  # compaction stores are visible to every thread
-            valid = small[:, None] & (slots[None, :] < n[:, None])
-            vals = tl.load(cbase + out0[:, None] + slots[None, :], mask=valid,
-                           other=float("-inf"))  # fmt: skip
-            ev = tl.where(valid, _fx(vals, m[:, None], FXS), 0)
-            v_hit = tl.full([ROWS], float("-inf"), tl.float32)
-            any_hit = tl.zeros([ROWS], tl.int32)
-            for c0 in tl.static_range(0, CAP, CHUNK):
-                ci = c0 + tl.arange(0, CHUNK)
-                vi_ok = small[:, None] & (ci[None, :] < n[:, None])
-                vi = tl.load(cbase + out0[:, None] + ci[None, :], mask=vi_ok,
-                             other=float("-inf"))  # fmt: skip
-                ge = valid[:, None, :] & (vals[:, None, :] >= vi[:, :, None])
-                if MASS:
-                    got = tl.sum(tl.where(ge, ev[:, None, :], 0), axis=2)
-                    hit = vi_ok & ((above_m[:, None] + got).to(tl.float64) >= target_fx[:, None])
+                ok = offs < V
+                x = tl.load(base + offs, mask=ok, other=float("-inf")).to(tl.float32)
+                if t == 1.0:
+                    z = x
                 else:
-                    got = tl.sum(ge.to(tl.int32), axis=2)
-                    hit = vi_ok & (above_c[:, None] + got >= target_cnt[:, None])
-                v_hit = tl.maximum(v_hit, tl.max(tl.where(hit, vi, float("-inf")), axis=1))
-                any_hit = tl.maximum(any_hit, tl.max(hit.to(tl.int32), axis=1))
-            # Float rounding can leave the target unreached: keep every candidate.
-            v_last = tl.min(tl.where(valid, vals, float("inf")), axis=1)
-            v = tl.where(any_hit > 0, v_hit, v_last)
-            kept_s = above_m + tl.sum(tl.where(valid & (vals >= v[:, None]), ev, 0), axis=1)
-            thr = tl.where(small, v, thr)
-            kept = tl.where(small, kept_s, kept)
-            done = done | small
-            # The rest: keep the bucket that holds the answer.
-            narrow = live & (small == 0) & hist
-            if MASS:
-                ok = (above_m[:, None] + gm).to(tl.float64) >= target_fx[:, None]
+                    z = tl.math.div_rn(x, t)
+                z = tl.where(z == 0.0, 0.0, z)
+                surv = ok & (z >= floor_v) & (z > float("-inf"))
+                e = _fx(z, m, FXS)
+                up = surv & (z > hi)
+                above_cv += up.to(tl.int32)
+                above_mv += tl.where(up, e, 0)
+                ge = surv & (z >= pivot)
+                ge_cv += ge.to(tl.int32)
+                ge_mv += tl.where(ge, e, 0)
+                win = surv & (z >= lo) & (z <= hi)
+                b = tl.minimum(((hi - z) * scale).to(tl.int32), NBIN - 1)
+                hist += tl.histogram(tl.where(win, b, 0), NBIN, mask=win)
+                wminv = tl.minimum(wminv, tl.where(win, z, float("inf")))
+                wmaxv = tl.maximum(wmaxv, tl.where(win, z, float("-inf")))
+                if compact != 0:
+                    wi = win.to(tl.int32)
+                    idx = n + tl.cumsum(wi, axis=0) - 1
+                    tl.store(cbase + idx, z, mask=win & (idx < CAP))
+                    n += tl.sum(wi, axis=0)
+            n = tl.sum(hist, axis=0)
+            above_c = tl.sum(above_cv, axis=0)
+            above_m = tl.sum(above_mv, axis=0)
+            ge_c = tl.sum(ge_cv, axis=0)
+            ge_m = tl.sum(ge_mv, axis=0)
+            wmin = tl.min(wminv, axis=0)
+            wmax = tl.max(wmaxv, axis=0)
+            if n == 0:
+                # Nothing in [lo, hi] (rounding left the target unreached): keep what is
+                # above it; no survivor equals hi, so the test z >= hi says the same.
+                thr = hi
+                kept_c = above_c
+                kept_m = above_m
+                done = done | 1
+            elif wmin == wmax:
+                # One value left (a tie group): it is the cut.
+                thr = wmin
+                kept_c = above_c + n
+                kept_m = above_m + n.to(tl.int64) * _fx(wmin, m, FXS)
+                done = done | 1
+            elif (compact != 0) & (n <= CAP):
+                tl.debug_barrier()  # the compaction's stores are visible to every thread
+                valid = slots < n
+                vals = tl.load(cbase + slots, mask=valid, other=float("-inf"))
+                ev = tl.where(valid, _fx(vals, m, FXS), 0)
+                v_hit = tl.full([], float("-inf"), tl.float32)
+                for c0 in tl.static_range(0, CAP, CHUNK):
+                    ci = c0 + tl.arange(0, CHUNK)
+                    vi_ok = ci < n
+                    vi = tl.load(cbase + ci, mask=vi_ok, other=float("-inf"))
+                    ge = valid[None, :] & (vals[None, :] >= vi[:, None])
+                    if MASS:
+                        got = tl.sum(tl.where(ge, ev[None, :], 0), axis=1)
+                        hit = vi_ok & ((above_m + got).to(tl.float64) >= target_m)
+                    else:
+                        got = tl.sum(ge.to(tl.int32), axis=1)
+                        hit = vi_ok & (above_c + got >= target_c)
+                    v_hit = tl.maximum(v_hit, tl.max(tl.where(hit, vi, float("-inf")), axis=0))
+                # Float rounding can leave the target unreached: keep every candidate.
+                v = tl.where(v_hit > float("-inf"), v_hit, wmin)
+                keep = valid & (vals >= v)
+                thr = v
+                kept_c = above_c + tl.sum(keep.to(tl.int32), axis=0)
+                kept_m = above_m + tl.sum(tl.where(keep, ev, 0), axis=0)
+                done = done | 1
             else:
-                ok = above_c[:, None] + gc >= target_cnt[:, None]
-            dstar = tl.max(tl.where(ok, dvec[None, :], -1), axis=1)
-            lowest = tl.max(tl.where(gc == n[:, None], dvec[None, :], 0), axis=1)
-            dstar = tl.where(dstar < 0, lowest, dstar)
-            at_d = dvec[None, :] == dstar[:, None]
-            nx_d = dvec[None, :] == dstar[:, None] + 1
-            m_at = tl.sum(tl.where(at_d, gm, 0), axis=1)
-            m_nx = tl.sum(tl.where(nx_d, gm, 0), axis=1)
-            c_nx = tl.sum(tl.where(nx_d, gc, 0), axis=1)
-            d64 = dstar.to(tl.int64)
-            new_lo = klo + (d64 << shift)
-            new_hi = tl.minimum(klo + ((d64 + 1) << shift), khi)
-            single = narrow & (new_hi - new_lo == 1)
-            thr = tl.where(single, _value(new_hi), thr)
-            kept = tl.where(single, above_m + m_at, kept)
-            done = done | single
-            klo = tl.where(narrow, new_lo, klo)
-            khi = tl.where(narrow, new_hi, khi)
-            above_c = tl.where(narrow, above_c + c_nx, above_c)
-            above_m = tl.where(narrow, above_m + m_nx, above_m)
-            # Rows that filled the band region read it from now on, if it all fit.
-            src_big = tl.where(fill & (n <= CAPB), 1, src_big)
-            nbig = tl.where(fill, n, nbig)
-    # Unreachable with MAX_PASSES from the launcher (the key width shrinks NSPLIT-fold
-    # per pass); keep the interval's top value rather than garbage.
-    thr = tl.where(done, thr, _value(khi))
-    kept = tl.where(done, kept, above_m)
-    return thr, kept, src_big, nbig
+                # Members of bin i lie in [hi - (i+1)/scale, hi - i/scale] up to rounding
+                # (delta: a few ulps of the interval's ends and of its span).
+                delta = (tl.abs(hi) + tl.abs(lo)) * 4.76837158203125e-07  # 2^-21
+                delta += span * 9.5367431640625e-07  # 2^-20
+                fi = bins.to(tl.float32)
+                if MASS:
+                    top = tl.minimum(hi - fi / scale + delta, hi)
+                    bot = tl.maximum(hi - (fi + 1.0) / scale - delta, lo)
+                    c64 = hist.to(tl.float64)
+                    eu = tl.exp(top - m).to(tl.float64) * (FXS * 1.0000153)
+                    el = tl.exp(bot - m).to(tl.float64) * (FXS * 0.9999847) - 1.0
+                    upper = above_m.to(tl.float64) + tl.cumsum(c64 * eu, axis=0)
+                    lower = above_m.to(tl.float64) + tl.cumsum(c64 * tl.maximum(el, 0.0), axis=0)
+                    first = tl.min(tl.where(upper >= target_m, bins, NBIN - 1), axis=0)
+                    last = tl.min(tl.where(lower >= target_m, bins, NBIN - 1), axis=0)
+                else:
+                    counts = above_c + tl.cumsum(hist, axis=0)
+                    first = tl.min(tl.where(counts >= target_c, bins, NBIN - 1), axis=0)
+                    last = first
+                inw = (bins >= first) & (bins <= last)
+                est = tl.sum(tl.where(inw, hist, 0), axis=0)
+                new_hi = tl.minimum(hi - first.to(tl.float32) / scale + delta, hi)
+                new_lo = tl.maximum(hi - (last + 1).to(tl.float32) / scale - delta, lo)
+                # The pivot's exact count / mass says on which side of it the cut lies;
+                # that halves the interval's count when the bounds cannot narrow it.
+                if MASS:
+                    at_or_above = ge_m.to(tl.float64) >= target_m
+                else:
+                    at_or_above = ge_c >= target_c
+                if at_or_above:
+                    new_lo = tl.maximum(new_lo, pivot)
+                else:
+                    new_hi = tl.minimum(new_hi, _below(pivot))
+                # Next pivot: the edge splitting the window's count in two, else the
+                # middle of the new interval.
+                half = tl.cumsum(tl.where(inw, hist, 0), axis=0) >= (est + 1) // 2
+                j = tl.min(tl.where(half, bins, NBIN - 1), axis=0)
+                pivot = hi - (j + 1).to(tl.float32) / scale
+                mid = new_lo + 0.5 * (new_hi - new_lo)
+                pivot = tl.where((pivot > new_lo) & (pivot <= new_hi), pivot, mid)
+                hi = new_hi
+                lo = new_lo
+                compact = (est <= CAP).to(tl.int32)
+    # Not reached with the launcher's MAX_PASSES for real rows (each pass shrinks the
+    # interval about NBIN / (last - first + 1)-fold); keep its top rather than garbage.
+    if done == 0:
+        thr = hi
+    return thr, kept_c, kept_m
 
 
 @triton.jit
-def _band_floor(pm, ps, pmax2_ptr, rows, blocks, pmask, m, total, kept, p, z_lo, V, NB, BV):
-    """Raise the top-p band's floor by bisection on a bound of the mass below a value L
-    from the block partials: a block whose max is < L counts whole; one whose second
-    largest is < L <= its max counts all but its max; else at most min(the mass beyond
-    its top two, (block size - 2) * e(L)). Where the bound stays under (1 - top_p) *
-    the kept mass, less rounding slack, every token below L is cut. A peaked row (most
-    of each block's mass in its top one or two tokens) gets a floor just under its top
-    tokens: at V 49152, ~100 candidates instead of ~15000 for the V-wide bound."""
-    pm2 = tl.load(pmax2_ptr + rows[:, None] * NB + blocks[None, :], mask=pmask,
-                  other=float("-inf"))  # fmt: skip
-    top1 = tl.where(pm == float("-inf"), 0.0, tl.exp(pm - m[:, None]))
-    top2 = tl.where(pm2 == float("-inf"), 0.0, tl.exp(pm2 - m[:, None]))
-    mass = ps * top1
-    but_max = tl.maximum(mass - top1, 0.0)
-    rest = tl.maximum(mass - top1 - top2, 0.0)
-    others = tl.maximum(tl.minimum(BV, V - blocks * BV) - 2, 0).to(tl.float32)[None, :]
-    # 0.1% and 1e-5 of the row's mass: far above float32 rounding of these sums.
-    budget = 0.999 * (1.0 - p) * kept - 1e-5 * total
-    lo = z_lo
-    hi = m
-    for _ in tl.static_range(20):
-        mid = 0.5 * (lo + hi)
-        below = tl.where(pm < mid[:, None], mass, 0.0)
-        below += tl.where((pm >= mid[:, None]) & (pm2 < mid[:, None]), but_max, 0.0)
-        cap = tl.minimum(rest, others * tl.exp(mid - m)[:, None])
-        below += tl.where(pm2 >= mid[:, None], cap, 0.0)
-        ok = tl.sum(tl.where(pmask, below, 0.0), axis=1) <= budget
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid)
-    return lo
+def _cut_tile(
+    logits_ptr, stride_lm, cand_ptr, rows, live, t, m, V, floor_v, lo, hi, target_c, target_m,
+    MASS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
+    NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
+):  # fmt: skip
+    """A tile of cuts (module docstring): for each of the ROWS rows with `live` set, the
+    largest value v among its survivors (z >= floor_v, z finite) whose count (MASS False:
+    target_c) or fixed-point mass (MASS True: target_m, float64 FXS units) of survivors
+    >= v reaches the target, known to lie in [lo, hi]. Returns, per row, (v, the count
+    and the mass of survivors >= v); rows not live get hi and zeros.
+
+    Each pass reads the rows not yet done once: the exact count and mass above hi, and a
+    histogram of counts over NBIN equal value bins of [lo, hi]. The bins' mass bounds
+    (count times exp at the bin's edges) pick the first bin that may reach the target
+    and the first that surely does; the next interval spans them. A pass whose window
+    was predicted to fit CAP compacts it into the row's scratch, and the answer is read
+    off pairwise. Every row keeps its own interval and state; the passes go on while
+    any row of the tile is not done, and each outcome is a masked per-row update."""
+    cols = tl.arange(0, BLOCK)
+    bins = tl.arange(0, NBIN)
+    slots = tl.arange(0, CAP)
+    # A row's histogram bins follow the previous row's: one 1-D histogram per chunk.
+    bin0 = tl.arange(0, ROWS)[:, None] * NBIN
+    base = logits_ptr + rows * stride_lm
+    cbase = cand_ptr + rows * CAP
+    unit = (tl.min(t, axis=0) == 1.0) & (tl.max(t, axis=0) == 1.0)
+    thr = hi
+    kept_c = tl.zeros([ROWS], tl.int32)
+    kept_m = tl.zeros([ROWS], tl.int64)
+    done = (live == 0).to(tl.int32)
+    compact = tl.zeros([ROWS], tl.int32)
+    pivot = hi
+    for _ in range(MAX_PASSES):
+        if tl.min(done, axis=0) == 0:
+            act = done == 0
+            span = hi - lo
+            scale = tl.where(span > 0.0, NBIN / tl.maximum(span, 1e-30), 0.0)
+            hist = tl.zeros([ROWS, NBIN], tl.int32)
+            n = tl.zeros([ROWS], tl.int32)  # compaction offsets (compacting rows only)
+            # Per-lane running sums, reduced once after the pass.
+            above_cv = tl.zeros([ROWS, BLOCK], tl.int32)
+            above_mv = tl.zeros([ROWS, BLOCK], tl.int64)
+            ge_cv = tl.zeros([ROWS, BLOCK], tl.int32)
+            ge_mv = tl.zeros([ROWS, BLOCK], tl.int64)
+            wminv = tl.full([ROWS, BLOCK], float("inf"), tl.float32)
+            wmaxv = tl.full([ROWS, BLOCK], float("-inf"), tl.float32)
+            compacting = tl.max(compact, axis=0) != 0
+            tl.debug_barrier()  # the previous pass's scratch reads are finished
+            for v0 in range(0, V, BLOCK):
+                offs = v0 + cols
+                ok = act[:, None] & (offs < V)[None, :]
+                x = tl.load(base[:, None] + offs[None, :], mask=ok, other=float("-inf"))
+                x = x.to(tl.float32)
+                if unit:  # x / 1 == x: skip the ~10-instruction IEEE division
+                    z = x
+                else:
+                    z = tl.math.div_rn(x, t[:, None])
+                z = tl.where(z == 0.0, 0.0, z)
+                surv = ok & (z >= floor_v[:, None]) & (z > float("-inf"))
+                e = _fx(z, m[:, None], FXS)
+                up = surv & (z > hi[:, None])
+                above_cv += up.to(tl.int32)
+                above_mv += tl.where(up, e, 0)
+                ge = surv & (z >= pivot[:, None])
+                ge_cv += ge.to(tl.int32)
+                ge_mv += tl.where(ge, e, 0)
+                win = surv & (z >= lo[:, None]) & (z <= hi[:, None])
+                b = tl.minimum(((hi[:, None] - z) * scale[:, None]).to(tl.int32), NBIN - 1)
+                b = tl.reshape(tl.where(win, b, 0) + bin0, [ROWS * BLOCK])
+                h = tl.histogram(b, ROWS * NBIN, mask=tl.reshape(win, [ROWS * BLOCK]))
+                hist += tl.reshape(h, [ROWS, NBIN])
+                wminv = tl.minimum(wminv, tl.where(win, z, float("inf")))
+                wmaxv = tl.maximum(wmaxv, tl.where(win, z, float("-inf")))
+                if compacting:
+                    wi = (win & (compact != 0)[:, None]).to(tl.int32)
+                    idx = n[:, None] + tl.cumsum(wi, axis=1) - 1
+                    # Not z itself: storing it inside this branch makes Triton's sm_90
+                    # layout pass break dominance for float32 logits (an MLIR error;
+                    # tests/sm90_compile.py).
+                    zc = tl.where(wi != 0, z, 0.0)
+                    tl.store(cbase[:, None] + idx, zc, mask=(wi != 0) & (idx < CAP))
+                    n += tl.sum(wi, axis=1)
+            n = tl.sum(hist, axis=1)
+            above_c = tl.sum(above_cv, axis=1)
+            above_m = tl.sum(above_mv, axis=1)
+            ge_c = tl.sum(ge_cv, axis=1)
+            ge_m = tl.sum(ge_mv, axis=1)
+            wmin = tl.min(wminv, axis=1)
+            wmax = tl.max(wmaxv, axis=1)
+            # Each active row takes one of four outcomes.
+            # Nothing in [lo, hi] (rounding left the target unreached): keep what is above
+            # it; no survivor equals hi, so the test z >= hi says the same.
+            empty = act & (n == 0)
+            # One value left (a tie group): it is the cut.
+            single = act & (n != 0) & (wmin == wmax)
+            # The window is in the scratch: read the cut off pairwise.
+            pairs = act & (n != 0) & (wmin != wmax) & (compact != 0) & (n <= CAP)
+            # Else narrow the interval.
+            narrow = act & (n != 0) & (wmin != wmax) & ((compact == 0) | (n > CAP))
+            thr = tl.where(empty, hi, tl.where(single, wmin, thr))
+            kept_c = tl.where(empty, above_c, tl.where(single, above_c + n, kept_c))
+            kept_m = tl.where(empty, above_m, kept_m)
+            kept_m = tl.where(single, above_m + n.to(tl.int64) * _fx(wmin, m, FXS), kept_m)
+            if tl.max(pairs.to(tl.int32), axis=0) != 0:
+                tl.debug_barrier()  # the compaction's stores are visible to every thread
+                valid = pairs[:, None] & (slots[None, :] < n[:, None])
+                vals = tl.load(cbase[:, None] + slots[None, :], mask=valid, other=float("-inf"))
+                ev = tl.where(valid, _fx(vals, m[:, None], FXS), 0)
+                v_hit = tl.full([ROWS], float("-inf"), tl.float32)
+                for c0 in tl.static_range(0, CAP, CHUNK):
+                    ci = c0 + tl.arange(0, CHUNK)
+                    vi_ok = pairs[:, None] & (ci[None, :] < n[:, None])
+                    vi = tl.load(cbase[:, None] + ci[None, :], mask=vi_ok, other=float("-inf"))
+                    ge = valid[:, None, :] & (vals[:, None, :] >= vi[:, :, None])
+                    if MASS:
+                        got = tl.sum(tl.where(ge, ev[:, None, :], 0), axis=2)
+                        got = (above_m[:, None] + got).to(tl.float64)
+                        hit = vi_ok & (got >= target_m[:, None])
+                    else:
+                        got = tl.sum(ge.to(tl.int32), axis=2)
+                        hit = vi_ok & (above_c[:, None] + got >= target_c[:, None])
+                    v_hit = tl.maximum(v_hit, tl.max(tl.where(hit, vi, float("-inf")), axis=1))
+                # Float rounding can leave the target unreached: keep every candidate.
+                v = tl.where(v_hit > float("-inf"), v_hit, wmin)
+                keep = valid & (vals >= v[:, None])
+                thr = tl.where(pairs, v, thr)
+                kept_c = tl.where(pairs, above_c + tl.sum(keep.to(tl.int32), axis=1), kept_c)
+                kept_m = tl.where(pairs, above_m + tl.sum(tl.where(keep, ev, 0), axis=1), kept_m)
+            if tl.max(narrow.to(tl.int32), axis=0) != 0:
+                # Members of bin i lie in [hi - (i+1)/scale, hi - i/scale] up to rounding
+                # (delta: a few ulps of the interval's ends and of its span).
+                delta = (tl.abs(hi) + tl.abs(lo)) * 4.76837158203125e-07  # 2^-21
+                delta += span * 9.5367431640625e-07  # 2^-20
+                bi = bins[None, :]
+                fi = bi.to(tl.float32)
+                if MASS:
+                    hi_c, sc, dc = hi[:, None], scale[:, None], delta[:, None]
+                    top = tl.minimum(hi_c - fi / sc + dc, hi_c)
+                    bot = tl.maximum(hi_c - (fi + 1.0) / sc - dc, lo[:, None])
+                    c64 = hist.to(tl.float64)
+                    eu = tl.exp(top - m[:, None]).to(tl.float64) * (FXS * 1.0000153)
+                    el = tl.exp(bot - m[:, None]).to(tl.float64) * (FXS * 0.9999847) - 1.0
+                    am = above_m.to(tl.float64)[:, None]
+                    upper = am + tl.cumsum(c64 * eu, axis=1)
+                    lower = am + tl.cumsum(c64 * tl.maximum(el, 0.0), axis=1)
+                    first = tl.min(tl.where(upper >= target_m[:, None], bi, NBIN - 1), axis=1)
+                    last = tl.min(tl.where(lower >= target_m[:, None], bi, NBIN - 1), axis=1)
+                else:
+                    counts = above_c[:, None] + tl.cumsum(hist, axis=1)
+                    first = tl.min(tl.where(counts >= target_c[:, None], bi, NBIN - 1), axis=1)
+                    last = first
+                inw = (bi >= first[:, None]) & (bi <= last[:, None])
+                est = tl.sum(tl.where(inw, hist, 0), axis=1)
+                new_hi = tl.minimum(hi - first.to(tl.float32) / scale + delta, hi)
+                new_lo = tl.maximum(hi - (last + 1).to(tl.float32) / scale - delta, lo)
+                # The pivot's exact count / mass says on which side of it the cut lies;
+                # that halves the interval's count when the bounds cannot narrow it.
+                if MASS:
+                    at_or_above = ge_m.to(tl.float64) >= target_m
+                else:
+                    at_or_above = ge_c >= target_c
+                new_lo = tl.where(at_or_above, tl.maximum(new_lo, pivot), new_lo)
+                new_hi = tl.where(at_or_above, new_hi, tl.minimum(new_hi, _below(pivot)))
+                # Next pivot: the edge splitting the window's count in two, else the
+                # middle of the new interval.
+                half = tl.cumsum(tl.where(inw, hist, 0), axis=1) >= ((est + 1) // 2)[:, None]
+                j = tl.min(tl.where(half, bi, NBIN - 1), axis=1)
+                nxt = hi - (j + 1).to(tl.float32) / scale
+                mid = new_lo + 0.5 * (new_hi - new_lo)
+                nxt = tl.where((nxt > new_lo) & (nxt <= new_hi), nxt, mid)
+                pivot = tl.where(narrow, nxt, pivot)
+                hi = tl.where(narrow, new_hi, hi)
+                lo = tl.where(narrow, new_lo, lo)
+                compact = tl.where(narrow, (est <= CAP).to(tl.int32), compact)
+            done = done | (empty | single | pairs).to(tl.int32)
+    # Not reached with the launcher's MAX_PASSES for real rows (each pass shrinks the
+    # interval about NBIN / (last - first + 1)-fold); keep its top rather than garbage.
+    thr = tl.where(done == 0, hi, thr)
+    return thr, kept_c, kept_m
 
 
 @triton.jit
-def _row_stats(pmax_ptr, psum_ptr, rows, rmask, blocks, pmask, NB):
-    pm = tl.load(pmax_ptr + rows[:, None] * NB + blocks[None, :], mask=pmask, other=float("-inf"))
-    ps = tl.load(psum_ptr + rows[:, None] * NB + blocks[None, :], mask=pmask, other=0.0)
-    m = tl.where(rmask, tl.max(pm, axis=1), 0.0)  # finite on rows past the batch
-    scale = tl.where(pm == float("-inf"), 0.0, tl.exp(pm - m[:, None]))
-    total = tl.sum(ps * scale, axis=1)
-    return pm, ps, m, total
+def _cut(
+    logits_ptr, stride_lm, cand_ptr, rows, live, t, m, V, floor_v, lo, hi, target_c, target_m,
+    MASS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
+    NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
+):  # fmt: skip
+    """_cut_tile's contract; one row takes _cut_row (scalar state)."""
+    if ROWS == 1:
+        v, c, mass = _cut_row(
+            logits_ptr, stride_lm, cand_ptr, tl.sum(rows, axis=0), tl.sum(t, axis=0),
+            tl.sum(m, axis=0), V, tl.sum(floor_v, axis=0), tl.sum(lo, axis=0),
+            tl.sum(hi, axis=0), tl.sum(target_c, axis=0), tl.sum(target_m, axis=0), MASS,
+            BLOCK, CAP, NBIN, MAX_PASSES, CHUNK, FXS,
+        )  # fmt: skip
+        thr = tl.where(live, v, hi)
+        kept_c = tl.where(live, c, 0).to(tl.int32)
+        kept_m = tl.where(live, mass, 0).to(tl.int64)
+    else:
+        thr, kept_c, kept_m = _cut_tile(
+            logits_ptr, stride_lm, cand_ptr, rows, live, t, m, V, floor_v, lo, hi, target_c,
+            target_m, MASS, ROWS, BLOCK, CAP, NBIN, MAX_PASSES, CHUNK, FXS,
+        )  # fmt: skip
+    return thr, kept_c, kept_m
 
 
 @triton.jit
-def _row_filter(greedy_ptr, temp_ptr, topk_ptr, topp_ptr, rows, rmask, K1, V):
+def _cut_kernel(
+    logits_ptr, stride_lm, greedy_ptr, temp_ptr, topk_ptr, topp_ptr,
+    pmin_ptr, rmax_ptr, rthr_ptr, rsum_ptr, cand_ptr, num_rows, V, K1, NB,
+    ROWS: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
+    NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
+):  # fmt: skip
+    """A tile of ROWS rows per program; a filtered row gets the top-k cut (the k-th
+    largest value), then the top-p cut over the top-k survivors, and its threshold and
+    kept mass are written. Other rows are left as the init kernel wrote them."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rmask = rows < num_rows
     req = rows // K1
-    g = tl.load(greedy_ptr + req, mask=rmask, other=1) != 0
-    t = tl.where(g, 1.0, tl.load(temp_ptr + req, mask=rmask, other=1.0))
+    greedy = tl.load(greedy_ptr + req, mask=rmask, other=1) != 0
     k = tl.load(topk_ptr + req, mask=rmask, other=0)
     p = tl.load(topp_ptr + req, mask=rmask, other=1.0)
-    use_k = rmask & (g == 0) & (k > 0) & (k < V)
-    use_p = rmask & (g == 0) & (p < 1.0)
-    return t, k, p, use_k, use_p
-
-
-@triton.jit
-def _init_kernel(
-    greedy_ptr, temp_ptr, topk_ptr, topp_ptr,
-    pmax_ptr, psum_ptr, pmin_ptr, pmax2_ptr, rmax_ptr, rthr_ptr, rsum_ptr,
-    blo_ptr, bon_ptr, bcnt_ptr, bin_ptr, bbelow_ptr,
-    num_rows, V, K1, NB, BV,
-    ROWS: tl.constexpr, NBP: tl.constexpr, FILTER: tl.constexpr,
-):  # fmt: skip
-    """Row max and mass from the partials; with FILTER, each filtered row's band: the
-    key interval (lo, key(max)] that the band kernel compacts. Top-k rows: lo below the
-    k-th largest of the block maxima and second maxima (k of them reach it, so t_k is at
-    least that); top-p rows: lo at the floor below which every token is cut."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    rmask = rows < num_rows
-    blocks = tl.arange(0, NBP)
-    pmask = rmask[:, None] & (blocks < NB)[None, :]
-    pm, ps, m, total = _row_stats(pmax_ptr, psum_ptr, rows, rmask, blocks, pmask, NB)
-    tl.store(rmax_ptr + rows, m, mask=rmask)
-    tl.store(rthr_ptr + rows, tl.full([ROWS], float("-inf"), tl.float32), mask=rmask)
-    tl.store(rsum_ptr + rows, total, mask=rmask)
-    if FILTER:
-        t, k, p, use_k, use_p = _row_filter(greedy_ptr, temp_ptr, topk_ptr, topp_ptr, rows,
-                                            rmask, K1, V)  # fmt: skip
-        lo = tl.full([ROWS], KEY_NEG_INF, tl.int64)
-        if tl.sum(use_k.to(tl.int32), axis=0) > 0:
-            pm2 = tl.load(pmax2_ptr + rows[:, None] * NB + blocks[None, :], mask=pmask,
-                          other=float("-inf"))  # fmt: skip
-            # Pairwise counts (no tl.sort: slow interpreted) of maxima and second maxima
-            # (distinct tokens) >= each of them.
-            c1 = tl.sum((pm[:, None, :] >= pm[:, :, None]).to(tl.int32), axis=2)
-            c1 += tl.sum((pm2[:, None, :] >= pm[:, :, None]).to(tl.int32), axis=2)
-            c2 = tl.sum((pm[:, None, :] >= pm2[:, :, None]).to(tl.int32), axis=2)
-            c2 += tl.sum((pm2[:, None, :] >= pm2[:, :, None]).to(tl.int32), axis=2)
-            kth = tl.maximum(
-                tl.max(tl.where(pmask & (c1 >= k[:, None]), pm, float("-inf")), axis=1),
-                tl.max(tl.where(pmask & (c2 >= k[:, None]), pm2, float("-inf")), axis=1),
-            )
-            zmin = tl.min(tl.load(pmin_ptr + rows[:, None] * NB + blocks[None, :], mask=pmask,
-                                  other=float("inf")), axis=1)  # fmt: skip
-            lb = tl.where(kth > float("-inf"), kth, zmin)
-            lo = tl.where(use_k, _key(tl.where(lb == 0.0, 0.0, lb)) - 1, lo)
-        p_only = use_p & (use_k == 0)
-        if tl.sum(p_only.to(tl.int32), axis=0) > 0:
-            # Tokens with e < (1 - top_p) * mass / V together hold under (1 - top_p) of
-            # the mass, so the cut is above them (one e of margin for rounding).
-            z_lo = m + tl.log(tl.where(p_only, (1.0 - p) * total / V, 1.0)) - 1.0
-            z_lo = _band_floor(pm, ps, pmax2_ptr, rows, blocks, pmask, m, total, total, p, z_lo,
-                               V, NB, BV)  # fmt: skip
-            lo = tl.where(p_only, _key(tl.where(z_lo == 0.0, 0.0, z_lo)) - 1, lo)
-        tl.store(blo_ptr + rows, lo, mask=rmask)
-        tl.store(bon_ptr + rows, (use_k | use_p).to(tl.int32), mask=rmask)
-        tl.store(bcnt_ptr + rows, tl.zeros([ROWS], tl.int32), mask=rmask)
-        tl.store(bin_ptr + rows, tl.zeros([ROWS], tl.int64), mask=rmask)
-        tl.store(bbelow_ptr + rows, tl.zeros([ROWS], tl.int64), mask=rmask)
-
-
-@triton.jit
-def _band_kernel(
-    logits_ptr, stride_lm, greedy_ptr, temp_ptr, rmax_ptr, blo_ptr, bon_ptr,
-    bcnt_ptr, bin_ptr, bbelow_ptr, cand_ptr, stride_c, num_rows, V, K1,
-    ROWS: tl.constexpr, BLOCK_V: tl.constexpr, CAP: tl.constexpr, CAPB: tl.constexpr,
-    FXS: tl.constexpr,
-):  # fmt: skip
-    """(rows x vocabulary blocks): compact each filtered row's band candidates into its
-    scratch row (offsets from a per-row atomic counter, so in no fixed order) and add up
-    the mass inside and below the band (int64: exact, order-free)."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    rmask = rows < num_rows
-    on = tl.load(bon_ptr + rows, mask=rmask, other=0) != 0
-    if tl.sum(on.to(tl.int32), axis=0) == 0:
-        return
-    offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    req = rows // K1
-    g = tl.load(greedy_ptr + req, mask=on, other=1) != 0
-    t = tl.where(g, 1.0, tl.load(temp_ptr + req, mask=on, other=1.0))
-    m = tl.load(rmax_ptr + rows, mask=on, other=0.0)
-    lo = tl.load(blo_ptr + rows, mask=on, other=0)
-    hi = _key(m)
-    mask = on[:, None] & (offs < V)[None, :]
-    z = _load_z(logits_ptr, stride_lm, rows, offs, mask, t)
-    key = _key(z)
-    cand = mask & (key > lo[:, None]) & (key <= hi[:, None])
-    e = _fx(z, m[:, None], FXS)
-    inside = tl.sum(tl.where(cand, e, 0), axis=1)
-    below = tl.sum(tl.where(mask & (key <= lo[:, None]), e, 0), axis=1)
-    tl.atomic_add(bin_ptr + rows, inside, mask=on & (inside > 0))
-    tl.atomic_add(bbelow_ptr + rows, below, mask=on & (below > 0))
-    ci = cand.to(tl.int32)
-    cnt = tl.sum(ci, axis=1)
-    base = tl.atomic_add(bcnt_ptr + rows, cnt, mask=on & (cnt > 0))
-    idx = base[:, None] + tl.cumsum(ci, axis=1) - 1
-    ptrs = cand_ptr + rows[:, None] * stride_c + CAP + idx
-    tl.store(ptrs, z, mask=cand & (cnt > 0)[:, None] & (idx < CAPB))
-
-
-@triton.jit
-def _threshold_kernel(
-    logits_ptr, stride_lm, greedy_ptr, temp_ptr, topk_ptr, topp_ptr,
-    pmax_ptr, psum_ptr, pmax2_ptr, rthr_ptr, rsum_ptr,
-    blo_ptr, bcnt_ptr, bin_ptr, bbelow_ptr, cand_ptr, stride_c,
-    num_rows, V, K1, NB, BV,
-    ROWS: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
-    CAPB: tl.constexpr, NSPLIT: tl.constexpr, LOG2_NSPLIT: tl.constexpr,
-    MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
-):  # fmt: skip
-    """Filtered rows' thresholds and kept mass, from the band the band kernel compacted
-    (or from the vocabulary row where the band overflowed the scratch)."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    rmask = rows < num_rows
-    blocks = tl.arange(0, NBP)
-    pmask = rmask[:, None] & (blocks < NB)[None, :]
-    t, k, p, use_k, use_p = _row_filter(greedy_ptr, temp_ptr, topk_ptr, topp_ptr, rows, rmask,
-                                        K1, V)  # fmt: skip
-    if tl.sum((use_k | use_p).to(tl.int32), axis=0) == 0:
-        return
-    pm, ps, m, total = _row_stats(pmax_ptr, psum_ptr, rows, rmask, blocks, pmask, NB)
-    on = use_k | use_p
-    lo = tl.load(blo_ptr + rows, mask=on, other=0)
-    nbig = tl.load(bcnt_ptr + rows, mask=on, other=0)
-    src = (on & (nbig <= CAPB)).to(tl.int32)
-    band_fx = tl.load(bin_ptr + rows, mask=on, other=0) + tl.load(bbelow_ptr + rows, mask=on,
-                                                                   other=0)  # fmt: skip
-    key_m = _key(m)
-    all_keys = tl.full([ROWS], KEY_NEG_INF, tl.int64)
-    thr = tl.full([ROWS], float("-inf"), tl.float32)
-    kept = band_fx
-    if tl.sum(use_k.to(tl.int32), axis=0) > 0:
-        thr_k, kept_k, src, nbig = _select(
-            logits_ptr, stride_lm, cand_ptr, stride_c, rows, use_k, t, m, V,
-            all_keys, lo, key_m, k, tl.zeros([ROWS], tl.float64), src, nbig, True,
-            False, ROWS, BLOCK, CAP, CAPB, NSPLIT, LOG2_NSPLIT, MAX_PASSES, CHUNK, FXS,
-        )  # fmt: skip
-        thr = tl.where(use_k, thr_k, thr)
-        kept = tl.where(use_k, kept_k, kept)
-    if tl.sum(use_p.to(tl.int32), axis=0) > 0:
-        floor_key = tl.where(use_k, _key(thr), all_keys)
-        if tl.sum((use_p & use_k).to(tl.int32), axis=0) > 0:
-            # After top-k the band floor depends on the kept mass: found here.
-            kept_f = (kept.to(tl.float64) * (1.0 / FXS)).to(tl.float32)
-            z_lo = m + tl.log(tl.where(use_p, (1.0 - p) * kept_f / V, 1.0)) - 1.0
-            z_lo = _band_floor(pm, ps, pmax2_ptr, rows, blocks, pmask, m, total, kept_f, p,
-                               z_lo, V, NB, BV)  # fmt: skip
-            lo_k = tl.maximum(_key(tl.where(z_lo == 0.0, 0.0, z_lo)), floor_key) - 1
-            lo = tl.where(use_k, lo_k, lo)
-        target = p.to(tl.float64) * kept.to(tl.float64)
-        thr_p, kept_p, src, nbig = _select(
-            logits_ptr, stride_lm, cand_ptr, stride_c, rows, use_p, t, m, V,
-            floor_key, lo, key_m, k, target, src, nbig, False,
-            True, ROWS, BLOCK, CAP, CAPB, NSPLIT, LOG2_NSPLIT, MAX_PASSES, CHUNK, FXS,
-        )  # fmt: skip
-        thr = tl.where(use_p, thr_p, thr)
-        kept = tl.where(use_p, kept_p, kept)
-    kept_f = (kept.to(tl.float64) * (1.0 / FXS)).to(tl.float32)
-    tl.store(rthr_ptr + rows, thr, mask=on)
-    tl.store(rsum_ptr + rows, kept_f, mask=on)
+    m = tl.load(rmax_ptr + rows, mask=rmask, other=float("-inf"))
+    use_k = (k > 0) & (k < V)
+    use_p = p < 1.0
+    live = rmask & (greedy == 0) & (use_k | use_p) & (m > float("-inf"))
+    if tl.max(live.to(tl.int32), axis=0) != 0:
+        use_k = live & use_k
+        use_p = live & use_p
+        m = tl.where(live, m, 0.0)
+        t = tl.load(temp_ptr + req, mask=live, other=1.0)
+        total = tl.load(rsum_ptr + rows, mask=live, other=1.0)
+        blocks = tl.arange(0, NBP)
+        pmask = live[:, None] & (blocks < NB)[None, :]
+        pmin = tl.load(pmin_ptr + rows[:, None] * NB + blocks[None, :], mask=pmask,
+                       other=float("inf"))  # fmt: skip
+        zmin = tl.min(pmin, axis=1)
+        thr = tl.full([ROWS], float("-inf"), tl.float32)
+        kept_f = total
+        kept_c = tl.zeros([ROWS], tl.int32) + V
+        if tl.max(use_k.to(tl.int32), axis=0) != 0:
+            # No floor: thr is -inf here.
+            thr_k, kept_ck, kept_m = _cut(
+                logits_ptr, stride_lm, cand_ptr, rows, use_k, t, m, V, thr, zmin, m, k,
+                tl.zeros([ROWS], tl.float64), False, ROWS, BLOCK, CAP, NBIN, MAX_PASSES,
+                CHUNK, FXS,
+            )  # fmt: skip
+            thr = tl.where(use_k, thr_k, thr)
+            kept_c = tl.where(use_k, kept_ck, kept_c)
+            kept_f = tl.where(use_k, (kept_m.to(tl.float64) * (1.0 / FXS)).to(tl.float32), kept_f)
+        if tl.max(use_p.to(tl.int32), axis=0) != 0:
+            # Tokens with exp(z - m) < (1 - top_p) * mass / V hold under (1 - top_p) of
+            # the mass together, so the cut is above them (one e of margin for rounding).
+            lo = m + tl.log((1.0 - p) * kept_f / kept_c.to(tl.float32)) - 1.0
+            lo = tl.minimum(tl.maximum(lo, tl.maximum(thr, zmin)), m)
+            target = p.to(tl.float64) * kept_f.to(tl.float64) * FXS
+            thr_p, _, kept_m = _cut(
+                logits_ptr, stride_lm, cand_ptr, rows, use_p, t, m, V, thr, lo, m,
+                tl.zeros([ROWS], tl.int32), target, True, ROWS, BLOCK, CAP, NBIN,
+                MAX_PASSES, CHUNK, FXS,
+            )  # fmt: skip
+            thr = tl.where(use_p, thr_p, thr)
+            kept_f = tl.where(use_p, (kept_m.to(tl.float64) * (1.0 / FXS)).to(tl.float32), kept_f)
+        tl.store(rthr_ptr + rows, thr, mask=live)
+        tl.store(rsum_ptr + rows, kept_f, mask=live)
 
 
 # ----------------------------------------------------------------------------- the walk
@@ -564,9 +644,10 @@ def _walk(
     KP: tl.constexpr, NBP: tl.constexpr, SAMPLED: tl.constexpr, NEED_GREEDY: tl.constexpr,
     ACCEPT_MUL: tl.constexpr,
 ):  # fmt: skip
-    """Drafts [R, KP] (-1 past K), k and r (first rejected position, k if none) per
-    request. Every decision of a request is independent of the others, so the walk is a
-    parallel test of all K drafts followed by a min, not a loop."""
+    """Drafts [R, KP] (-1 past K), k, r (first rejected position, k if none) per
+    request, and (NEED_GREEDY) each greedy request's row argmaxes [R, KP]. Every
+    decision of a request is independent of the others, so the walk is a parallel test
+    of all K drafts followed by a min, not a loop."""
     j = tl.arange(0, KP)
     jm = rmask[:, None] & (j < K)[None, :]
     d = tl.load(drafts_ptr + req[:, None] * stride_db + j[None, :], mask=jm, other=-1)
@@ -579,11 +660,11 @@ def _walk(
     acc = tl.zeros([req.shape[0], KP], tl.int1)
     amx = tl.zeros([req.shape[0], KP], tl.int64)
     if NEED_GREEDY:
-        # Every row's argmax (rows 0..K: the bonus row's too, for _finish), its block
+        # Every row's argmax (rows 0..K: the bonus row's too, for _emit), its block
         # maxima and their indices read together, so no load waits on another.
         blocks = tl.arange(0, NBP)
         pptr = row[:, :, None] * NB + blocks[None, None, :]
-        rows_ok = rmask[:, None] & (j <= K)[None, :]
+        rows_ok = (rmask & greedy)[:, None] & (j <= K)[None, :]
         pmask = rows_ok[:, :, None] & (blocks < NB)[None, None, :]
         pm = tl.load(pmax_ptr + pptr, mask=pmask, other=float("-inf"))
         pa = tl.load(parg_ptr + pptr, mask=pmask, other=0)
@@ -627,97 +708,162 @@ def _load_request(req, rmask, greedy_ptr, temp_ptr, seed_ptr, pos_ptr, SAMPLED: 
     return greedy, t, seed, pos
 
 
-# ------------------------------------------------------------------------- 3. resample
+# ----------------------------------------------------------------------- 4. the walk
+
+
+@triton.jit
+def _walk_kernel(
+    logits_ptr, stride_lm, drafts_ptr, stride_db, q_ptr, stride_qb, stride_qk,
+    greedy_ptr, temp_ptr, seed_ptr, pos_ptr, rmax_ptr, rthr_ptr, rsum_ptr, pmax_ptr, parg_ptr,
+    walk_ptr, B, K, V, NB,
+    ROWS: tl.constexpr, KP: tl.constexpr, NBP: tl.constexpr, ACCEPT_MUL: tl.constexpr,
+):  # fmt: skip
+    """Each request's walk, once: k (drafts proposed) and r (first rejected position, k
+    if none) into walk [B, 2]; a padded request gets 0 and 0."""
+    req = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rmask = req < B
+    greedy, t, seed, pos = _load_request(req, rmask, greedy_ptr, temp_ptr, seed_ptr, pos_ptr,
+                                         True)  # fmt: skip
+    real = rmask & (pos >= 0)
+    _, k, r, _ = _walk(
+        req, real, drafts_ptr, stride_db, logits_ptr, stride_lm, q_ptr, stride_qb, stride_qk,
+        greedy, t, seed, pos, rmax_ptr, rthr_ptr, rsum_ptr, pmax_ptr, parg_ptr, K, V, NB,
+        KP, NBP, True, True, ACCEPT_MUL,
+    )  # fmt: skip
+    tl.store(walk_ptr + req * 2, tl.where(real, k, 0).to(tl.int32), mask=rmask)
+    tl.store(walk_ptr + req * 2 + 1, tl.where(real, r, 0).to(tl.int32), mask=rmask)
+
+
+# ---------------------------------------------------------------- 5. resample and emit
 
 
 @triton.jit
 def _resample_kernel(
     logits_ptr, stride_lm, drafts_ptr, stride_db, q_ptr, stride_qb, stride_qk,
     greedy_ptr, temp_ptr, seed_ptr, pos_ptr, rmax_ptr, rthr_ptr, rsum_ptr,
-    rval_ptr, ridx_ptr, B, K, V, NB2,
-    ROWS: tl.constexpr, KP: tl.constexpr, BLOCK_V: tl.constexpr,
-    ACCEPT_MUL: tl.constexpr, RESIDUAL_MUL: tl.constexpr, BONUS_MUL: tl.constexpr,
-):  # fmt: skip
-    req = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    blk = tl.program_id(1)
-    rmask = req < B
-    greedy, t, seed, pos = _load_request(req, rmask, greedy_ptr, temp_ptr, seed_ptr, pos_ptr,
-                                         True)  # fmt: skip
-    # Padded (position < 0) and greedy requests need no race.
-    racing = rmask & (greedy == 0) & (pos >= 0)
-    if tl.sum(racing.to(tl.int32), axis=0) == 0:
-        return
-    _, k, r, _ = _walk(
-        req, racing, drafts_ptr, stride_db, logits_ptr, stride_lm, q_ptr, stride_qb,
-        stride_qk, greedy, t, seed, pos, rmax_ptr, rthr_ptr, rsum_ptr, rmax_ptr, rmax_ptr,
-        K, V, 1, KP, 1, True, False, ACCEPT_MUL,
-    )  # fmt: skip
-    row = req * (K + 1) + r
-    offs = blk * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask = racing[:, None] & (offs < V)[None, :]
-    z = _load_z(logits_ptr, stride_lm, row, offs, mask, t)
-    m = tl.load(rmax_ptr + row, mask=racing, other=0.0)
-    thr = tl.load(rthr_ptr + row, mask=racing, other=0.0)
-    tot = tl.load(rsum_ptr + row, mask=racing, other=1.0)
-    p = tl.math.div_rn(tl.where(z >= thr[:, None], tl.exp(z - m[:, None]), 0.0), tot[:, None])
-    residual = r < k
-    qrow = tl.minimum(r, K - 1)  # a bonus row has no q row; nothing is read for it
-    qptrs = q_ptr + req[:, None] * stride_qb + qrow[:, None] * stride_qk + offs[None, :]
-    qv = tl.load(qptrs, mask=mask & residual[:, None], other=0.0)
-    w = tl.where(residual[:, None], tl.maximum(p - qv, 0.0), p)
-    h = _stream_key(seed, pos + r, tl.where(residual, RESIDUAL_MUL, BONUS_MUL))
-    u = _uniform(h[:, None], offs[None, :].to(tl.uint64))
-    ratio = tl.where(mask, tl.math.div_rn(w, _exponential(u)), -1.0)
-    best, arg = tl.max(ratio, axis=1, return_indices=True, return_indices_tie_break_left=True)
-    tl.store(rval_ptr + req * NB2 + blk, best, mask=racing)
-    tl.store(ridx_ptr + req * NB2 + blk, (arg + blk * BLOCK_V).to(tl.int32), mask=racing)
-
-
-# ------------------------------------------------------------------------- 4. finalize
-
-
-@triton.jit
-def _finalize_kernel(
-    logits_ptr, stride_lm, drafts_ptr, stride_db, q_ptr, stride_qb, stride_qk,
-    greedy_ptr, temp_ptr, seed_ptr, pos_ptr, rmax_ptr, rthr_ptr, rsum_ptr,
-    pmax_ptr, parg_ptr, rval_ptr, ridx_ptr,
+    pmax_ptr, parg_ptr, walk_ptr, rval_ptr, ridx_ptr, done_ptr,
     tokens_ptr, stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr,
     B, K, V, NB, NB2,
     ROWS: tl.constexpr, KP: tl.constexpr, NBP: tl.constexpr, NB2P: tl.constexpr,
-    SAMPLED: tl.constexpr, ACCEPT_MUL: tl.constexpr,
+    BLOCK_V: tl.constexpr, SUB: tl.constexpr, RESIDUAL_MUL: tl.constexpr,
+    BONUS_MUL: tl.constexpr,
 ):  # fmt: skip
+    """Program (i, blk): the exponential races of a tile of ROWS requests over
+    vocabulary block blk of each one's residual max(p_r - q_r, 0) (or of p_k for the
+    bonus), SUB columns at a time; a request whose slice weights are all zero (cut by
+    top-k / top-p, or p <= q) draws nothing there, and a slice with no weight in the
+    whole tile is skipped. Each request has its own ticket (as in the greedy kernel):
+    the last of its NB2 programs writes its tokens, counts and counters, for every
+    request of the tile it was last for."""
     req = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    _finish(
-        req, req < B, logits_ptr, stride_lm, drafts_ptr, stride_db, q_ptr, stride_qb,
-        stride_qk, greedy_ptr, temp_ptr, seed_ptr, pos_ptr, rmax_ptr, rthr_ptr, rsum_ptr,
-        pmax_ptr, parg_ptr, rval_ptr, ridx_ptr, tokens_ptr, stride_tb, nacc_ptr, nemit_ptr,
-        cprop_ptr, cacc_ptr, K, V, NB, NB2, KP, NBP, NB2P, SAMPLED, ACCEPT_MUL,
-    )  # fmt: skip
+    blk = tl.program_id(1)
+    rmask = req < B
+    pos = tl.load(pos_ptr + req, mask=rmask, other=-1)
+    greedy = tl.load(greedy_ptr + req, mask=rmask, other=1) != 0
+    k = tl.load(walk_ptr + req * 2, mask=rmask, other=0)
+    r = tl.load(walk_ptr + req * 2 + 1, mask=rmask, other=0)
+    race = rmask & (greedy == 0) & (pos >= 0)  # padded and greedy requests need no race
+    if tl.max(race.to(tl.int32), axis=0) != 0:
+        t = tl.load(temp_ptr + req, mask=race, other=1.0)
+        seed = tl.load(seed_ptr + req, mask=race, other=0)
+        row = req * (K + 1) + r
+        m = tl.load(rmax_ptr + row, mask=race, other=0.0)
+        thr = tl.load(rthr_ptr + row, mask=race, other=0.0)
+        tot = tl.load(rsum_ptr + row, mask=race, other=1.0)
+        residual = r < k
+        qrow = tl.minimum(r, K - 1)  # a bonus row has no q row; nothing is read for it
+        h = _stream_key(seed, pos + r, tl.where(residual, RESIDUAL_MUL, BONUS_MUL))[:, None]
+        lane = tl.arange(0, SUB)
+        best = tl.full([ROWS, SUB], -1.0, tl.float32)
+        where = tl.zeros([ROWS, SUB], tl.int32)
+        for c in range(0, BLOCK_V, SUB):
+            offs = blk * BLOCK_V + c + lane
+            mask = race[:, None] & (offs < V)[None, :]
+            x = tl.load(logits_ptr + row[:, None] * stride_lm + offs[None, :], mask=mask,
+                        other=float("-inf"))  # fmt: skip
+            z = tl.math.div_rn(x.to(tl.float32), t[:, None])
+            z = tl.where(z == 0.0, 0.0, z)
+            p = tl.math.div_rn(tl.where(z >= thr[:, None], tl.exp(z - m[:, None]), 0.0),
+                               tot[:, None])  # fmt: skip
+            qptrs = q_ptr + req[:, None] * stride_qb + qrow[:, None] * stride_qk + offs[None, :]
+            qv = tl.load(qptrs, mask=mask & residual[:, None], other=0.0)
+            w = tl.where(residual[:, None], tl.maximum(p - qv, 0.0), p)
+            draw = tl.max(w, axis=1) > 0.0
+            if tl.max(draw.to(tl.int32), axis=0) != 0:
+                u = _uniform(h, offs.to(tl.uint64)[None, :])
+                ratio = tl.math.div_rn(w, _exponential(u))
+                ratio = tl.where(mask & draw[:, None], ratio, -1.0)
+                up = ratio > best  # strict: a lane keeps its first index of a tie
+                best = tl.where(up, ratio, best)
+                where = tl.where(up, offs[None, :], where)
+        bmax = tl.max(best, axis=1)
+        barg = tl.min(tl.where(best == bmax[:, None], where, 2147483647), axis=1)
+        tl.store(rval_ptr + req * NB2 + blk, bmax, mask=race)
+        tl.store(ridx_ptr + req * NB2 + blk, barg, mask=race)
+    # A request's ticket may be taken by another thread than the one that stored its
+    # winner: the barrier puts every store of the tile before the tickets' release.
+    tl.debug_barrier()
+    ticket = tl.atomic_add(done_ptr + req, tl.full([ROWS], 1, tl.int32), mask=rmask, sem="acq_rel")
+    last = rmask & (ticket == NB2 - 1)
+    if tl.max(last.to(tl.int32), axis=0) != 0:
+        tl.store(done_ptr + req, tl.zeros([ROWS], tl.int32), mask=last)
+        jj = tl.arange(0, KP)
+        real = last & (pos >= 0)
+        dm = real[:, None] & (jj < K)[None, :]
+        d = tl.load(drafts_ptr + req[:, None] * stride_db + jj[None, :], mask=dm, other=-1)
+        _emit(
+            req, last, real, greedy, d, k, r, k, pmax_ptr, parg_ptr, rval_ptr, ridx_ptr,
+            tokens_ptr, stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr, K, NB, NB2, KP,
+            NBP, NB2P, True, False,
+        )  # fmt: skip
 
 
 @triton.jit
 def _finish(
-    req, rmask, logits_ptr, stride_lm, drafts_ptr, stride_db, q_ptr, stride_qb, stride_qk,
-    greedy_ptr, temp_ptr, seed_ptr, pos_ptr, rmax_ptr, rthr_ptr, rsum_ptr,
-    pmax_ptr, parg_ptr, rval_ptr, ridx_ptr,
+    req, rmask, drafts_ptr, stride_db, pos_ptr, pmax_ptr, parg_ptr,
     tokens_ptr, stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr,
-    K, V, NB, NB2,
-    KP: tl.constexpr, NBP: tl.constexpr, NB2P: tl.constexpr,
-    SAMPLED: tl.constexpr, ACCEPT_MUL: tl.constexpr,
+    K, V, NB, KP: tl.constexpr, NBP: tl.constexpr,
 ):  # fmt: skip
-    """Requests `req` (rmask): the walk over their drafts, then the tokens, counts and
-    counters written."""
-    greedy, t, seed, pos = _load_request(req, rmask, greedy_ptr, temp_ptr, seed_ptr, pos_ptr,
-                                         SAMPLED)  # fmt: skip
+    """Greedy requests `req` (rmask): the walk over their drafts, then the tokens,
+    counts and counters written."""
+    greedy, t, seed, pos = _load_request(req, rmask, pos_ptr, pos_ptr, pos_ptr, pos_ptr, False)
     real = rmask & (pos >= 0)
     d, k, r, amx = _walk(
-        req, real, drafts_ptr, stride_db, logits_ptr, stride_lm, q_ptr, stride_qb, stride_qk,
-        greedy, t, seed, pos, rmax_ptr, rthr_ptr, rsum_ptr, pmax_ptr, parg_ptr, K, V, NB,
-        KP, NBP, SAMPLED, True, ACCEPT_MUL,
+        req, real, drafts_ptr, stride_db, pmax_ptr, 0, pmax_ptr, 0, 0, greedy, t, seed, pos,
+        pmax_ptr, pmax_ptr, pmax_ptr, pmax_ptr, parg_ptr, K, V, NB, KP, NBP, False, True, 0,
     )  # fmt: skip
+    _emit(
+        req, rmask, real, greedy, d, k, r, amx, pmax_ptr, parg_ptr, pmax_ptr, parg_ptr,
+        tokens_ptr, stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr, K, NB, 1, KP, NBP, 1,
+        False, True,
+    )  # fmt: skip
+
+
+@triton.jit
+def _emit(
+    req, rmask, real, greedy, d, k, r, amx, pmax_ptr, parg_ptr, rval_ptr, ridx_ptr,
+    tokens_ptr, stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr, K, NB, NB2,
+    KP: tl.constexpr, NBP: tl.constexpr, NB2P: tl.constexpr, SAMPLED: tl.constexpr,
+    HAVE_AMX: tl.constexpr,
+):  # fmt: skip
+    """Requests `req` (rmask; real: not padded) with drafts d [R, KP], k and r: the
+    tokens (accepted drafts, then the correction or bonus token, then -1), counts and
+    per-position counters written. HAVE_AMX: amx [R, KP] holds every row's argmax
+    (the walk's); else row r's is read from the partials (maxima and indices in one
+    round trip)."""
     # The target's argmax of row r (greedy token; fallback for a degenerate residual).
     jj = tl.arange(0, KP)  # KP >= K + 1: one tile holds the whole token row
-    token = tl.sum(tl.where(jj[None, :] == r[:, None], amx, 0), axis=1)
+    if HAVE_AMX:
+        token = tl.sum(tl.where(jj[None, :] == r[:, None], amx, 0), axis=1)
+    else:
+        row = req * (K + 1) + r
+        blocks = tl.arange(0, NBP)
+        pptr = row[:, None] * NB + blocks[None, :]
+        pmask = real[:, None] & (blocks < NB)[None, :]
+        pm = tl.load(pmax_ptr + pptr, mask=pmask, other=float("-inf"))
+        pa = tl.load(parg_ptr + pptr, mask=pmask, other=0)
+        best = tl.argmax(pm, axis=1, tie_break_left=True)
+        token = tl.sum(tl.where(blocks[None, :] == best[:, None], pa, 0), axis=1).to(tl.int64)
     if SAMPLED:
         b2 = tl.arange(0, NB2P)
         smask = (real & (greedy == 0))[:, None] & (b2 < NB2)[None, :]
@@ -795,10 +941,8 @@ def _greedy_kernel(
         tl.store(done_ptr + req, 0)
         one = req + tl.arange(0, 1)
         _finish(
-            one, one >= 0, logits_ptr, stride_lm, drafts_ptr, stride_db, logits_ptr, 0, 0,
-            pos_ptr, pos_ptr, pos_ptr, pos_ptr, pmax_ptr, pmax_ptr, pmax_ptr, pmax_ptr,
-            parg_ptr, pmax_ptr, parg_ptr, tokens_ptr, stride_tb, nacc_ptr, nemit_ptr,
-            cprop_ptr, cacc_ptr, K, V, NB, 1, KP, NBP, 1, False, 0,
+            one, one >= 0, drafts_ptr, stride_db, pos_ptr, pmax_ptr, parg_ptr, tokens_ptr,
+            stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr, K, V, NB, KP, NBP,
         )  # fmt: skip
 
 
@@ -807,34 +951,35 @@ def _greedy_kernel(
 
 @dataclass(frozen=True)
 class RejectionConfig:
-    """Tile sizes (all powers of two). block_v / rows_p: partials tile; block_t / rows_t:
-    threshold chunk; cap: candidates resolved pairwise; cap_big: band candidates per row
-    that the band kernel compacts and the search reads instead of the row (16384 on the
-    GPU: the N(0, 3^2) top-p 0.9 band at V 49152 is ~11k tokens); nsplit: key buckets per
-    narrowing pass; block_r / rows_r: race tile; rows_w: requests per finalize program."""
+    """Tile sizes (all powers of two). block_v / rows_p: partials tile; block_t: the cut
+    kernel's chunk of a row; cap: candidates resolved pairwise; nbin: histogram bins per
+    cut pass; block_r / sub_r: a race program's vocabulary block and the slice it draws at
+    once; rows_w: requests per walk program; rows_t: rows per cut program; rows_r:
+    requests per race program."""
 
     block_v: int
     rows_p: int
     block_t: int
-    rows_t: int
     cap: int
-    cap_big: int
-    nsplit: int
+    nbin: int
     block_r: int
-    rows_r: int
+    sub_r: int
     rows_w: int
     block_g: int | None = None  # the all-greedy launch's vocabulary tile (None: block_v)
     sub_g: int | None = None  # columns it reads per loop iteration (None: the whole tile)
     warps_g: int | None = None  # its warps (None: by tile size)
     stages_g: int = 1  # its loop's pipelining depth
-    row_g: bool = False  # one target row per program (else a request's K + 1 rows); the
-    # grid's second dimension is then B * (K + 1) <= 65535
+    chunk_t: int = 8  # candidates per slice of the cut's pairwise resolution (registers)
+    rows_t: int = 1
+    rows_r: int = 1
+    row_g: bool = False  # the all-greedy launch: one target row per program (else a
+    # request's K + 1 rows); used while B * (K + 1) <= 65535 (the grid's second dimension)
 
     @property
     def max_passes(self) -> int:
-        # Key widths start below 2^33 and shrink nsplit-fold per narrowing pass; one
-        # more for the first, compaction-only pass.
-        return -(-33 // (self.nsplit.bit_length() - 1)) + 2
+        # A pass shrinks the interval about nbin / (bins in the window)-fold; 40 halvings
+        # take a 2^8-wide interval below float32 resolution. Real rows take 2-3 passes.
+        return -(-40 // (self.nbin.bit_length() - 1)) + 3
 
 
 def _p2(n: int) -> int:
@@ -850,32 +995,40 @@ def choose_rejection_config(
     tile = 1 << 16 if INTERPRET else 4096
     rows = num_reqs * (k_max + 1)
     block_v = min(_p2(vocab), 1024)
-    block_t = min(_p2(vocab), 16 if INTERPRET else 1024)
+    block_t = min(_p2(vocab), 2048)
+    cap = _p2(cap) if cap is not None else min(256, _p2(vocab))
+    nbin = 128
     block_r = min(_p2(vocab), 2048)
+    sub_r = min(block_r, 4096 if INTERPRET else 512)
     kp = _p2(k_max + 1)
     nb = _p2(-(-vocab // block_v))
-    # The threshold search holds [rows, block, nsplit] one-hot tiles on the GPU.
-    tile_t = tile if INTERPRET else tile // 8
+    # Cut and race tiles. GPU: one row / request per program from 4096 columns on (a row
+    # fills a program); below, as many as fit the tile with the cut's histogram and
+    # pairwise slices (8 x cap) in it too, and races of at most 2048 columns. The
+    # interpreter: a row chunk / race slice of `tile` (its other tensors are larger).
+    wide = vocab >= 4096 and not INTERPRET
     # The all-greedy launch (H200, stop 23 sweeps): ~256 programs or more, 1024-column
     # tiles at batch 1; with many rows, one row per program and ~1500 programs of up to
     # 32k columns read 2048 at a time (B 64, K 5, V 49152: 16384 columns).
     many = min(32768, _p2(vocab * rows // 1536))
     block_g = min(_p2(vocab), max(1024, min(4096, _p2(vocab * num_reqs // 256)), many))
+    rows_t = tile // (block_t if INTERPRET else max(block_t, nbin, 8 * cap))
+    rows_r = (tile if INTERPRET else 2048) // sub_r
     return RejectionConfig(
         block_v=block_v,
         rows_p=max(1, min(tile // block_v, _p2(rows))),
         block_t=block_t,
-        rows_t=max(1, min(tile_t // block_t, _p2(rows))),
-        cap=_p2(cap) if cap is not None else min(256, _p2(vocab)),
-        cap_big=min(1024 if INTERPRET else 16384, _p2(vocab)),
-        nsplit=8,
+        cap=cap,
+        nbin=nbin,
         block_r=block_r,
-        rows_r=max(1, min(tile // block_r, _p2(num_reqs))),
+        sub_r=sub_r,
         rows_w=max(1, min(tile // (kp * nb), _p2(num_reqs), 1024 if INTERPRET else 64)),
         block_g=block_v if INTERPRET else block_g,
         sub_g=None if INTERPRET else min(block_g, 2048 if block_g >= 16384 else 512),
         warps_g=None if INTERPRET else (8 if block_g >= 16384 else 4),
         stages_g=1,
+        rows_t=1 if wide else max(1, min(rows_t, _p2(rows))),
+        rows_r=1 if wide else max(1, min(rows_r, _p2(num_reqs))),
         row_g=not INTERPRET and rows >= 16,
     )
 
@@ -883,28 +1036,22 @@ def choose_rejection_config(
 @dataclass
 class RejectionWorkspace:
     """Scratch the launches share, allocated once (graphs keep its addresses):
-    per (row, vocab block) partials, per-row max / threshold / kept mass, the
-    candidate scratch of the threshold search with its band state (reset by the init
-    kernel on every call) and the per-block race winners."""
+    per (row, vocab block) partials, per-row max / threshold / kept mass, the cut
+    kernel's candidate scratch and the per-block race winners."""
 
     config: RejectionConfig
     vocab: int
     part_max: torch.Tensor  # [rows, nb] float32
     part_arg: torch.Tensor  # [rows, nb] int32
     part_sum: torch.Tensor  # [rows, nb] float32
-    part_min: torch.Tensor  # [rows, nb] float32
-    part_max2: torch.Tensor  # [rows, nb] float32: second largest
+    part_min: torch.Tensor  # [rows, nb] float32: smallest finite value (+inf: none)
     row_max: torch.Tensor  # [rows] float32
     row_thr: torch.Tensor  # [rows] float32
-    row_sum: torch.Tensor  # [rows] float32
-    cand: torch.Tensor  # [rows, cap + cap_big] float32
-    band_lo: torch.Tensor  # [rows] int64: key below each filtered row's band
-    band_on: torch.Tensor  # [rows] int32: the row is filtered
-    band_cnt: torch.Tensor  # [rows] int32: band candidates (compacted while <= cap_big)
-    band_in: torch.Tensor  # [rows] int64: mass inside the band, fixed point
-    band_below: torch.Tensor  # [rows] int64: mass below the band, fixed point
+    row_sum: torch.Tensor  # [rows] float32: mass of the kept tokens, relative to the max
+    cand: torch.Tensor  # [rows, cap] float32
     race_val: torch.Tensor  # [reqs, nb2] float32
     race_idx: torch.Tensor  # [reqs, nb2] int32
+    walk: torch.Tensor  # [reqs, 2] int32: drafts proposed (k) and the first rejected (r)
     done: torch.Tensor  # [reqs] int32: the greedy launch's tickets, zero between calls
 
     @classmethod
@@ -920,14 +1067,10 @@ class RejectionWorkspace:
             cfg, vocab,
             torch.empty(rows, nb, **f32), torch.empty(rows, nb, **i32),
             torch.empty(rows, nb, **f32), torch.empty(rows, nb, **f32),
-            torch.empty(rows, nb, **f32),
             torch.empty(rows, **f32), torch.empty(rows, **f32), torch.empty(rows, **f32),
-            torch.empty(rows, cfg.cap + cfg.cap_big, **f32),
-            torch.empty(rows, device=device, dtype=torch.int64), torch.empty(rows, **i32),
-            torch.empty(rows, **i32), torch.empty(rows, device=device, dtype=torch.int64),
-            torch.empty(rows, device=device, dtype=torch.int64),
+            torch.empty(rows, cfg.cap, **f32),
             torch.empty(num_reqs, nb2, **f32), torch.empty(num_reqs, nb2, **i32),
-            torch.zeros(num_reqs, **i32),
+            torch.empty(num_reqs, 2, **i32), torch.zeros(num_reqs, **i32),
         )  # fmt: skip
 
 
@@ -1037,10 +1180,9 @@ class _Launcher:
 
 _PARTIALS = _Launcher(_partials_kernel)
 _INIT = _Launcher(_init_kernel)
-_BAND = _Launcher(_band_kernel)
-_THRESHOLD = _Launcher(_threshold_kernel)
+_CUT = _Launcher(_cut_kernel)
 _RESAMPLE = _Launcher(_resample_kernel)
-_FINALIZE = _Launcher(_finalize_kernel)
+_WALK = _Launcher(_walk_kernel)
 _GREEDY = _Launcher(_greedy_kernel)
 
 
@@ -1151,57 +1293,46 @@ def _plan(
         launches,
         (triton.cdiv(rows, cfg.rows_p), triton.cdiv(v, cfg.block_v)),
         (target_logits, lm, greedy, temperature, ws.part_max, ws.part_arg, ws.part_sum,
-         ws.part_min, ws.part_max2, rows, v, k + 1, nb, cfg.rows_p, cfg.block_v, sampled),
+         ws.part_min, rows, v, k + 1, nb, cfg.rows_p, cfg.block_v, sampled),
         4,
     )  # fmt: skip
-    if sampled:
-        nbp = _p2(nb)
-        _INIT.add(
-            launches,
-            (triton.cdiv(rows, cfg.rows_t),),
-            (greedy, temperature, top_k, top_p, ws.part_max, ws.part_sum, ws.part_min,
-             ws.part_max2, ws.row_max, ws.row_thr, ws.row_sum, ws.band_lo, ws.band_on,
-             ws.band_cnt, ws.band_in, ws.band_below, rows, v, k + 1, nb, cfg.block_v,
-             cfg.rows_t, nbp, bool(any_filter)),
-            4,
-        )  # fmt: skip
-    if sampled and any_filter:
+    nbp = _p2(nb)
+    rows_i = max(1, min((1 << 16 if INTERPRET else 2048) // nbp, _p2(rows)))
+    _INIT.add(
+        launches,
+        (triton.cdiv(rows, rows_i),),
+        (ws.part_max, ws.part_sum, ws.row_max, ws.row_thr, ws.row_sum, rows, nb, rows_i, nbp),
+        4,
+    )  # fmt: skip
+    if any_filter:
         fxs = float(2 ** (62 - (v - 1).bit_length()))  # v * 2^S <= 2^62: int64 sums fit
-        _BAND.add(
-            launches,
-            (triton.cdiv(rows, cfg.rows_p), triton.cdiv(v, cfg.block_v)),
-            (target_logits, lm, greedy, temperature, ws.row_max, ws.band_lo, ws.band_on,
-             ws.band_cnt, ws.band_in, ws.band_below, ws.cand, ws.cand.stride(0), rows, v,
-             k + 1, cfg.rows_p, cfg.block_v, cfg.cap, cfg.cap_big, fxs),
-            4,
-        )  # fmt: skip
-        _THRESHOLD.add(
+        _CUT.add(
             launches,
             (triton.cdiv(rows, cfg.rows_t),),
-            (target_logits, lm, greedy, temperature, top_k, top_p, ws.part_max, ws.part_sum,
-             ws.part_max2, ws.row_thr, ws.row_sum, ws.band_lo, ws.band_cnt, ws.band_in,
-             ws.band_below, ws.cand, ws.cand.stride(0), rows, v, k + 1, nb, cfg.block_v,
-             cfg.rows_t, nbp, cfg.block_t, cfg.cap, cfg.cap_big, cfg.nsplit,
-             cfg.nsplit.bit_length() - 1, cfg.max_passes, min(cfg.cap, 32), fxs),
-            8 if cfg.block_t >= 1024 else 4,
+            (target_logits, lm, greedy, temperature, top_k, top_p, ws.part_min, ws.row_max,
+             ws.row_thr, ws.row_sum, ws.cand, rows, v, k + 1, nb, cfg.rows_t, nbp, cfg.block_t,
+             cfg.cap, cfg.nbin, cfg.max_passes, min(cfg.cap, cfg.chunk_t), fxs),
+            8 if cfg.rows_t * cfg.block_t >= 2048 else 4,
         )  # fmt: skip
-    if sampled:
-        _RESAMPLE.add(
-            launches,
-            (triton.cdiv(b, cfg.rows_r), nb2),
-            (target_logits, lm, draft_tokens, draft_tokens.stride(0), q, *sq, greedy,
-             temperature, seed, positions, ws.row_max, ws.row_thr, ws.row_sum, ws.race_val,
-             ws.race_idx, b, k, v, nb2, cfg.rows_r, kp, cfg.block_r, mul_a, mul_r, mul_b),
-            8 if cfg.block_r >= 2048 else 4,
-        )  # fmt: skip
-    _FINALIZE.add(
+    _WALK.add(
         launches,
         (triton.cdiv(b, cfg.rows_w),),
         (target_logits, lm, draft_tokens, draft_tokens.stride(0), q, *sq, greedy, temperature,
-         seed, positions, ws.row_max, ws.row_thr, ws.row_sum, ws.part_max, ws.part_arg,
-         ws.race_val, ws.race_idx, out_tokens, out_tokens.stride(0), out_num_accepted,
-         out_num_emitted, proposed_counts, accepted_counts, b, k, v, nb, nb2, cfg.rows_w, kp,
-         _p2(nb), _p2(nb2), sampled, mul_a),
+         seed, positions, ws.row_max, ws.row_thr, ws.row_sum, ws.part_max, ws.part_arg, ws.walk,
+         b, k, v, nb, cfg.rows_w, kp, nbp, mul_a),
         4,
+    )  # fmt: skip
+    sub_r = min(cfg.sub_r, cfg.block_r)
+    race_tile = cfg.rows_r * sub_r
+    _RESAMPLE.add(
+        launches,
+        (triton.cdiv(b, cfg.rows_r), nb2),
+        (target_logits, lm, draft_tokens, draft_tokens.stride(0), q, *sq, greedy,
+         temperature, seed, positions, ws.row_max, ws.row_thr, ws.row_sum, ws.part_max,
+         ws.part_arg, ws.walk, ws.race_val, ws.race_idx, ws.done, out_tokens,
+         out_tokens.stride(0), out_num_accepted, out_num_emitted, proposed_counts,
+         accepted_counts, b, k, v, nb, nb2, cfg.rows_r, kp, nbp, _p2(nb2), cfg.block_r, sub_r,
+         mul_r, mul_b),
+        8 if race_tile >= 2048 else 4 if race_tile >= 512 else 2 if race_tile >= 128 else 1,
     )  # fmt: skip
     return workspace, b, v, launches

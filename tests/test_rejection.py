@@ -196,41 +196,43 @@ SMALL_TILES = kr.RejectionConfig(
     block_v=4,
     rows_p=4,
     block_t=4,
-    rows_t=2,
     cap=2,
-    cap_big=8,
-    nsplit=2,
+    nbin=2,
     block_r=4,
-    rows_r=2,
+    sub_r=2,
     rows_w=2,
+    rows_t=2,
+    rows_r=2,
 )
 # Many narrowing passes over a wider vocabulary at a bearable interpreter cost.
 NARROW_TILES = kr.RejectionConfig(
     block_v=64,
     rows_p=8,
     block_t=64,
-    rows_t=8,
     cap=4,
-    cap_big=32,
-    nsplit=4,
+    nbin=4,
     block_r=64,
-    rows_r=4,
+    sub_r=16,
     rows_w=4,
+    rows_t=8,
+    rows_r=4,
 )
-# The band kernel's compaction fits (cap_big 256 at v 203) but the pairwise scratch is tiny
-# (cap 4) and buckets halve the interval per pass: many narrowing passes read the band.
+# A larger pairwise scratch (8) and 8 bins a pass: the windows fit it after a pass or two.
 BAND_TILES = kr.RejectionConfig(
     block_v=32,
     rows_p=4,
     block_t=64,
-    rows_t=4,
-    cap=4,
-    cap_big=256,
-    nsplit=2,
+    cap=8,
+    nbin=8,
     block_r=64,
-    rows_r=4,
+    sub_r=16,
     rows_w=4,
+    rows_t=4,
+    rows_r=4,
 )
+# BAND_TILES with one row per cut program and one request per race program (the GPU's
+# layout at large vocabularies).
+ROW_TILES = dataclasses.replace(BAND_TILES, rows_t=1, rows_r=1)
 KINDS = [SP(0.0), SP(1.0), SP(0.7, top_k=5), SP(1.3, top_p=0.8), SP(0.5, top_k=9, top_p=0.6),
          SP(2.0, top_k=1), SP(1.0, top_p=0.05), SP(1.0, top_k=40)]  # fmt: skip
 
@@ -395,7 +397,8 @@ def test_threshold_matches_sampling(v, tiles, device):
     """Kept set exactly filtered_probs' (ties, boundaries, -inf, k >= V), probabilities
     equal to float32 rounding. Small scratch (2 or 4 candidates) makes the narrowing
     passes run, many times at v = 203, and tie groups larger than the scratch end
-    them at a single key."""
+    them at a single key. Cut programs hold 2 (small), 4 (band), 8 (narrow) or many
+    (default) rows, each tile mixing filters."""
     g = torch.Generator().manual_seed(v)
     logits, params = _filter_rows(v, g)
     st = SamplingTensors.from_params(
@@ -446,7 +449,7 @@ def test_wide_band_mixed_modes_match_reference(tiles, ties, device):
                   pos.to(device), cfg)  # fmt: skip
     for t in (batch.ws.row_thr, batch.ws.row_sum, batch.ws.row_max):
         t.fill_(float("nan"))
-    batch.ws.band_cnt.fill_(12345)  # the init kernel must reset the counters
+    batch.ws.cand.fill_(float("nan"))  # scratch left over from an earlier call
     tokens, nacc, nemit = (x.cpu() for x in batch.run())
     rt, rn, re = ref_rejection(logits, drafts, q, st, pos)
     assert torch.equal(tokens, rt) and torch.equal(nacc, rn) and torch.equal(nemit, re)
@@ -466,6 +469,60 @@ def test_wide_band_mixed_modes_match_reference(tiles, ties, device):
     thr, tot = ws.row_thr.clone(), ws.row_sum.clone()
     batch.run()
     assert torch.equal(ws.row_thr, thr) and torch.equal(ws.row_sum, tot)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tiles_bit_equal_to_one_row_per_program(device):
+    """Cut tiles of 4 and 64 rows and race tiles of 4 and 64 requests against one row
+    and one request per program (ROW_TILES), on tiles that mix every mode: the rows of
+    _filter_rows (boundary cases, tie groups, -inf, a single tie group) under requests
+    with top-k, top-p, both, neither or greedy (top-k 1 and >= V among them), and padded
+    requests; four race blocks per row, so each request's own ticket picks its last
+    program. Thresholds, kept masses, race winners, tokens and counters are the same bit
+    for bit; the kept sets are filtered_probs' and the tokens the reference's."""
+    k, v = 2, 203
+    g = torch.Generator().manual_seed(31)
+    rows, _ = _filter_rows(v, g)
+    b = -(-rows.shape[0] // (k + 1))
+    extra = b * (k + 1) - rows.shape[0]
+    logits = torch.cat([rows, (torch.randn(extra, v, generator=g) * 3).round()])
+    kinds = [*MIXED, SP(1.0, top_k=1), SP(0.7, top_k=v + 5, top_p=0.8), SP(0.9, top_k=v)]
+    st = make_params(b, kinds, seed0=11)
+    q = torch.softmax(torch.randn(b, k, v, generator=g) * 2, -1)
+    am = logits.view(b, k + 1, v)[:, :k].argmax(-1)
+    drafts = torch.where(torch.rand(b, k, generator=g) < 0.5, am,
+                         torch.randint(0, v, (b, k), generator=g))  # fmt: skip
+    pos = torch.randint(0, 10**6, (b,), generator=g)
+    pos[[2, 9]] = -1
+    sampled = ~st.greedy & (pos >= 0)
+    outs = []
+    for cfg in (ROW_TILES, BAND_TILES, dataclasses.replace(BAND_TILES, rows_t=64, rows_r=64)):
+        batch = Batch(logits.to(device), drafts.to(device), q.to(device), _on(st, device),
+                      pos.to(device), cfg)  # fmt: skip
+        ws = batch.ws
+        for t in (ws.row_thr, ws.row_sum, ws.race_val):
+            t.fill_(float("nan"))
+        ws.race_idx.fill_(-1)
+        batch.run()
+        assert int(ws.done.abs().sum()) == 0, cfg
+        race = (ws.race_val[sampled.to(device)], ws.race_idx[sampled.to(device)])
+        outs.append([t.cpu() for t in (*batch.outs(), ws.row_thr, ws.row_sum, *race)])
+    for out in outs[1:]:
+        assert all(torch.equal(x, y) for x, y in zip(outs[0], out))
+    tokens, nacc, nemit = outs[0][:3]
+    rt, rn, re = ref_rejection(logits, drafts, q, st, pos)
+    real = pos >= 0
+    assert torch.equal(tokens[real], rt[real]) and torch.equal(nacc[real], rn[real])
+    assert torch.equal(nemit[real], re[real])
+    rep = torch.arange(b).repeat_interleave(k + 1)
+    stv = st.select(rep)
+    want = filtered_probs(logits, stv) > 0
+    z = logits / torch.where(stv.greedy, 1.0, stv.temperature)[:, None]
+    keep = (z >= outs[0][5][:, None]) & (z > -math.inf)
+    for i in torch.nonzero(~stv.greedy).flatten().tolist():
+        sp = kinds[int(rep[i]) % len(kinds)]
+        differ = keep[i] != want[i]
+        assert not (differ & ~_top_p_boundary(logits[i], sp)).any(), (i, sp)
 
 
 # ---------------------------------------------------------------------- losslessness
@@ -660,7 +717,7 @@ def test_greedy_one_launch_resets_its_tickets(device, block_g, sub_g, row_g):
     g = torch.Generator().manual_seed(11)
     st = make_params(b, [SP(0.0)], device)
     # 5, 3 or 2 blocks per row
-    cfg = kr.RejectionConfig(8, 1, 16, 1, 16, 16, 8, 16, 1, 1, block_g, sub_g, None, 2, row_g)
+    cfg = kr.RejectionConfig(8, 1, 16, 16, 8, 16, 16, 1, block_g, sub_g, None, 2, row_g=row_g)
     batch = None
     for call in range(2):
         logits, drafts, _, _, pos = random_case(b, k, v, [SP(0.0)], ties=True, gen=g)
