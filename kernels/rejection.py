@@ -367,6 +367,152 @@ def _cut_row(
 
 
 @triton.jit
+def _above(x):
+    """The smallest float32 above x (finite x; -0 folded into +0)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where(x > 0.0, bits + 1, tl.where(x < 0.0, bits - 1, 1))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _row_z(ptrs, mask, t):
+    """A row's z = logits / T (correctly rounded), -0 folded into +0; -inf where masked."""
+    x = tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
+    if t == 1.0:
+        z = x
+    else:
+        z = tl.math.div_rn(x, t)
+    return tl.where(z == 0.0, 0.0, z)
+
+
+@triton.jit
+def _cut_fast(
+    logits_ptr, stride_lm, cand_ptr, row, t, m, V, floor_v, lo, hi, target_c, target_m, total,
+    MASS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, SAMPLE: tl.constexpr,
+    TRIES: tl.constexpr, FXS: tl.constexpr,
+):  # fmt: skip
+    """_cut_row's answer in one pass over the row when a sample places it well.
+
+    A strided sample of SAMPLE values, sorted once, estimates where the cut lies in
+    [lo, hi] and brackets it [b_lo, b_hi] with a margin of two binomial standard
+    deviations of the sample's count. One pass then sums the exact (int64) mass and
+    count above b_hi and compacts the bracket's values into the row's scratch; sorted,
+    their running sums give the cut. No histogram: a few comparisons and one exp a
+    value. A bracket that missed narrows [lo, hi] to the side holding the cut, whose
+    exact mass the pass just measured, and the next try estimates within it (the heavy
+    values that misled the sample are then counted exactly). Returns (thr, kept count,
+    kept mass, ok, lo, hi): ok 0 after TRIES misses, [lo, hi] still holding the cut for
+    _cut_row to finish. `total`: the survivors' float32 mass (relative to m)."""
+    base = logits_ptr + row * stride_lm
+    cbase = cand_ptr + row * CAP
+    lo = tl.maximum(lo, floor_v)  # survivors only: z >= floor_v
+    si = tl.arange(0, SAMPLE)
+    slots = tl.arange(0, CAP)
+    cols = tl.arange(0, BLOCK)
+    sz = _row_z(base + (si.to(tl.int64) * V) // SAMPLE, si < SAMPLE, t)
+    s = tl.sort(tl.where((sz >= lo) & (sz <= hi), sz, float("-inf")), descending=True)
+    per = V / SAMPLE  # row values one sample value stands for
+    if MASS:
+        ws = tl.where(s > float("-inf"), tl.exp(s - m), 0.0) * per
+        goal = (target_m * (1.0 / FXS)).to(tl.float32)
+    else:
+        ws = tl.where(s > float("-inf"), per, 0.0)
+        goal = target_c.to(tl.float32)
+    # Measure above hi and at or above lo, as far as known (exact after a try).
+    a_hi = tl.zeros([], tl.float32)
+    if MASS:
+        m_lo = total
+    else:
+        m_lo = V * 1.0
+    thr = hi
+    kept_c = tl.zeros([], tl.int32)
+    kept_m = tl.zeros([], tl.int64)
+    ok = tl.zeros([], tl.int32)
+    for _ in range(TRIES):
+        if ok == 0:
+            # 1. The bracket: the sample's values in [lo, hi] are s[i0:i1].
+            inside = (s >= lo) & (s <= hi)
+            i0 = tl.sum((s > hi).to(tl.int32), axis=0)
+            i1 = i0 + tl.sum(inside.to(tl.int32), axis=0)
+            w = tl.where(inside, ws, 0.0)
+            cum = tl.cumsum(w, axis=0)
+            # Estimated measure of the values >= s_i: from the top, or from the bottom
+            # when the goal is nearer m_lo (the bulk below the cut is better sampled
+            # than the few heavy values above it).
+            est = tl.where(goal - a_hi < m_lo - goal, a_hi + cum,
+                           m_lo - (tl.sum(w, axis=0) - cum))  # fmt: skip
+            i_star = i0 + tl.sum((inside & (est < goal)).to(tl.int32), axis=0)
+            f = tl.minimum(tl.maximum(i_star - i0, 1).to(tl.float32) / SAMPLE, 1.0)
+            d = (2.0 * tl.sqrt(SAMPLE * f * (1.0 - f))).to(tl.int32) + 3
+            ih = i_star - d
+            il = i_star + d
+            b_hi = tl.where(ih >= i0, tl.max(tl.where(si == ih, s, float("-inf")), axis=0), hi)
+            b_lo = tl.where(il < i1, tl.max(tl.where(si == il, s, float("-inf")), axis=0), lo)
+            # 2. One pass: the exact measure above b_hi, the bracket compacted.
+            above_cv = tl.zeros([BLOCK], tl.int32)
+            above_mv = tl.zeros([BLOCK], tl.int64)
+            n = tl.zeros([], tl.int32)
+            tl.debug_barrier()  # earlier readers of the scratch are done
+            for v0 in range(0, V, BLOCK):
+                offs = v0 + cols
+                z = _row_z(base + offs, offs < V, t)
+                up = z > b_hi  # b_hi >= lo >= floor_v: every such value survives
+                above_mv += tl.where(up, _fx(z, m, FXS), 0)  # top-k's kept mass too
+                above_cv += up.to(tl.int32)
+                wi = ((z >= b_lo) & (z <= b_hi)).to(tl.int32)
+                idx = n + tl.cumsum(wi, axis=0) - 1
+                tl.store(cbase + idx, tl.where(wi != 0, z, 0.0), mask=(wi != 0) & (idx < CAP))
+                n += tl.sum(wi, axis=0)
+            above_c = tl.sum(above_cv, axis=0)
+            above_m = tl.sum(above_mv, axis=0)
+            if MASS:
+                past = above_m.to(tl.float64) >= target_m
+                a_b = (above_m.to(tl.float64) * (1.0 / FXS)).to(tl.float32)
+            else:
+                past = above_c >= target_c
+                a_b = above_c.to(tl.float32)
+            if past:
+                lo = _above(b_hi)  # the cut is above the bracket
+                m_lo = a_b
+            elif n <= CAP:
+                tl.debug_barrier()  # the compaction's stores are visible to every thread
+                vals = tl.sort(tl.load(cbase + slots, mask=slots < n, other=float("-inf")),
+                               descending=True)  # fmt: skip
+                e = tl.where(slots < n, _fx(vals, m, FXS), 0)
+                if MASS:
+                    hit = (above_m + tl.cumsum(e, axis=0)).to(tl.float64) >= target_m
+                else:
+                    hit = above_c + slots + 1 >= target_c
+                i = tl.min(tl.where(hit & (slots < n), slots, CAP), axis=0)
+                v = hi
+                if i < n:
+                    v = tl.max(tl.where(slots == i, vals, float("-inf")), axis=0)
+                    ok = ok + 1
+                elif b_lo <= lo:
+                    # Float rounding left the target unreached: keep every survivor
+                    # (_cut_row ends the same way); none at all keeps what is above hi.
+                    v = tl.where(n > 0, tl.min(tl.where(slots < n, vals, float("inf")), axis=0),
+                                 hi)  # fmt: skip
+                    ok = ok + 1
+                else:
+                    hi = _below(b_lo)  # the cut is below the bracket
+                    if MASS:
+                        a_hi = ((above_m + tl.sum(e, axis=0)).to(tl.float64) * (1.0 / FXS)).to(
+                            tl.float32
+                        )
+                    else:
+                        a_hi = (above_c + n).to(tl.float32)
+                keep = (slots < n) & (vals >= v)
+                thr = v
+                kept_c = above_c + tl.sum(keep.to(tl.int32), axis=0)
+                kept_m = above_m + tl.sum(tl.where(keep, e, 0), axis=0)
+            else:
+                hi = b_hi  # the cut is in the bracket, too full to compact
+                a_hi = a_b
+    return thr, kept_c, kept_m, ok, lo, hi
+
+
+@triton.jit
 def _cut_tile(
     logits_ptr, stride_lm, cand_ptr, rows, live, t, m, V, floor_v, lo, hi, target_c, target_m,
     MASS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
@@ -550,18 +696,37 @@ def _cut_tile(
 
 @triton.jit
 def _cut(
-    logits_ptr, stride_lm, cand_ptr, rows, live, t, m, V, floor_v, lo, hi, target_c, target_m,
+    logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, live, t, m, V, floor_v, lo, hi,
+    target_c, target_m, total,
     MASS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
     NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
+    CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr,
 ):  # fmt: skip
-    """_cut_tile's contract; one row takes _cut_row (scalar state)."""
+    """_cut_tile's contract; one row takes _cut_row (scalar state), first trying
+    _cut_fast's one pass when CAP_F > 0 and finishing with _cut_row where it missed."""
     if ROWS == 1:
-        v, c, mass = _cut_row(
-            logits_ptr, stride_lm, cand_ptr, tl.sum(rows, axis=0), tl.sum(t, axis=0),
-            tl.sum(m, axis=0), V, tl.sum(floor_v, axis=0), tl.sum(lo, axis=0),
-            tl.sum(hi, axis=0), tl.sum(target_c, axis=0), tl.sum(target_m, axis=0), MASS,
-            BLOCK, CAP, NBIN, MAX_PASSES, CHUNK, FXS,
-        )  # fmt: skip
+        row = tl.sum(rows, axis=0)
+        t1 = tl.sum(t, axis=0)
+        m1 = tl.sum(m, axis=0)
+        fl1 = tl.sum(floor_v, axis=0)
+        lo1 = tl.sum(lo, axis=0)
+        hi1 = tl.sum(hi, axis=0)
+        tc1 = tl.sum(target_c, axis=0)
+        tm1 = tl.sum(target_m, axis=0)
+        ok = tl.zeros([], tl.int32)
+        v = hi1
+        c = tl.zeros([], tl.int32)
+        mass = tl.zeros([], tl.int64)
+        if CAP_F > 0:
+            v, c, mass, ok, lo1, hi1 = _cut_fast(
+                logits_ptr, stride_lm, fast_ptr, row, t1, m1, V, fl1, lo1, hi1, tc1, tm1,
+                tl.sum(total, axis=0), MASS, BLOCK, CAP_F, SAMPLE, TRIES, FXS,
+            )  # fmt: skip
+        if ok == 0:
+            v, c, mass = _cut_row(
+                logits_ptr, stride_lm, cand_ptr, row, t1, m1, V, fl1, lo1, hi1, tc1, tm1,
+                MASS, BLOCK, CAP, NBIN, MAX_PASSES, CHUNK, FXS,
+            )  # fmt: skip
         thr = tl.where(live, v, hi)
         kept_c = tl.where(live, c, 0).to(tl.int32)
         kept_m = tl.where(live, mass, 0).to(tl.int64)
@@ -576,9 +741,10 @@ def _cut(
 @triton.jit
 def _cut_kernel(
     logits_ptr, stride_lm, greedy_ptr, temp_ptr, topk_ptr, topp_ptr,
-    pmin_ptr, rmax_ptr, rthr_ptr, rsum_ptr, cand_ptr, num_rows, V, K1, NB,
+    pmin_ptr, rmax_ptr, rthr_ptr, rsum_ptr, cand_ptr, fast_ptr, num_rows, V, K1, NB,
     ROWS: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
     NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
+    CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr,
 ):  # fmt: skip
     """A tile of ROWS rows per program; a filtered row gets the top-k cut (the k-th
     largest value), then the top-p cut over the top-k survivors, and its threshold and
@@ -610,9 +776,9 @@ def _cut_kernel(
         if tl.max(use_k.to(tl.int32), axis=0) != 0:
             # No floor: thr is -inf here.
             thr_k, kept_ck, kept_m = _cut(
-                logits_ptr, stride_lm, cand_ptr, rows, use_k, t, m, V, thr, zmin, m, k,
-                tl.zeros([ROWS], tl.float64), False, ROWS, BLOCK, CAP, NBIN, MAX_PASSES,
-                CHUNK, FXS,
+                logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_k, t, m, V, thr, zmin,
+                m, k, tl.zeros([ROWS], tl.float64), total, False, ROWS, BLOCK, CAP, NBIN,
+                MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES,
             )  # fmt: skip
             thr = tl.where(use_k, thr_k, thr)
             kept_c = tl.where(use_k, kept_ck, kept_c)
@@ -624,9 +790,9 @@ def _cut_kernel(
             lo = tl.minimum(tl.maximum(lo, tl.maximum(thr, zmin)), m)
             target = p.to(tl.float64) * kept_f.to(tl.float64) * FXS
             thr_p, _, kept_m = _cut(
-                logits_ptr, stride_lm, cand_ptr, rows, use_p, t, m, V, thr, lo, m,
-                tl.zeros([ROWS], tl.int32), target, True, ROWS, BLOCK, CAP, NBIN,
-                MAX_PASSES, CHUNK, FXS,
+                logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_p, t, m, V, thr, lo, m,
+                tl.zeros([ROWS], tl.int32), target, kept_f, True, ROWS, BLOCK, CAP, NBIN,
+                MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES,
             )  # fmt: skip
             thr = tl.where(use_p, thr_p, thr)
             kept_f = tl.where(use_p, (kept_m.to(tl.float64) * (1.0 / FXS)).to(tl.float32), kept_f)
@@ -972,6 +1138,9 @@ class RejectionConfig:
     chunk_t: int = 8  # candidates per slice of the cut's pairwise resolution (registers)
     rows_t: int = 1
     rows_r: int = 1
+    cap_f: int = 0  # one-row cut programs: the one-pass bracket's scratch (0: no such pass)
+    sample_f: int = 2048  # and the strided sample that places the bracket
+    tries_f: int = 3  # brackets tried before the narrowing passes take over
     row_g: bool = False  # the all-greedy launch: one target row per program (else a
     # request's K + 1 rows); used while B * (K + 1) <= 65535 (the grid's second dimension)
 
@@ -1030,6 +1199,8 @@ def choose_rejection_config(
         rows_t=1 if wide else max(1, min(rows_t, _p2(rows))),
         rows_r=1 if wide else max(1, min(rows_r, _p2(num_reqs))),
         row_g=not INTERPRET and rows >= 16,
+        cap_f=2048 if wide else 0,
+        sample_f=2048,
     )
 
 
@@ -1053,6 +1224,7 @@ class RejectionWorkspace:
     race_idx: torch.Tensor  # [reqs, nb2] int32
     walk: torch.Tensor  # [reqs, 2] int32: drafts proposed (k) and the first rejected (r)
     done: torch.Tensor  # [reqs] int32: the greedy launch's tickets, zero between calls
+    cand_fast: torch.Tensor  # [rows, cap_f] float32 (one element when cap_f is 0)
 
     @classmethod
     def allocate(
@@ -1071,6 +1243,7 @@ class RejectionWorkspace:
             torch.empty(rows, cfg.cap, **f32),
             torch.empty(num_reqs, nb2, **f32), torch.empty(num_reqs, nb2, **i32),
             torch.empty(num_reqs, 2, **i32), torch.zeros(num_reqs, **i32),
+            torch.empty(rows if cfg.cap_f else 1, max(cfg.cap_f, 1), **f32),
         )  # fmt: skip
 
 
@@ -1310,8 +1483,9 @@ def _plan(
             launches,
             (triton.cdiv(rows, cfg.rows_t),),
             (target_logits, lm, greedy, temperature, top_k, top_p, ws.part_min, ws.row_max,
-             ws.row_thr, ws.row_sum, ws.cand, rows, v, k + 1, nb, cfg.rows_t, nbp, cfg.block_t,
-             cfg.cap, cfg.nbin, cfg.max_passes, min(cfg.cap, cfg.chunk_t), fxs),
+             ws.row_thr, ws.row_sum, ws.cand, ws.cand_fast, rows, v, k + 1, nb, cfg.rows_t, nbp,
+             cfg.block_t, cfg.cap, cfg.nbin, cfg.max_passes, min(cfg.cap, cfg.chunk_t), fxs,
+             cfg.cap_f if cfg.rows_t == 1 else 0, cfg.sample_f, cfg.tries_f),
             8 if cfg.rows_t * cfg.block_t >= 2048 else 4,
         )  # fmt: skip
     _WALK.add(

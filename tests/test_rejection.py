@@ -233,6 +233,11 @@ BAND_TILES = kr.RejectionConfig(
 # BAND_TILES with one row per cut program and one request per race program (the GPU's
 # layout at large vocabularies).
 ROW_TILES = dataclasses.replace(BAND_TILES, rows_t=1, rows_r=1)
+# ROW_TILES with the one-pass bracket first (the GPU's default at large vocabularies):
+# a scratch that holds the bracket, and one so small that most rows finish on the
+# narrowing passes from whatever interval the bracket's pass left.
+FAST_TILES = dataclasses.replace(ROW_TILES, cap_f=128, sample_f=32)
+FAST_SMALL_TILES = dataclasses.replace(ROW_TILES, cap_f=4, sample_f=16)
 KINDS = [SP(0.0), SP(1.0), SP(0.7, top_k=5), SP(1.3, top_p=0.8), SP(0.5, top_k=9, top_p=0.6),
          SP(2.0, top_k=1), SP(1.0, top_p=0.05), SP(1.0, top_k=40)]  # fmt: skip
 
@@ -391,8 +396,10 @@ def _top_p_boundary(logits: torch.Tensor, sp: SP) -> torch.Tensor:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "v, tiles", [(16, "default"), (16, "small"), (203, "narrow"), (203, "band")]
-)
+    "v, tiles",
+    [(16, "default"), (16, "small"), (203, "narrow"), (203, "band"), (203, "fast"),
+     (203, "fast_small")],
+)  # fmt: skip
 def test_threshold_matches_sampling(v, tiles, device):
     """Kept set exactly filtered_probs' (ties, boundaries, -inf, k >= V), probabilities
     equal to float32 rounding. Small scratch (2 or 4 candidates) makes the narrowing
@@ -404,7 +411,8 @@ def test_threshold_matches_sampling(v, tiles, device):
     st = SamplingTensors.from_params(
         [SP(p.temperature, p.top_k, p.top_p, seed=1) for p in params], device
     )
-    cfg = {"default": None, "small": SMALL_TILES, "narrow": NARROW_TILES, "band": BAND_TILES}[tiles]
+    cfg = {"default": None, "small": SMALL_TILES, "narrow": NARROW_TILES, "band": BAND_TILES,
+           "fast": FAST_TILES, "fast_small": FAST_SMALL_TILES}[tiles]  # fmt: skip
     p, keep, z = (t.cpu() for t in _kernel_probs(logits.to(device), st, cfg))
     want = filtered_probs(logits, _cpu(st))
     ref = ref_filtered64(logits, *(getattr(_cpu(st), f) for f in SamplingTensors._FIELDS[:4]))
@@ -425,7 +433,7 @@ MIXED = [SP(0.0), SP(1.0), SP(1.0, top_p=0.9), SP(0.8, top_p=0.5), SP(1.0, top_k
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("tiles", ["band", "narrow", "default"])
+@pytest.mark.parametrize("tiles", ["band", "narrow", "default", "fast"])
 @pytest.mark.parametrize("ties", [False, True])
 def test_wide_band_mixed_modes_match_reference(tiles, ties, device):
     """Flat N(0, 3^2) rows (a top-p band of many tokens, the cut deep inside it: several
@@ -444,7 +452,7 @@ def test_wide_band_mixed_modes_match_reference(tiles, ties, device):
                          torch.randint(0, v, (b, k), generator=g))  # fmt: skip
     st = make_params(b, MIXED, seed0=int(torch.randint(0, 1000, (1,), generator=g)))
     pos = torch.randint(0, 10**6, (b,), generator=g)
-    cfg = {"default": None, "narrow": NARROW_TILES, "band": BAND_TILES}[tiles]
+    cfg = {"default": None, "narrow": NARROW_TILES, "band": BAND_TILES, "fast": FAST_TILES}[tiles]
     batch = Batch(logits.to(device), drafts.to(device), q.to(device), _on(st, device),
                   pos.to(device), cfg)  # fmt: skip
     for t in (batch.ws.row_thr, batch.ws.row_sum, batch.ws.row_max):
@@ -496,7 +504,9 @@ def test_tiles_bit_equal_to_one_row_per_program(device):
     pos[[2, 9]] = -1
     sampled = ~st.greedy & (pos >= 0)
     outs = []
-    for cfg in (ROW_TILES, BAND_TILES, dataclasses.replace(BAND_TILES, rows_t=64, rows_r=64)):
+    tiles = (ROW_TILES, BAND_TILES, dataclasses.replace(BAND_TILES, rows_t=64, rows_r=64),
+             FAST_TILES, FAST_SMALL_TILES)  # fmt: skip
+    for cfg in tiles:
         batch = Batch(logits.to(device), drafts.to(device), q.to(device), _on(st, device),
                       pos.to(device), cfg)  # fmt: skip
         ws = batch.ws
