@@ -701,9 +701,12 @@ def _cut(
     MASS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
     NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
     CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr,
+    FAST_ONLY: tl.constexpr,
 ):  # fmt: skip
-    """_cut_tile's contract; one row takes _cut_row (scalar state), first trying
-    _cut_fast's one pass when CAP_F > 0 and finishing with _cut_row where it missed."""
+    """_cut_tile's contract, plus ok [ROWS] (0: not found). One row takes _cut_row
+    (scalar state), first trying _cut_fast's pass when CAP_F > 0; FAST_ONLY leaves a
+    row it missed to a later launch (so this one carries none of _cut_row's registers),
+    else _cut_row finishes it."""
     if ROWS == 1:
         row = tl.sum(rows, axis=0)
         t1 = tl.sum(t, axis=0)
@@ -722,7 +725,10 @@ def _cut(
                 logits_ptr, stride_lm, fast_ptr, row, t1, m1, V, fl1, lo1, hi1, tc1, tm1,
                 tl.sum(total, axis=0), MASS, BLOCK, CAP_F, SAMPLE, TRIES, FXS,
             )  # fmt: skip
-        if ok == 0:
+        if FAST_ONLY:
+            pass
+        elif ok == 0:
+            ok = ok + 1
             v, c, mass = _cut_row(
                 logits_ptr, stride_lm, cand_ptr, row, t1, m1, V, fl1, lo1, hi1, tc1, tm1,
                 MASS, BLOCK, CAP, NBIN, MAX_PASSES, CHUNK, FXS,
@@ -730,27 +736,33 @@ def _cut(
         thr = tl.where(live, v, hi)
         kept_c = tl.where(live, c, 0).to(tl.int32)
         kept_m = tl.where(live, mass, 0).to(tl.int64)
+        found = tl.where(live, ok, 1)
     else:
         thr, kept_c, kept_m = _cut_tile(
             logits_ptr, stride_lm, cand_ptr, rows, live, t, m, V, floor_v, lo, hi, target_c,
             target_m, MASS, ROWS, BLOCK, CAP, NBIN, MAX_PASSES, CHUNK, FXS,
         )  # fmt: skip
-    return thr, kept_c, kept_m
+        found = tl.full([ROWS], 1, tl.int32)
+    return thr, kept_c, kept_m, found
 
 
 @triton.jit
 def _cut_kernel(
     logits_ptr, stride_lm, greedy_ptr, temp_ptr, topk_ptr, topp_ptr,
-    pmin_ptr, rmax_ptr, rthr_ptr, rsum_ptr, cand_ptr, fast_ptr, num_rows, V, K1, NB,
+    pmin_ptr, rmax_ptr, rthr_ptr, rsum_ptr, cand_ptr, fast_ptr, todo_ptr, num_rows, V, K1, NB,
     ROWS: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
     NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
     CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr,
+    FAST_ONLY: tl.constexpr, TODO: tl.constexpr,
 ):  # fmt: skip
     """A tile of ROWS rows per program; a filtered row gets the top-k cut (the k-th
     largest value), then the top-p cut over the top-k survivors, and its threshold and
-    kept mass are written. Other rows are left as the init kernel wrote them."""
+    kept mass are written. Other rows are left as the init kernel wrote them.
+    FAST_ONLY: _cut_fast's passes only; a row either cut misses is marked in todo, not
+    written. TODO: only the rows marked in todo (the launch after a FAST_ONLY one)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rmask = rows < num_rows
+    missed = tl.zeros([ROWS], tl.int32)
     req = rows // K1
     greedy = tl.load(greedy_ptr + req, mask=rmask, other=1) != 0
     k = tl.load(topk_ptr + req, mask=rmask, other=0)
@@ -759,6 +771,8 @@ def _cut_kernel(
     use_k = (k > 0) & (k < V)
     use_p = p < 1.0
     live = rmask & (greedy == 0) & (use_k | use_p) & (m > float("-inf"))
+    if TODO:
+        live = live & (tl.load(todo_ptr + rows, mask=rmask, other=0) != 0)
     if tl.max(live.to(tl.int32), axis=0) != 0:
         use_k = live & use_k
         use_p = live & use_p
@@ -775,11 +789,12 @@ def _cut_kernel(
         kept_c = tl.zeros([ROWS], tl.int32) + V
         if tl.max(use_k.to(tl.int32), axis=0) != 0:
             # No floor: thr is -inf here.
-            thr_k, kept_ck, kept_m = _cut(
+            thr_k, kept_ck, kept_m, ok = _cut(
                 logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_k, t, m, V, thr, zmin,
                 m, k, tl.zeros([ROWS], tl.float64), total, False, ROWS, BLOCK, CAP, NBIN,
-                MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES,
+                MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, FAST_ONLY,
             )  # fmt: skip
+            missed = missed | (ok == 0).to(tl.int32)
             thr = tl.where(use_k, thr_k, thr)
             kept_c = tl.where(use_k, kept_ck, kept_c)
             kept_f = tl.where(use_k, (kept_m.to(tl.float64) * (1.0 / FXS)).to(tl.float32), kept_f)
@@ -789,15 +804,18 @@ def _cut_kernel(
             lo = m + tl.log((1.0 - p) * kept_f / kept_c.to(tl.float32)) - 1.0
             lo = tl.minimum(tl.maximum(lo, tl.maximum(thr, zmin)), m)
             target = p.to(tl.float64) * kept_f.to(tl.float64) * FXS
-            thr_p, _, kept_m = _cut(
-                logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_p, t, m, V, thr, lo, m,
-                tl.zeros([ROWS], tl.int32), target, kept_f, True, ROWS, BLOCK, CAP, NBIN,
-                MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES,
+            thr_p, _, kept_m, ok = _cut(
+                logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_p & (missed == 0), t, m,
+                V, thr, lo, m, tl.zeros([ROWS], tl.int32), target, kept_f, True, ROWS, BLOCK,
+                CAP, NBIN, MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, FAST_ONLY,
             )  # fmt: skip
+            missed = missed | (ok == 0).to(tl.int32)
             thr = tl.where(use_p, thr_p, thr)
             kept_f = tl.where(use_p, (kept_m.to(tl.float64) * (1.0 / FXS)).to(tl.float32), kept_f)
-        tl.store(rthr_ptr + rows, thr, mask=live)
-        tl.store(rsum_ptr + rows, kept_f, mask=live)
+        tl.store(rthr_ptr + rows, thr, mask=live & (missed == 0))
+        tl.store(rsum_ptr + rows, kept_f, mask=live & (missed == 0))
+    if FAST_ONLY:
+        tl.store(todo_ptr + rows, missed, mask=rmask)
 
 
 # ----------------------------------------------------------------------------- the walk
@@ -1141,6 +1159,7 @@ class RejectionConfig:
     cap_f: int = 0  # one-row cut programs: the one-pass bracket's scratch (0: no such pass)
     sample_f: int = 2048  # and the strided sample that places the bracket
     tries_f: int = 3  # brackets tried before the narrowing passes take over
+    warps_f: int = 16  # the bracket launch's warps (8: ~230 registers a thread, 16: ~126)
     row_g: bool = False  # the all-greedy launch: one target row per program (else a
     # request's K + 1 rows); used while B * (K + 1) <= 65535 (the grid's second dimension)
 
@@ -1225,6 +1244,7 @@ class RejectionWorkspace:
     walk: torch.Tensor  # [reqs, 2] int32: drafts proposed (k) and the first rejected (r)
     done: torch.Tensor  # [reqs] int32: the greedy launch's tickets, zero between calls
     cand_fast: torch.Tensor  # [rows, cap_f] float32 (one element when cap_f is 0)
+    todo: torch.Tensor  # [rows] int32: rows the bracket launch left to the narrowing one
 
     @classmethod
     def allocate(
@@ -1244,6 +1264,7 @@ class RejectionWorkspace:
             torch.empty(num_reqs, nb2, **f32), torch.empty(num_reqs, nb2, **i32),
             torch.empty(num_reqs, 2, **i32), torch.zeros(num_reqs, **i32),
             torch.empty(rows if cfg.cap_f else 1, max(cfg.cap_f, 1), **f32),
+            torch.zeros(rows if cfg.cap_f else 1, **i32),
         )  # fmt: skip
 
 
@@ -1479,15 +1500,22 @@ def _plan(
     )  # fmt: skip
     if any_filter:
         fxs = float(2 ** (62 - (v - 1).bit_length()))  # v * 2^S <= 2^62: int64 sums fit
-        _CUT.add(
-            launches,
-            (triton.cdiv(rows, cfg.rows_t),),
-            (target_logits, lm, greedy, temperature, top_k, top_p, ws.part_min, ws.row_max,
-             ws.row_thr, ws.row_sum, ws.cand, ws.cand_fast, rows, v, k + 1, nb, cfg.rows_t, nbp,
-             cfg.block_t, cfg.cap, cfg.nbin, cfg.max_passes, min(cfg.cap, cfg.chunk_t), fxs,
-             cfg.cap_f if cfg.rows_t == 1 else 0, cfg.sample_f, cfg.tries_f),
-            8 if cfg.rows_t * cfg.block_t >= 2048 else 4,
-        )  # fmt: skip
+        fast = cfg.cap_f > 0 and cfg.rows_t == 1
+        # With the one-pass bracket: its launch, then the narrowing passes for the rows
+        # it missed (marked in todo); else the narrowing passes alone.
+        for cap_f, fast_only, todo in ((cfg.cap_f, True, False), (0, False, True)) if fast else (
+            (0, False, False),
+        ):  # fmt: skip
+            _CUT.add(
+                launches,
+                (triton.cdiv(rows, cfg.rows_t),),
+                (target_logits, lm, greedy, temperature, top_k, top_p, ws.part_min, ws.row_max,
+                 ws.row_thr, ws.row_sum, ws.cand, ws.cand_fast, ws.todo, rows, v, k + 1, nb,
+                 cfg.rows_t, nbp, cfg.block_t, cfg.cap, cfg.nbin, cfg.max_passes,
+                 min(cfg.cap, cfg.chunk_t), fxs, cap_f, cfg.sample_f, cfg.tries_f, fast_only,
+                 todo),
+                cfg.warps_f if fast_only else 8 if cfg.rows_t * cfg.block_t >= 2048 else 4,
+            )  # fmt: skip
     _WALK.add(
         launches,
         (triton.cdiv(b, cfg.rows_w),),

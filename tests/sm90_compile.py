@@ -75,7 +75,7 @@ def launches(v: int, b: int, k: int, dtype: torch.dtype, sampled: bool) -> list[
 
 
 def sass_summary(cubin: bytes) -> str:
-    """Instruction count, spills (STL / LDL) and the top opcodes of a cubin."""
+    """Instruction count, registers, spills (STL / LDL) and the top opcodes of a cubin."""
     import triton
 
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
@@ -86,7 +86,10 @@ def sass_summary(cubin: bytes) -> str:
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", text)
     count = collections.Counter(op.split(".")[0] for op in ops)
     top = ", ".join(f"{op} {n}" for op, n in count.most_common(6))
-    return f"{len(ops)} SASS instructions, STL {count['STL']}, LDL {count['LDL']}; {top}"
+    # Registers a thread: the highest general register named, plus one (R255 is RZ).
+    regs = 1 + max((int(r) for r in re.findall(r"\bR(\d+)\b", text) if int(r) < 255), default=-1)
+    return (f"{len(ops)} SASS instructions, {regs} registers, STL {count['STL']}, "
+            f"LDL {count['LDL']}; {top}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
