@@ -1,5 +1,5 @@
-"""Lossless rejection sampler for speculative decoding: four launches, five with top-k / top-p;
-one when every request is greedy.
+"""Lossless rejection sampler for speculative decoding: four launches, five or six with top-k /
+top-p; one when every request is greedy.
 
 Request b owns target rows b * (K + 1) + j (j = 0..K) and drafts x_j, j < k[b]. Row j's
 target distribution p_j is specdraft.sampling's filtered_probs (temperature, then top-k,
@@ -12,7 +12,9 @@ Greedy requests accept while x_j == argmax(row j) and emit the argmax at r.
    smallest finite value, with z = logits / T. Nothing [B, K, V]-sized is written.
 2. init (row tiles): row max and mass from the partials; thresholds reset to -inf.
 3. cut (row tiles; launched only when a request filters): the top-k and top-p
-   thresholds and the kept mass (below), each row with its own search state.
+   thresholds and the kept mass (below), each row with its own search state. With one
+   row per program (large vocabularies on the GPU) a bracket launch goes first (below)
+   and the narrowing launch only finishes the rows it missed.
 4. walk (request tiles): each request's k and r, once: a parallel test of its drafts.
 5. resample (request tiles x vocab blocks): an exponential race over the block of the
    residual (or of p for the bonus); each request's last program to finish (a ticket
@@ -35,6 +37,15 @@ compacts it and the answer is read off pairwise; a single value left is the answ
 rows take 2-3 passes. A tile's rows search side by side: a pass reads the rows not yet
 done, and each row's outcome (done, or its next interval) is a masked update, so every
 row takes the steps it would take alone and the thresholds do not depend on the tiling.
+
+The bracket launch (one row per program; RejectionConfig.cap_f > 0): a strided sample
+of the row (sample_f values), sorted, estimates where the cut lies and brackets it with a
+margin of two binomial standard deviations of the sample's count; one pass sums the
+exact mass and count above the bracket and compacts the bracket's values (up to cap_f),
+which sorted give the cut by their running sums. A bracket that missed narrows the
+interval to the side the exact sums point to and the next try estimates within it
+(tries_f tries); a row still unresolved is marked for the narrowing launch. Its
+threshold is the same value: the fixed-point masses define the cut exactly.
 
 Masses are int64 fixed point (exp(z - m) * 2^S, S = 62 - bits(V - 1)): sums are exact, so
 they do not depend on the order of the additions and the thresholds are bit-for-bit
