@@ -400,7 +400,7 @@ def _row_z(ptrs, mask, t):
 def _cut_fast(
     logits_ptr, stride_lm, cand_ptr, row, t, m, V, floor_v, lo, hi, target_c, target_m, total,
     MASS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, SAMPLE: tl.constexpr,
-    TRIES: tl.constexpr, FXS: tl.constexpr,
+    TRIES: tl.constexpr, LANES: tl.constexpr, FXS: tl.constexpr,
 ):  # fmt: skip
     """_cut_row's answer in one pass over the row when a sample places it well.
 
@@ -415,7 +415,8 @@ def _cut_fast(
     kept mass, ok, lo, hi): ok 0 after TRIES misses, [lo, hi] still holding the cut for
     _cut_row to finish. `total`: the survivors' float32 mass (relative to m)."""
     base = logits_ptr + row * stride_lm
-    cbase = cand_ptr + row * CAP
+    cbase = cand_ptr + row * (CAP + LANES * BLOCK)  # CAP dense values, then lane slots
+    lbase = cbase + CAP
     lo = tl.maximum(lo, floor_v)  # survivors only: z >= floor_v
     si = tl.arange(0, SAMPLE)
     slots = tl.arange(0, CAP)
@@ -464,16 +465,41 @@ def _cut_fast(
             above_mv = tl.zeros([BLOCK], tl.int64)
             n = tl.zeros([], tl.int32)
             tl.debug_barrier()  # earlier readers of the scratch are done
-            for v0 in range(0, V, BLOCK):
-                offs = v0 + cols
-                z = _row_z(base + offs, offs < V, t)
-                up = z > b_hi  # b_hi >= lo >= floor_v: every such value survives
-                above_mv += tl.where(up, _fx(z, m, FXS), 0)  # top-k's kept mass too
-                above_cv += up.to(tl.int32)
-                wi = ((z >= b_lo) & (z <= b_hi)).to(tl.int32)
-                idx = n + tl.cumsum(wi, axis=0) - 1
-                tl.store(cbase + idx, tl.where(wi != 0, z, 0.0), mask=(wi != 0) & (idx < CAP))
-                n += tl.sum(wi, axis=0)
+            if LANES > 0:
+                # Each lane keeps the bracket's values it meets in LANES slots of its
+                # own: no block-wide step inside the loop. The slots are made dense
+                # after it (one scan); a lane with more values overflows the try.
+                cnt = tl.zeros([BLOCK], tl.int32)
+                for v0 in range(0, V, BLOCK):
+                    offs = v0 + cols
+                    z = _row_z(base + offs, offs < V, t)
+                    up = z > b_hi  # b_hi >= lo >= floor_v: every such value survives
+                    above_mv += tl.where(up, _fx(z, m, FXS), 0)  # top-k's kept mass too
+                    above_cv += up.to(tl.int32)
+                    inb = (z >= b_lo) & (z <= b_hi)
+                    tl.store(lbase + cnt * BLOCK + cols, z, mask=inb & (cnt < LANES))
+                    cnt += inb.to(tl.int32)
+                mine = tl.minimum(cnt, LANES)
+                start = tl.cumsum(mine, axis=0) - mine
+                n = tl.sum(mine, axis=0)
+                if tl.max(cnt, axis=0) > LANES:
+                    n = CAP + 1  # values were dropped: as if the bracket overflowed
+                elif n <= CAP:
+                    tl.debug_barrier()  # the slots' stores are visible to every thread
+                    for j in tl.static_range(LANES):
+                        vj = tl.load(lbase + j * BLOCK + cols, mask=j < mine, other=0.0)
+                        tl.store(cbase + start + j, vj, mask=j < mine)
+            else:
+                for v0 in range(0, V, BLOCK):
+                    offs = v0 + cols
+                    z = _row_z(base + offs, offs < V, t)
+                    up = z > b_hi  # b_hi >= lo >= floor_v: every such value survives
+                    above_mv += tl.where(up, _fx(z, m, FXS), 0)  # top-k's kept mass too
+                    above_cv += up.to(tl.int32)
+                    wi = ((z >= b_lo) & (z <= b_hi)).to(tl.int32)
+                    idx = n + tl.cumsum(wi, axis=0) - 1
+                    tl.store(cbase + idx, tl.where(wi != 0, z, 0.0), mask=(wi != 0) & (idx < CAP))
+                    n += tl.sum(wi, axis=0)
             above_c = tl.sum(above_cv, axis=0)
             above_m = tl.sum(above_mv, axis=0)
             if MASS:
@@ -711,7 +737,7 @@ def _cut(
     target_c, target_m, total,
     MASS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
     NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
-    CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr,
+    CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr, LANES: tl.constexpr,
     FAST_ONLY: tl.constexpr,
 ):  # fmt: skip
     """_cut_tile's contract, plus ok [ROWS] (0: not found). One row takes _cut_row
@@ -734,7 +760,7 @@ def _cut(
         if CAP_F > 0:
             v, c, mass, ok, lo1, hi1 = _cut_fast(
                 logits_ptr, stride_lm, fast_ptr, row, t1, m1, V, fl1, lo1, hi1, tc1, tm1,
-                tl.sum(total, axis=0), MASS, BLOCK, CAP_F, SAMPLE, TRIES, FXS,
+                tl.sum(total, axis=0), MASS, BLOCK, CAP_F, SAMPLE, TRIES, LANES, FXS,
             )  # fmt: skip
         if FAST_ONLY:
             pass
@@ -763,7 +789,7 @@ def _cut_kernel(
     pmin_ptr, rmax_ptr, rthr_ptr, rsum_ptr, cand_ptr, fast_ptr, todo_ptr, num_rows, V, K1, NB,
     ROWS: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
     NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
-    CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr,
+    CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr, LANES: tl.constexpr,
     FAST_ONLY: tl.constexpr, TODO: tl.constexpr,
 ):  # fmt: skip
     """A tile of ROWS rows per program; a filtered row gets the top-k cut (the k-th
@@ -803,7 +829,7 @@ def _cut_kernel(
             thr_k, kept_ck, kept_m, ok = _cut(
                 logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_k, t, m, V, thr, zmin,
                 m, k, tl.zeros([ROWS], tl.float64), total, False, ROWS, BLOCK, CAP, NBIN,
-                MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, FAST_ONLY,
+                MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, LANES, FAST_ONLY,
             )  # fmt: skip
             missed = missed | (ok == 0).to(tl.int32)
             thr = tl.where(use_k, thr_k, thr)
@@ -818,7 +844,7 @@ def _cut_kernel(
             thr_p, _, kept_m, ok = _cut(
                 logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_p & (missed == 0), t, m,
                 V, thr, lo, m, tl.zeros([ROWS], tl.int32), target, kept_f, True, ROWS, BLOCK,
-                CAP, NBIN, MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, FAST_ONLY,
+                CAP, NBIN, MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, LANES, FAST_ONLY,
             )  # fmt: skip
             missed = missed | (ok == 0).to(tl.int32)
             thr = tl.where(use_p, thr_p, thr)
@@ -1171,6 +1197,7 @@ class RejectionConfig:
     sample_f: int = 2048  # and the strided sample that places the bracket
     tries_f: int = 3  # brackets tried before the narrowing passes take over
     warps_f: int = 16  # the bracket launch's warps (8: ~230 registers a thread, 16: ~126)
+    lanes_f: int = 8  # slots a lane keeps for the bracket's values (0: a scan per chunk)
     row_g: bool = False  # the all-greedy launch: one target row per program (else a
     # request's K + 1 rows); used while B * (K + 1) <= 65535 (the grid's second dimension)
 
@@ -1274,7 +1301,8 @@ class RejectionWorkspace:
             torch.empty(rows, cfg.cap, **f32),
             torch.empty(num_reqs, nb2, **f32), torch.empty(num_reqs, nb2, **i32),
             torch.empty(num_reqs, 2, **i32), torch.zeros(num_reqs, **i32),
-            torch.empty(rows if cfg.cap_f else 1, max(cfg.cap_f, 1), **f32),
+            torch.empty(rows if cfg.cap_f else 1, max(cfg.cap_f + cfg.lanes_f * cfg.block_t, 1),
+                        **f32),  # fmt: skip
             torch.zeros(rows if cfg.cap_f else 1, **i32),
         )  # fmt: skip
 
@@ -1523,8 +1551,8 @@ def _plan(
                 (target_logits, lm, greedy, temperature, top_k, top_p, ws.part_min, ws.row_max,
                  ws.row_thr, ws.row_sum, ws.cand, ws.cand_fast, ws.todo, rows, v, k + 1, nb,
                  cfg.rows_t, nbp, cfg.block_t, cfg.cap, cfg.nbin, cfg.max_passes,
-                 min(cfg.cap, cfg.chunk_t), fxs, cap_f, cfg.sample_f, cfg.tries_f, fast_only,
-                 todo),
+                 min(cfg.cap, cfg.chunk_t), fxs, cap_f, cfg.sample_f, cfg.tries_f, cfg.lanes_f,
+                 fast_only, todo),
                 cfg.warps_f if fast_only else 8 if cfg.rows_t * cfg.block_t >= 2048 else 4,
             )  # fmt: skip
     _WALK.add(
