@@ -400,7 +400,7 @@ def _row_z(ptrs, mask, t):
 def _cut_fast(
     logits_ptr, stride_lm, cand_ptr, row, t, m, V, floor_v, lo, hi, target_c, target_m, total,
     MASS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, SAMPLE: tl.constexpr,
-    TRIES: tl.constexpr, LANES: tl.constexpr, FXS: tl.constexpr,
+    TRIES: tl.constexpr, LANES: tl.constexpr, STAGES: tl.constexpr, FXS: tl.constexpr,
 ):  # fmt: skip
     """_cut_row's answer in one pass over the row when a sample places it well.
 
@@ -470,7 +470,7 @@ def _cut_fast(
                 # own: no block-wide step inside the loop. The slots are made dense
                 # after it (one scan); a lane with more values overflows the try.
                 cnt = tl.zeros([BLOCK], tl.int32)
-                for v0 in range(0, V, BLOCK):
+                for v0 in tl.range(0, V, BLOCK, num_stages=STAGES):
                     offs = v0 + cols
                     z = _row_z(base + offs, offs < V, t)
                     up = z > b_hi  # b_hi >= lo >= floor_v: every such value survives
@@ -738,7 +738,7 @@ def _cut(
     MASS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
     NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
     CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr, LANES: tl.constexpr,
-    FAST_ONLY: tl.constexpr,
+    STAGES: tl.constexpr, FAST_ONLY: tl.constexpr,
 ):  # fmt: skip
     """_cut_tile's contract, plus ok [ROWS] (0: not found). One row takes _cut_row
     (scalar state), first trying _cut_fast's pass when CAP_F > 0; FAST_ONLY leaves a
@@ -760,7 +760,7 @@ def _cut(
         if CAP_F > 0:
             v, c, mass, ok, lo1, hi1 = _cut_fast(
                 logits_ptr, stride_lm, fast_ptr, row, t1, m1, V, fl1, lo1, hi1, tc1, tm1,
-                tl.sum(total, axis=0), MASS, BLOCK, CAP_F, SAMPLE, TRIES, LANES, FXS,
+                tl.sum(total, axis=0), MASS, BLOCK, CAP_F, SAMPLE, TRIES, LANES, STAGES, FXS,
             )  # fmt: skip
         if FAST_ONLY:
             pass
@@ -790,7 +790,7 @@ def _cut_kernel(
     ROWS: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
     NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
     CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr, LANES: tl.constexpr,
-    FAST_ONLY: tl.constexpr, TODO: tl.constexpr,
+    STAGES: tl.constexpr, FAST_ONLY: tl.constexpr, TODO: tl.constexpr,
 ):  # fmt: skip
     """A tile of ROWS rows per program; a filtered row gets the top-k cut (the k-th
     largest value), then the top-p cut over the top-k survivors, and its threshold and
@@ -829,7 +829,7 @@ def _cut_kernel(
             thr_k, kept_ck, kept_m, ok = _cut(
                 logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_k, t, m, V, thr, zmin,
                 m, k, tl.zeros([ROWS], tl.float64), total, False, ROWS, BLOCK, CAP, NBIN,
-                MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, LANES, FAST_ONLY,
+                MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, LANES, STAGES, FAST_ONLY,
             )  # fmt: skip
             missed = missed | (ok == 0).to(tl.int32)
             thr = tl.where(use_k, thr_k, thr)
@@ -844,7 +844,7 @@ def _cut_kernel(
             thr_p, _, kept_m, ok = _cut(
                 logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_p & (missed == 0), t, m,
                 V, thr, lo, m, tl.zeros([ROWS], tl.int32), target, kept_f, True, ROWS, BLOCK,
-                CAP, NBIN, MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, LANES, FAST_ONLY,
+                CAP, NBIN, MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, LANES, STAGES, FAST_ONLY,
             )  # fmt: skip
             missed = missed | (ok == 0).to(tl.int32)
             thr = tl.where(use_p, thr_p, thr)
@@ -1198,6 +1198,7 @@ class RejectionConfig:
     tries_f: int = 3  # brackets tried before the narrowing passes take over
     warps_f: int = 16  # the bracket launch's warps (8: ~230 registers a thread, 16: ~126)
     lanes_f: int = 8  # slots a lane keeps for the bracket's values (0: a scan per chunk)
+    stages_f: int = 1  # the bracket pass's load pipelining depth (lane slots only)
     row_g: bool = False  # the all-greedy launch: one target row per program (else a
     # request's K + 1 rows); used while B * (K + 1) <= 65535 (the grid's second dimension)
 
@@ -1552,7 +1553,7 @@ def _plan(
                  ws.row_thr, ws.row_sum, ws.cand, ws.cand_fast, ws.todo, rows, v, k + 1, nb,
                  cfg.rows_t, nbp, cfg.block_t, cfg.cap, cfg.nbin, cfg.max_passes,
                  min(cfg.cap, cfg.chunk_t), fxs, cap_f, cfg.sample_f, cfg.tries_f, cfg.lanes_f,
-                 fast_only, todo),
+                 cfg.stages_f, fast_only, todo),
                 cfg.warps_f if fast_only else 8 if cfg.rows_t * cfg.block_t >= 2048 else 4,
             )  # fmt: skip
     _WALK.add(
