@@ -1,13 +1,18 @@
 """Paged-attention benchmark (the main job at this stage).
 
 On a GPU: decode, verification and prefill shapes timed under CUDA-graph replay with
-inputs rotated out of L2, next to the floor (bytes over the copy bandwidth measured in
-the same run) and to peers measured in the same run (torch SDPA on the same sizes laid
-out contiguously, torch FlexAttention where it compiles). Writes JSON, a markdown table
+inputs rotated out of L2, next to the floor (bytes over the read-only bandwidth measured
+in the same run, or flops over the matmul rate) and to peers measured in the same run
+(torch SDPA on the same sizes laid out contiguously, torch FlexAttention where it
+compiles). The grid (batch 1 to 256, context 512 to 32768) is followed by shapes no
+launch configuration was tuned for (grid "off": batch 3, 24, 100; context 777, 6000).
+`--geometry smollm2` times the embedded model's heads (Hq 9, Hkv 3, D 64) instead of
+Llama-3-8B's (32, 8, 128). FlashInfer is not a peer yet. Writes JSON, a markdown table
 and a PNG plot. Without a GPU: a small correctness self-check under the Triton
 interpreter.
 
     python -m bench.attention [--out results] [--quick] [--sweep] [--no-flex]
+                              [--geometry llama|smollm2]
 """
 
 from __future__ import annotations
@@ -26,6 +31,13 @@ L2_BYTES = 60 << 20
 MAX_CASE_BYTES = 40 << 30
 HQ, HKV, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
+# Attention heads (Hq, Hkv, head_dim) by model: the module's HQ / HKV / HEAD_DIM.
+GEOMETRIES = {"llama": (32, 8, 128), "smollm2": (9, 3, 64)}
+
+
+def set_geometry(name: str) -> None:
+    global HQ, HKV, HEAD_DIM
+    HQ, HKV, HEAD_DIM = GEOMETRIES[name]
 
 
 @dataclass(frozen=True)
@@ -34,6 +46,7 @@ class Shape:
     batch: int
     context: int  # seq_len of every request, this step's tokens included
     q_len: int
+    grid: str = "on"  # "off": a shape no launch configuration was tuned for
 
     @property
     def kv_bytes(self) -> int:
@@ -60,6 +73,7 @@ def default_shapes(quick: bool) -> list[Shape]:
     shapes = [s for s in shapes if s.kv_bytes <= MAX_CASE_BYTES]
     shapes += [Shape("verify", b, 4096, q) for q in (4, 8) for b in (8, 64)]
     shapes.append(Shape("prefill", 2, 4096, 4096))
+    shapes += [Shape("decode", b, c, 1, "off") for b in (3, 24, 100) for c in (777, 6000)]
     return shapes
 
 
@@ -164,7 +178,9 @@ def flex_launches(shape: Shape, n_sets: int):
     ]
 
 
-def bench_shape(shape: Shape, copy_bw: float, mm_rate: float, flex_ok: bool) -> dict:
+def bench_shape(
+    shape: Shape, read_bw: float, copy_bw: float, mm_rate: float, flex_ok: bool
+) -> dict:
     from bench.common import time_graph_us
 
     n_sets = rotations(shape)
@@ -175,8 +191,9 @@ def bench_shape(shape: Shape, copy_bw: float, mm_rate: float, flex_ok: bool) -> 
         rotations=n_sets,
         us=us,
         tbps=shape.io_bytes / (us * 1e-6) / 1e12,
-        floor_us=max(shape.io_bytes / (copy_bw * 1e12), shape.flops / (mm_rate * 1e12)) * 1e6,
+        floor_us=max(shape.io_bytes / (read_bw * 1e12), shape.flops / (mm_rate * 1e12)) * 1e6,
     )
+    row["frac_read_bw"] = row["tbps"] / read_bw
     row["frac_copy_bw"] = row["tbps"] / copy_bw
     row["tflops"] = shape.flops / (us * 1e-6) / 1e12
     del case
@@ -247,13 +264,14 @@ def sweep(shapes: list[Shape]) -> list[dict]:
 
 COLUMNS = [
     ("kind", "kind"),
+    ("grid", "grid"),
     ("batch", "batch"),
     ("context", "ctx"),
     ("q_len", "q"),
     ("us", "µs"),
     ("floor_us", "floor µs"),
     ("tbps", "TB/s"),
-    ("frac_copy_bw", "of copy bw"),
+    ("frac_read_bw", "of read bw"),
     ("sdpa_us", "SDPA µs"),
     ("sdpa_x", "SDPA/ours"),
     ("flex_us", "Flex µs"),
@@ -261,14 +279,14 @@ COLUMNS = [
 ]
 
 
-def plot(rows: list[dict], copy_bw: float, path: Path) -> None:
+def plot(rows: list[dict], read_bw: float, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    decode = [r for r in rows if r["kind"] == "decode"]
+    decode = [r for r in rows if r["kind"] == "decode" and r["grid"] == "on"]
     for i, b in enumerate(sorted({r["batch"] for r in decode})):
         pts = sorted((r["context"], r["tbps"]) for r in decode if r["batch"] == b)
         ax.plot(*zip(*pts), marker="o", color=f"C{i}", label=f"specdraft, batch {b}")
@@ -281,11 +299,11 @@ def plot(rows: list[dict], copy_bw: float, path: Path) -> None:
             ax.plot(
                 *zip(*sd), ls="--", marker="x", color=f"C{i}", alpha=0.6, label=f"SDPA, batch {b}"
             )
-    ax.axhline(copy_bw, color="k", lw=0.8, label=f"copy bandwidth {copy_bw:.2f} TB/s")
+    ax.axhline(read_bw, color="k", lw=0.8, label=f"read bandwidth {read_bw:.2f} TB/s")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("effective bandwidth (TB/s)")
-    ax.set_title("paged decode attention, Hq 32 / Hkv 8, D 128, bf16, block 16")
+    ax.set_title(f"paged decode attention, Hq {HQ} / Hkv {HKV}, D {HEAD_DIM}, bf16, block 16")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -352,15 +370,19 @@ def main(argv: list[str] | None = None) -> int:
         default=240.0,
         help="stop trying FlexAttention after this many seconds",
     )
+    ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="llama",
+                    help="attention heads: llama (32, 8, 128) or smollm2 (9, 3, 64)")  # fmt: skip
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         return self_check()
+    set_geometry(args.geometry)
 
     from bench.common import (
         copy_bandwidth_tbps,
         environment,
         markdown_table,
         matmul_tflops,
+        read_bandwidth_tbps,
         save_results,
     )
 
@@ -368,10 +390,11 @@ def main(argv: list[str] | None = None) -> int:
     mm_rate = matmul_tflops()  # first: it also brings the clocks up
     copy_rates = copy_bandwidth_tbps()
     copy_bw = copy_rates["best"]
+    read_bw = read_bandwidth_tbps()
     print("copy bandwidth (TB/s):", {k: round(v, 2) for k, v in copy_rates.items()})
     print(
-        f"{env['gpu']}: copy {copy_bw:.2f} TB/s, bf16 matmul {mm_rate:.0f} TFLOP/s; "
-        f"torch {env['torch']}, triton {env['triton']}",
+        f"{env['gpu']}: read {read_bw:.2f} TB/s, copy {copy_bw:.2f} TB/s, bf16 matmul "
+        f"{mm_rate:.0f} TFLOP/s; torch {env['torch']}, triton {env['triton']}",
         flush=True,
     )
     rows = []
@@ -379,19 +402,22 @@ def main(argv: list[str] | None = None) -> int:
     for shape in default_shapes(args.quick):
         t0 = time.time()
         flex_ok = not args.no_flex and flex_spent < args.flex_budget_s
-        row = bench_shape(shape, copy_bw, mm_rate, flex_ok)
+        row = bench_shape(shape, read_bw, copy_bw, mm_rate, flex_ok)
         if flex_ok:
             flex_spent += time.time() - t0
         row["io_bytes"] = shape.io_bytes
         rows.append(row)
         print(
-            f"{shape.kind:8s} b={shape.batch:<4d} ctx={shape.context:<6d} q={shape.q_len:<5d}"
+            f"{shape.kind:8s} {shape.grid:3s} b={shape.batch:<4d} ctx={shape.context:<6d} "
+            f"q={shape.q_len:<5d}"
             f" {row['us']:9.1f} us  {row['tbps']:.2f} TB/s  floor {row['floor_us']:.1f} us"
             f"  sdpa x{row['sdpa_x'] or 0:.2f}  flex x{row['flex_x'] or 0:.2f}",
             flush=True,
         )
     payload = {
         "env": env,
+        "geometry": args.geometry,
+        "read_tbps": read_bw,
         "copy_tbps": copy_bw,
         "copy_rates": copy_rates,
         "matmul_tflops": mm_rate,
@@ -417,14 +443,15 @@ def main(argv: list[str] | None = None) -> int:
         payload["sweep"] = sweep(shapes)
     head = (
         f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, "
-        f"{env['date']}; copy bandwidth {copy_bw:.2f} TB/s, bf16 matmul "
-        f"{mm_rate:.0f} TFLOP/s. Hq {HQ}, Hkv {HKV}, D {HEAD_DIM}, bf16, block "
-        f"{BLOCK_SIZE}; median of CUDA-graph replays, inputs rotated out of L2.\n\n"
+        f"{env['date']}; read bandwidth {read_bw:.2f} TB/s (the floor's), copy "
+        f"{copy_bw:.2f} TB/s, bf16 matmul {mm_rate:.0f} TFLOP/s. Hq {HQ}, Hkv {HKV}, D "
+        f"{HEAD_DIM}, bf16, block {BLOCK_SIZE}; median of CUDA-graph replays, inputs rotated "
+        f"out of L2. Grid off: shapes no launch configuration was tuned for.\n\n"
     )
     table = head + markdown_table(rows, COLUMNS)
     save_results(args.out, "attention", payload, table)
     try:
-        plot(rows, copy_bw, args.out / "attention.png")
+        plot(rows, read_bw, args.out / "attention.png")
     except ImportError:
         print("matplotlib not installed: no plot")
     print("\n" + table)

@@ -91,6 +91,16 @@ def copy_bandwidth_tbps(nbytes: int = 4 << 30) -> dict[str, float]:
     return rates
 
 
+def read_bandwidth_tbps(nbytes: int = 2 << 30) -> float:
+    """Bytes read per second by a bf16 max-reduction (reads everything, writes 2 bytes):
+    what a kernel that only reads can reach, the floor for reading benchmarks (a copy's
+    read-plus-write rate understates it)."""
+    x = torch.randn(nbytes // 2, device="cuda").bfloat16()
+    out = torch.empty((), dtype=torch.bfloat16, device="cuda")
+    us = time_graph_us([lambda: torch.amax(x, dim=0, out=out)], min_launches=10)
+    return nbytes / (us * 1e-6) / 1e12
+
+
 def matmul_tflops(n: int = 8192) -> float:
     """bf16 n x n x n matrix product rate on random data, TFLOP/s."""
     a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")

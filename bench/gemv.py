@@ -39,8 +39,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench.gemv needs an NVIDIA GPU; tests/test_layers.py checks the kernel on the CPU")
         return 2
-    from bench.common import environment, time_graph_us
-    from bench.rejection import read_bandwidth_tbps
+    from bench.common import environment, read_bandwidth_tbps, time_graph_us
     from specdraft.kernels import linear_small_m
 
     env = environment()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import time_graph_us
+from bench.common import read_bandwidth_tbps, time_graph_us
 from specdraft import ops
 from specdraft.kernels import rejection as kr
 from specdraft.rejection import RejectionSampler
@@ -39,14 +39,6 @@ MODES = {
     "top-k 50 + top-p 0.9": SamplingParams(temperature=1.0, top_k=50, top_p=0.9),
 }
 BARS_US = {("greedy", 49152): 15.0, ("top-p 0.9", 49152): 40.0}
-
-
-def read_bandwidth_tbps(nbytes: int = 2 << 30) -> float:
-    """Bytes read per second by a bf16 max-reduction (reads everything, writes 2 bytes)."""
-    x = torch.randn(nbytes // 2, device="cuda").bfloat16()
-    out = torch.empty((), dtype=torch.bfloat16, device="cuda")
-    us = time_graph_us([lambda: torch.amax(x, dim=0, out=out)], min_launches=10)
-    return nbytes / (us * 1e-6) / 1e12
 
 
 def make_inputs(b: int, k: int, v: int, dist: str, sampled: bool, seed: int):
