@@ -219,6 +219,17 @@ def _below(x):
 
 
 @triton.jit
+def _row_z(ptrs, mask, t):
+    """A row's z = logits / T (correctly rounded), -0 folded into +0; -inf where masked."""
+    x = tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
+    if t == 1.0:
+        z = x
+    else:
+        z = tl.math.div_rn(x, t)
+    return tl.where(z == 0.0, 0.0, z)
+
+
+@triton.jit
 def _cut_row(
     logits_ptr, stride_lm, cand_ptr, row, t, m, V, floor_v, lo, hi, target_c, target_m,
     MASS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, NBIN: tl.constexpr,
@@ -257,12 +268,7 @@ def _cut_row(
             for v0 in range(0, V, BLOCK):
                 offs = v0 + cols
                 ok = offs < V
-                x = tl.load(base + offs, mask=ok, other=float("-inf")).to(tl.float32)
-                if t == 1.0:
-                    z = x
-                else:
-                    z = tl.math.div_rn(x, t)
-                z = tl.where(z == 0.0, 0.0, z)
+                z = _row_z(base + offs, ok, t)
                 surv = ok & (z >= floor_v) & (z > float("-inf"))
                 e = _fx(z, m, FXS)
                 up = surv & (z > hi)
@@ -386,17 +392,6 @@ def _above(x):
 
 
 @triton.jit
-def _row_z(ptrs, mask, t):
-    """A row's z = logits / T (correctly rounded), -0 folded into +0; -inf where masked."""
-    x = tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
-    if t == 1.0:
-        z = x
-    else:
-        z = tl.math.div_rn(x, t)
-    return tl.where(z == 0.0, 0.0, z)
-
-
-@triton.jit
 def _cut_fast(
     logits_ptr, stride_lm, cand_ptr, row, t, m, V, floor_v, lo, hi, target_c, target_m, total,
     MASS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, SAMPLE: tl.constexpr,
@@ -465,41 +460,29 @@ def _cut_fast(
             above_mv = tl.zeros([BLOCK], tl.int64)
             n = tl.zeros([], tl.int32)
             tl.debug_barrier()  # earlier readers of the scratch are done
-            if LANES > 0:
-                # Each lane keeps the bracket's values it meets in LANES slots of its
-                # own: no block-wide step inside the loop. The slots are made dense
-                # after it (one scan); a lane with more values overflows the try.
-                cnt = tl.zeros([BLOCK], tl.int32)
-                for v0 in tl.range(0, V, BLOCK, num_stages=STAGES):
-                    offs = v0 + cols
-                    z = _row_z(base + offs, offs < V, t)
-                    up = z > b_hi  # b_hi >= lo >= floor_v: every such value survives
-                    above_mv += tl.where(up, _fx(z, m, FXS), 0)  # top-k's kept mass too
-                    above_cv += up.to(tl.int32)
-                    inb = (z >= b_lo) & (z <= b_hi)
-                    tl.store(lbase + cnt * BLOCK + cols, z, mask=inb & (cnt < LANES))
-                    cnt += inb.to(tl.int32)
-                mine = tl.minimum(cnt, LANES)
-                start = tl.cumsum(mine, axis=0) - mine
-                n = tl.sum(mine, axis=0)
-                if tl.max(cnt, axis=0) > LANES:
-                    n = CAP + 1  # values were dropped: as if the bracket overflowed
-                elif n <= CAP:
-                    tl.debug_barrier()  # the slots' stores are visible to every thread
-                    for j in tl.static_range(LANES):
-                        vj = tl.load(lbase + j * BLOCK + cols, mask=j < mine, other=0.0)
-                        tl.store(cbase + start + j, vj, mask=j < mine)
-            else:
-                for v0 in range(0, V, BLOCK):
-                    offs = v0 + cols
-                    z = _row_z(base + offs, offs < V, t)
-                    up = z > b_hi  # b_hi >= lo >= floor_v: every such value survives
-                    above_mv += tl.where(up, _fx(z, m, FXS), 0)  # top-k's kept mass too
-                    above_cv += up.to(tl.int32)
-                    wi = ((z >= b_lo) & (z <= b_hi)).to(tl.int32)
-                    idx = n + tl.cumsum(wi, axis=0) - 1
-                    tl.store(cbase + idx, tl.where(wi != 0, z, 0.0), mask=(wi != 0) & (idx < CAP))
-                    n += tl.sum(wi, axis=0)
+            # Each lane keeps the bracket's values it meets in LANES slots of its
+            # own: no block-wide step inside the loop. The slots are made dense
+            # after it (one scan); a lane with more values overflows the try.
+            cnt = tl.zeros([BLOCK], tl.int32)
+            for v0 in tl.range(0, V, BLOCK, num_stages=STAGES):
+                offs = v0 + cols
+                z = _row_z(base + offs, offs < V, t)
+                up = z > b_hi  # b_hi >= lo >= floor_v: every such value survives
+                above_mv += tl.where(up, _fx(z, m, FXS), 0)  # top-k's kept mass too
+                above_cv += up.to(tl.int32)
+                inb = (z >= b_lo) & (z <= b_hi)
+                tl.store(lbase + cnt * BLOCK + cols, z, mask=inb & (cnt < LANES))
+                cnt += inb.to(tl.int32)
+            mine = tl.minimum(cnt, LANES)
+            start = tl.cumsum(mine, axis=0) - mine
+            n = tl.sum(mine, axis=0)
+            if tl.max(cnt, axis=0) > LANES:
+                n = CAP + 1  # values were dropped: as if the bracket overflowed
+            elif n <= CAP:
+                tl.debug_barrier()  # the slots' stores are visible to every thread
+                for j in tl.static_range(LANES):
+                    vj = tl.load(lbase + j * BLOCK + cols, mask=j < mine, other=0.0)
+                    tl.store(cbase + start + j, vj, mask=j < mine)
             above_c = tl.sum(above_cv, axis=0)
             above_m = tl.sum(above_mv, axis=0)
             if MASS:
@@ -1197,7 +1180,7 @@ class RejectionConfig:
     sample_f: int = 2048  # and the strided sample that places the bracket
     tries_f: int = 3  # brackets tried before the narrowing passes take over
     warps_f: int = 16  # the bracket launch's warps (8: ~230 registers a thread, 16: ~126)
-    lanes_f: int = 8  # slots a lane keeps for the bracket's values (0: a scan per chunk)
+    lanes_f: int = 8  # slots a lane keeps for the bracket's values (at least 1)
     stages_f: int = 1  # the bracket pass's load pipelining depth (lane slots only)
     row_g: bool = False  # the all-greedy launch: one target row per program (else a
     # request's K + 1 rows); used while B * (K + 1) <= 65535 (the grid's second dimension)

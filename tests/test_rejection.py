@@ -238,7 +238,6 @@ ROW_TILES = dataclasses.replace(BAND_TILES, rows_t=1, rows_r=1)
 # rows finish on the narrowing passes from whatever interval the bracket's pass left.
 FAST_TILES = dataclasses.replace(ROW_TILES, cap_f=128, sample_f=32)
 FAST_SMALL_TILES = dataclasses.replace(ROW_TILES, cap_f=4, sample_f=16, lanes_f=1)
-FAST_SCAN_TILES = dataclasses.replace(FAST_TILES, lanes_f=0)  # a compaction scan per chunk
 KINDS = [SP(0.0), SP(1.0), SP(0.7, top_k=5), SP(1.3, top_p=0.8), SP(0.5, top_k=9, top_p=0.6),
          SP(2.0, top_k=1), SP(1.0, top_p=0.05), SP(1.0, top_k=40)]  # fmt: skip
 
@@ -506,7 +505,7 @@ def test_tiles_bit_equal_to_one_row_per_program(device):
     sampled = ~st.greedy & (pos >= 0)
     outs = []
     tiles = (ROW_TILES, BAND_TILES, dataclasses.replace(BAND_TILES, rows_t=64, rows_r=64),
-             FAST_TILES, FAST_SMALL_TILES, FAST_SCAN_TILES)  # fmt: skip
+             FAST_TILES, FAST_SMALL_TILES)  # fmt: skip
     for cfg in tiles:
         batch = Batch(logits.to(device), drafts.to(device), q.to(device), _on(st, device),
                       pos.to(device), cfg)  # fmt: skip
