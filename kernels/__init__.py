@@ -6,8 +6,12 @@ from .activation import check_silu_and_mul_args, silu_and_mul
 from .argmax import argmax_rows, check_argmax_args
 from .commit import check_commit_args, commit_step, commit_step_torch
 from .embedding import check_embed_concat_args, embed_concat
+from .fused_linear import MAX_K as fused_linear_max_k
+from .fused_linear import MAX_ROWS as fused_linear_max_rows
+from .fused_linear import check_fused_linear_args, fused_linear
 from .gemv import check_linear_small_m_args, linear_small_m
 from .guard import INTERPRET, check_tensors_runnable, runnable
+from .launch import pdl_supported
 from .kv_store import check_store_kv_args, store_kv
 from .paged_attention import (
     AttentionLaunchConfig,
@@ -50,6 +54,7 @@ argmax_rows = runnable(argmax_rows)
 commit_step = runnable(commit_step)
 embed_concat = runnable(embed_concat)
 linear_small_m = runnable(linear_small_m)
+fused_linear = runnable(fused_linear)
 store_kv = runnable(store_kv)
 paged_attention = runnable(paged_attention)
 rms_norm = runnable(rms_norm)

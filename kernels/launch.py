@@ -52,3 +52,25 @@ class CachedLaunch:
         ret = self.jit_fn[grid](*args, **options)
         if CompiledKernel is not None and isinstance(ret, CompiledKernel):
             self._compiled[key] = ret
+
+
+_PDL: dict[int, bool] = {}
+
+
+def pdl_supported(device) -> bool:
+    """Whether launches on `device` may use programmatic dependent launch: a CUDA device
+    of compute capability 9.0 or later, outside the interpreter, unless SPECDRAFT_PDL=0.
+    Kernels launched with it wait (griddepcontrol.wait) before touching anything another
+    kernel writes, so it changes timing only."""
+    import os
+
+    from .guard import INTERPRET
+
+    device = torch.device(device)
+    if device.type != "cuda" or INTERPRET or os.environ.get("SPECDRAFT_PDL", "1") == "0":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    got = _PDL.get(index)
+    if got is None:
+        got = _PDL[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return got

@@ -38,6 +38,7 @@ import triton.language as tl
 # The argument checks live with the others in validation.py. The other launchers import
 # _check_tensor and validate_kv_cache from here (re-exported: `name as name`), and
 # specdraft.kernels exports check_paged_attention_args from here.
+from .guard import INTERPRET
 from .validation import MAX_NUM_SPLITS, check_paged_attention_args
 from .validation import _check_tensor as _check_tensor
 from .validation import validate_kv_cache as validate_kv_cache
@@ -199,10 +200,14 @@ def _paged_attention_kernel(
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if GDC:  # programmatic dependent launch: wait for the kernel that wrote q and K/V
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
     req = _find_request(qsl_ptr, tile, num_reqs, num_tokens, BLOCK_Q)
     q_start = _load_qsl(qsl_ptr, req, num_tokens)
@@ -378,11 +383,15 @@ def _combine_splits_kernel(
     HEAD_DIM_P: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     PART_MAX: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):
     # One program per (token, head) of the launch: reads and writes stay inside the
     # partials and `out` whatever the metadata says.
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     offs_d = tl.arange(0, HEAD_DIM_P)
     d_mask = offs_d < HEAD_DIM
     o_ptrs = out_ptr + tok * stride_ot + head * stride_oh + offs_d
@@ -520,6 +529,7 @@ def paged_attention(
     softcap: float | None = None,
     num_splits: int | None = None,
     config: AttentionLaunchConfig | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Causal attention of a ragged batch of queries over a paged K/V cache.
 
@@ -544,7 +554,8 @@ def paged_attention(
     Rows that no request covers (before query_start_loc[0], or skipped by a decreasing
     query_start_loc) are not written without splits and get finite values with them.
     With validation mode on (kernels/validation.py; the default for CPU tensors) such
-    metadata raises ValueError before anything is launched.
+    metadata raises ValueError before anything is launched. pdl: launch with
+    programmatic dependent launch (kernels.pdl_supported; ignored by the interpreter).
     """
     check_paged_attention_args(
         q,
@@ -598,6 +609,8 @@ def paged_attention(
     else:
         part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
     grid = (cdiv(num_tokens, cfg.block_q) + num_reqs, num_kv_heads, cfg.num_splits)
+    pdl = bool(pdl) and not INTERPRET
+    launch_pdl = {"launch_pdl": True} if pdl else {}
     _paged_attention_kernel[grid](
         out,
         part_out,
@@ -638,8 +651,10 @@ def paged_attention(
         USE_SOFTCAP=softcap is not None,
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        GDC=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **launch_pdl,
     )
     if cfg.num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_q_heads)](
@@ -658,6 +673,8 @@ def paged_attention(
             # Bounds partials that no program wrote (see the kernel): the out dtype's
             # range for fp16, a value no real attention output reaches otherwise.
             PART_MAX=65504.0 if q.dtype == torch.float16 else 1e30,
+            GDC=pdl,
             num_warps=1 if head_dim_p <= 128 else 2,
+            **launch_pdl,
         )
     return out

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .guard import INTERPRET
 from .kv_store import check_store_kv_args
 from .paged_attention import _check_tensor
 
@@ -165,8 +166,12 @@ def _rotary_store_kv_kernel(
     TAIL: tl.constexpr,
     TAIL_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):
     tok = tl.program_id(0).to(tl.int64)
+    if GDC:  # programmatic dependent launch: q, k, v come from the kernel before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     cos, sin, offs_d, d_mask = _load_cos_sin(
         positions_ptr, tok, cos_sin_ptr, max_positions, stride_ct, HALF, HALF_P
     )
@@ -307,6 +312,8 @@ def rotary_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    pdl: bool = False,
 ) -> None:
     """apply_rotary(q, k, positions, cos_sin_cache) then store_kv(k, v, k_cache, v_cache,
     slot_mapping) in one launch of num_tokens programs, bit for bit: q ends rotated in
@@ -320,7 +327,8 @@ def rotary_store_kv(
     stored unrotated), caches [num_blocks, block_size, Hkv, D], slot_mapping int64
     [>= num_tokens]. Positions are clamped into the table; a token whose slot is -1, or
     outside the cache, has q rotated and writes no K/V. Every check runs before the
-    launch, so a refused call writes nothing."""
+    launch, so a refused call writes nothing. pdl: launch with programmatic dependent
+    launch (kernels.pdl_supported)."""
     block_size = check_rotary_store_kv_args(
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping
     )
@@ -365,5 +373,7 @@ def rotary_store_kv(
         TAIL=tail,
         TAIL_P=triton.next_power_of_2(max(tail, 1)),
         BLOCK_SIZE=block_size,
+        GDC=bool(pdl) and not INTERPRET,
         num_warps=4 if max(num_q_heads * half, num_kv_heads * head_dim) >= 1024 else 1,
+        **({"launch_pdl": True} if pdl and not INTERPRET else {}),
     )

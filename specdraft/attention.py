@@ -81,21 +81,25 @@ class PagedAttention(torch.nn.Module):
         out: torch.Tensor | None = None,
         *,
         stored: bool = False,
+        pdl: bool = False,
     ) -> torch.Tensor:
         """q [num_tokens, Hq, D], k and v [num_tokens, Hkv, D] with num_tokens equal to
         meta.num_tokens; returns [num_tokens, Hq, D] (zeros on padded tokens).
 
         stored=True: the caller has run check() and then written this step's K/V into
         kv_cache at meta.slot_mapping (kernels.rotary_store_kv), so neither the layer's
-        checks nor store_kv run again; attention reads K/V from the cache either way."""
+        checks nor store_kv run again; attention reads K/V from the cache either way.
+        pdl=True (Triton backend only): launch with programmatic dependent launch."""
         if not stored:
             self._check(q, k, v, kv_cache, meta, out)
         k_cache, v_cache = kv_cache
         if not stored:
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        extra = {"pdl": True} if pdl else {}
         return paged_attention(
-            q, k_cache, v_cache, *self._metadata(meta), self.scale, out=out, **self._options(meta)
-        )
+            q, k_cache, v_cache, *self._metadata(meta), self.scale, out=out,
+            **self._options(meta), **extra,
+        )  # fmt: skip
 
     def check(
         self,

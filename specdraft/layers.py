@@ -167,8 +167,14 @@ class Attention(nn.Module):
             raise ValueError(
                 f"x has shape {tuple(getattr(x, 'shape', ()))}, expected [num_tokens, {want}]"
             )
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        return self.o_proj(self.attend(self.qkv_proj(x), meta, kv_cache))
+
+    def attend(
+        self, qkv: torch.Tensor, meta: AttentionMetadata, kv_cache: KVPair, *, pdl: bool = False
+    ) -> torch.Tensor:
+        """Rotary, the K/V store and attention over the QKV projection's output qkv
+        [num_tokens, (Hq + 2 Hkv) D]; returns [num_tokens, Hq D] (q is rotated in place)."""
+        t = qkv.shape[0]
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
             t, self.num_kv_heads, self.head_dim
@@ -179,10 +185,11 @@ class Attention(nn.Module):
         self.attn.check(q, k, v, kv_cache, meta)
         k_cache, v_cache = kv_cache
         rotary_store_kv(
-            q, k, v, meta.positions, self.rotary.cos_sin_cache, k_cache, v_cache, meta.slot_mapping
-        )
-        out = self.attn(q, k, v, kv_cache, meta, stored=True)
-        return self.o_proj(out.view(t, self.q_size))
+            q, k, v, meta.positions, self.rotary.cos_sin_cache, k_cache, v_cache,
+            meta.slot_mapping, pdl=pdl,
+        )  # fmt: skip
+        out = self.attn(q, k, v, kv_cache, meta, stored=True, pdl=pdl)
+        return out.view(t, self.q_size)
 
 
 class GatedMLP(nn.Module):
@@ -252,6 +259,41 @@ class DecoderLayer(nn.Module):
         if add_residual:
             return self.mlp(x, residual), None
         return self.mlp(x), residual
+
+
+    def forward_fused(
+        self, stream: torch.Tensor, meta: AttentionMetadata, kv_cache: KVPair, *, pdl: bool
+    ) -> None:
+        """The layer on the fused decode path (ops.fused_decode): `stream` [T, H] is the
+        residual stream entering the layer (what forward's hidden + residual sums to) and
+        leaves it holding the layer's output, updated in place. Four fused_linear
+        launches (norm + QKV, O + residual, norm + gate/up, SiLU-and-multiply + down +
+        residual) around rotary + store and attention; the residual adds round once,
+        from float32, where forward rounds the GEMM output first."""
+        attn, mlp = self.self_attn, self.mlp
+        if stream.dim() != 2 or stream.shape[1] != attn.qkv_proj.in_features:
+            raise ValueError(
+                f"stream has shape {tuple(stream.shape)}, expected "
+                f"[num_tokens, {attn.qkv_proj.in_features}]"
+            )
+        norm = self.input_layernorm
+        qkv = ops.fused_linear(
+            stream, attn.qkv_proj.weight, bias=attn.qkv_proj.bias,
+            norm_weight=None if norm is None else norm.weight,
+            eps=1e-6 if norm is None else norm.eps, pdl=pdl,
+        )  # fmt: skip
+        out = attn.attend(qkv, meta, kv_cache, pdl=pdl)
+        ops.fused_linear(
+            out, attn.o_proj.weight, bias=attn.o_proj.bias, residual=stream, out=stream, pdl=pdl
+        )
+        post = self.post_attention_layernorm
+        gate_up = ops.fused_linear(
+            stream, mlp.gate_up_proj.weight, norm_weight=post.weight, eps=post.eps, pdl=pdl
+        )
+        ops.fused_linear(
+            gate_up, mlp.down_proj.weight, bias=mlp.down_proj.bias, silu=True,
+            residual=stream, out=stream, pdl=pdl,
+        )  # fmt: skip
 
 
 def layer_caches(
@@ -378,7 +420,12 @@ def select_logits(
     else logits_indices (a device int64 tensor of row indices, checked by
     check_step_inputs), else each request's last token (meta.last_token_idx; padded
     requests read row 0)."""
-    if all_logits:
-        return lm_head(hidden)
-    idx = meta.last_token_idx if logits_indices is None else logits_indices
-    return lm_head(hidden.index_select(0, idx))
+    rows = hidden
+    if not all_logits:
+        idx = meta.last_token_idx if logits_indices is None else logits_indices
+        rows = hidden.index_select(0, idx)
+    if ops.fused_lm_head(rows):
+        return ops.fused_linear(
+            rows, lm_head.weight, bias=lm_head.bias, pdl=kernels.pdl_supported(rows.device)
+        )
+    return lm_head(rows)

@@ -98,6 +98,51 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return torch.nn.functional.linear(x, weight, bias)
 
 
+_fused_decode = os.environ.get("SPECDRAFT_FUSED", "1") != "0"
+# Rows up to which the fused path runs: each program takes x's rows one after another,
+# so past a few rows cuBLAS's tensor-core GEMMs win (H200, SmolLM2 decode step: 0.51x
+# the unfused step's time at 1 row, 0.88x at 4, 1.33x at 8).
+_fused_rows = 4
+
+
+def set_fused_decode(enabled: bool) -> None:
+    """Whether decoder layers run inputs of at most 4 rows on
+    the Triton backend through the fused decode path (each projection one
+    kernels.fused_linear launch with its RMSNorm, SiLU-and-multiply and residual add
+    folded in, launched with programmatic dependent launch where the GPU has it). On by
+    default; SPECDRAFT_FUSED=0 turns it off for a process. Applies to calls made, or
+    graphs captured, afterwards."""
+    global _fused_decode
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    _fused_decode = enabled
+
+
+def fused_decode(x: torch.Tensor) -> bool:
+    """Whether a decoder forward over hidden states `x` [num_tokens, H] takes the fused
+    decode path now (see set_fused_decode)."""
+    return (
+        _fused_decode
+        and x.dim() == 2
+        and 1 <= x.shape[0] <= _fused_rows
+        and backend_for(x) == "triton"
+    )
+
+
+_fused_lm_head = os.environ.get("SPECDRAFT_FUSED_LM_HEAD", "1") != "0"
+
+
+def fused_lm_head(rows: torch.Tensor) -> bool:
+    """Whether the lm_head over `rows` [R, H] runs as one fused_linear launch (the fused
+    decode path's rows; SPECDRAFT_FUSED_LM_HEAD=0 keeps cuBLAS)."""
+    return _fused_lm_head and fused_decode(rows) and rows.shape[1] <= kernels.fused_linear_max_k
+
+
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, **kw) -> torch.Tensor:
+    """kernels.fused_linear (Triton backend only: the fused decode path's projection)."""
+    return kernels.fused_linear(x, weight, **kw)
+
+
 def linear_residual_(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """residual += x W^T in place, one cuBLAS call (the addition in the GEMM's float32
     epilogue, one rounding; in place, so no copy of the residual first): a layer's output
@@ -160,16 +205,21 @@ def apply_rotary(q, k, positions, cos_sin_cache) -> None:
     impl(q, k, positions, cos_sin_cache)
 
 
-def rotary_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping) -> None:
+def rotary_store_kv(
+    q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, *, pdl: bool = False
+) -> None:
     """apply_rotary then store_kv in one launch on the Triton backend: q rotated in
     place, rotated k and v written to the cache at their slots, k itself left unrotated
-    (kernels.rotary_store_kv). Both paths check everything before writing anything."""
+    (kernels.rotary_store_kv; pdl: with programmatic dependent launch). Both paths check
+    everything before writing anything."""
     impl = _impl("rotary_store_kv", q)
     if impl is torch_ops.rotary_store_kv:
         kernels.check_rotary_store_kv_args(
             q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping
         )
-    impl(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+        impl(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+        return
+    impl(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, pdl=pdl)
 
 
 def silu_and_mul(x, *, out=None):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdraft import ops
+from specdraft import kernels, ops
 from specdraft.attn_metadata import AttentionMetadata
 from specdraft.layers import (
     DecoderLayer,
@@ -157,7 +157,15 @@ class EagleHead(nn.Module):
         caches = _check_step(self, input_ids, meta, kv_caches, logits_indices, all_logits)
         # [embed(token); hidden] in one launch; the last layer adds its residual inside
         # its down projection (no norm follows it).
-        x = self.fc(ops.embed_concat(input_ids, self.embed_tokens.weight, hidden_states))
+        x = ops.embed_concat(input_ids, self.embed_tokens.weight, hidden_states)
+        if ops.fused_decode(x):
+            # A few rows: the fused decode path; fc's output is the residual stream.
+            pdl = kernels.pdl_supported(x.device)
+            x = ops.fused_linear(x, self.fc.weight, bias=self.fc.bias, pdl=pdl)
+            for i, layer in enumerate(self.layers):
+                layer.forward_fused(x, meta, caches[i], pdl=pdl)
+            return x, select_logits(x, self.lm_head, meta, logits_indices, all_logits)
+        x = self.fc(x)
         residual, last = None, len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, meta, caches[i], add_residual=i == last)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from specdraft import kernels, ops
 from specdraft.attn_metadata import AttentionMetadata
 from specdraft.kernels import as_int
 from specdraft.layers import (
@@ -135,15 +136,25 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"aux_layers holds {i}, outside [0, {cfg.num_layers})")
         aux: list[torch.Tensor | None] = [None] * len(aux_at)
         hidden = self.embed_tokens(input_ids)
-        residual = None
-        for i, layer in enumerate(self.layers):
-            for j, at in enumerate(aux_at):
-                if at == i:
-                    # clone at layer 0: the embedding output becomes its residual and is
-                    # updated in place
-                    aux[j] = hidden.clone() if residual is None else hidden + residual
-            hidden, residual = layer(hidden, residual, meta, caches[i])
-        hidden, _ = self.norm(hidden, residual)
+        if ops.fused_decode(hidden):
+            # A few rows: the fused decode path, one residual stream updated in place.
+            pdl = kernels.pdl_supported(hidden.device)
+            for i, layer in enumerate(self.layers):
+                for j, at in enumerate(aux_at):
+                    if at == i:
+                        aux[j] = hidden.clone()
+                layer.forward_fused(hidden, meta, caches[i], pdl=pdl)
+            hidden = self.norm(hidden)
+        else:
+            residual = None
+            for i, layer in enumerate(self.layers):
+                for j, at in enumerate(aux_at):
+                    if at == i:
+                        # clone at layer 0: the embedding output becomes its residual and
+                        # is updated in place
+                        aux[j] = hidden.clone() if residual is None else hidden + residual
+                hidden, residual = layer(hidden, residual, meta, caches[i])
+            hidden, _ = self.norm(hidden, residual)
         logits = select_logits(hidden, self.lm_head, meta, logits_indices, all_logits)
         if aux_layers is None:
             return hidden, logits

@@ -1,0 +1,249 @@
+"""The fused decode projection (kernels.fused_linear) against a float64 reference of the
+unfused ops it replaces (RMSNorm, SiLU-and-multiply, GEMM, bias, residual add); bad
+inputs; and the fused decode path of a whole model against the unfused one.
+
+CPU runs use the Triton interpreter in fp32 / fp16; tests marked gpu run bf16 at SmolLM2
+and Llama shapes, with programmatic dependent launch, eagerly and under a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft import kernels, ops
+from specdraft.kernels import fused_linear
+from specdraft.kernels.fused_linear import MAX_ROWS
+from specdraft.models.tiny import eagle_config, random_causal_lm, random_eagle_head, tiny_config
+from tests.model_helpers import PagedRunner
+
+
+def reference(x, w, *, bias=None, norm_weight=None, eps=1e-6, silu=False, residual=None):
+    """float64 of the unfused ops, each intermediate rounded to x's dtype where the
+    unfused kernels round it (normalized rows, the weighted norm, silu(gate), the
+    product); the GEMM, bias and residual add in float64."""
+    dt = x.dtype
+
+    def rnd(t):
+        return t.to(dt).double()
+
+    xd = x.double()
+    if silu:
+        k = w.shape[1]
+        g, u = xd[:, :k], xd[:, k:]
+        xd = rnd(rnd(g * torch.sigmoid(g)) * u)
+    if norm_weight is not None:
+        rstd = torch.rsqrt((xd * xd).mean(-1, keepdim=True) + eps)
+        xd = rnd(rnd(xd * rstd) * norm_weight.double())
+    y = xd @ w.double().T
+    if bias is not None:
+        y = y + bias.double()
+    if residual is not None:
+        y = y + residual.double()
+    return y
+
+
+def rounding(y: torch.Tensor, dtype) -> float:
+    """The reference's own rounding error in dtype: the yardstick for ours."""
+    return (y.to(dtype).double() - y).abs().max().item()
+
+
+def check_case(device, dtype, m, k, n, *, bias, norm, silu, res, inplace, pdl=False):
+    x = torch.randn(m, 2 * k if silu else k, device=device).to(dtype)
+    w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
+    b = torch.randn(n, device=device).to(dtype) if bias else None
+    g = (torch.rand(k, device=device) + 0.5).to(dtype) if norm else None
+    r = torch.randn(m, n, device=device).to(dtype) if res else None
+    want = reference(x, w, bias=b, norm_weight=g, eps=1e-5, silu=silu, residual=r)
+    x0 = x.clone()
+    if inplace:
+        out = r
+    else:
+        out = torch.full((m, n), float("nan"), device=device, dtype=dtype)
+    got = fused_linear(
+        x, w, bias=b, norm_weight=g, eps=1e-5, silu=silu, residual=r, out=out, pdl=pdl
+    )
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.isfinite(got).all(), "every element written"
+    assert torch.equal(x, x0), "x unchanged"
+    err = (got.double() - want).abs().max().item()
+    # float32 sums of at most 2K products: a few ulps of the row's magnitude; in fp16 /
+    # bf16, the reference's own rounding plus that of the rounded intermediates.
+    scale = want.abs().max().item() + 1.0
+    tol = 1e-5 * scale if dtype == torch.float32 else 3 * rounding(want, dtype) + 2e-3 * scale
+    assert err <= tol, (err, tol)
+
+
+FLAGS = [
+    dict(bias=False, norm=False, silu=False, res=False, inplace=False),
+    dict(bias=True, norm=False, silu=False, res=False, inplace=False),
+    dict(bias=False, norm=True, silu=False, res=False, inplace=False),
+    dict(bias=True, norm=True, silu=False, res=False, inplace=False),
+    dict(bias=False, norm=False, silu=True, res=True, inplace=True),
+    dict(bias=False, norm=False, silu=False, res=True, inplace=False),
+    dict(bias=True, norm=False, silu=False, res=True, inplace=True),
+]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("flags", FLAGS, ids=lambda f: "-".join(k for k, v in f.items() if v) or "plain")
+def test_fused_linear_matches_float64(dtype, flags):
+    for m, k, n in ((1, 48, 40), (3, 96, 72), (MAX_ROWS, 64, 130)):
+        check_case("cpu", dtype, m, k, n, **flags)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("flags", FLAGS, ids=lambda f: "-".join(k for k, v in f.items() if v) or "plain")
+def test_gpu_fused_linear_bf16(flags, pdl):
+    pdl = pdl and kernels.pdl_supported("cuda")
+    # SmolLM2's projections (K 576 / 1536), Llama-3-8B's (4096), a ragged K and N
+    for m, k, n in ((1, 576, 960), (4, 576, 3072), (MAX_ROWS, 1536, 576), (2, 4096, 1000),
+                    (5, 300, 77)):  # fmt: skip
+        check_case("cuda", torch.bfloat16, m, k, n, pdl=pdl, **flags)
+
+
+def _bad(device):
+    dt = torch.float32
+    x = torch.randn(2, 32, device=device, dtype=dt)
+    w = torch.randn(16, 32, device=device, dtype=dt)
+    return x, w
+
+
+@pytest.mark.parametrize(
+    "make, exc, words",
+    [
+        (lambda x, w: dict(x=x[None]), ValueError, "x must have 2 dimensions"),
+        (lambda x, w: dict(x=torch.randn(MAX_ROWS + 1, 32)), ValueError, "rows"),
+        (lambda x, w: dict(weight=w.half()), TypeError, "weight must have dtype"),
+        (lambda x, w: dict(weight=w[:, :16]), ValueError, "x has 32 columns"),
+        (lambda x, w: dict(silu=True), ValueError, "silu=True"),
+        (lambda x, w: dict(bias=torch.randn(15)), ValueError, "bias has shape"),
+        (lambda x, w: dict(norm_weight=torch.randn(31)), ValueError, "norm_weight has shape"),
+        (
+            lambda x, w: dict(x=torch.randn(2, 64), norm_weight=torch.randn(32), silu=True),
+            ValueError,
+            "cannot be combined",
+        ),
+        (lambda x, w: dict(residual=torch.randn(2, 15)), ValueError, "residual has shape"),
+        (lambda x, w: dict(out=torch.randn(3, 16)), ValueError, "out has shape"),
+        (lambda x, w: dict(out=torch.randn(2, 16).half()), TypeError, "out must have dtype"),
+        (lambda x, w: dict(x="x"), TypeError, "x must be a torch.Tensor"),
+    ],
+)
+def test_fused_linear_bad_inputs(make, exc, words):
+    """A clear error naming the argument; nothing written (out and residual unchanged)."""
+    x, w = _bad("cpu")
+    kw = dict(x=x, weight=w, residual=torch.randn(2, 16), out=torch.randn(2, 16))
+    kw.update(make(x, w))
+    snap = {k: v.clone() for k, v in kw.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(exc, match=words):
+        kernels.check_fused_linear_args(**kw)
+    with pytest.raises(exc, match=words):
+        fused_linear(kw.pop("x"), kw.pop("weight"), **kw)
+    for k, v in snap.items():
+        now = kw.get(k, v)
+        assert torch.equal(now, v), f"{k} changed"
+
+
+def test_fused_linear_refuses_out_overlapping_x():
+    buf = torch.randn(2, 48)
+    x, w = buf[:, :32], torch.randn(16, 32)
+    before = buf.clone()
+    with pytest.raises(ValueError, match="out overlaps x"):
+        fused_linear(x, w, out=buf[:, 32:])
+    assert torch.equal(buf, before)
+
+
+def _model_logits(model, cfg, device, fused: bool, steps: int = 3):
+    """With the fused path on or off throughout: prefill two prompts (8 rows with the
+    padding: the unfused path either way), then `steps` decode steps of 2 requests + 1 padded row; the hidden states,
+    logits and aux states of every decode step."""
+    before = ops._fused_decode
+    ops.set_fused_decode(fused)
+    try:
+        runner = PagedRunner(cfg, device, dtype=model.dtype)
+        meta = runner.step([(0, [3, 5, 7, 11]), (1, [2, 4])], pad_reqs=1, pad_tokens=2)
+        model(meta.input_ids, meta, runner.cache)  # 8 rows: past the fused path's 4
+        outs, nxt = [], [1, 2]
+        for _ in range(steps):
+            meta = runner.step([(0, [nxt[0]]), (1, [nxt[1]])], pad_reqs=1, pad_tokens=1)
+            assert ops.fused_decode(model.embed_tokens(meta.input_ids)) == fused
+            hidden, logits, aux = model(meta.input_ids, meta, runner.cache, aux_layers=(0, 1))
+            outs.append((hidden[:2].float(), logits[:2].float(), aux[:2].float()))
+            nxt = [int(x) for x in logits.argmax(-1)[:2]]
+    finally:
+        ops.set_fused_decode(before)
+    return outs
+
+
+def _compare_fused(device, dtype, tol):
+    cfg = tiny_config("llama", num_layers=2)
+    model = random_causal_lm(cfg, dtype=dtype, device=device, seed=3)
+    with torch.no_grad():
+        fused = _model_logits(model, cfg, device, True)
+        plain = _model_logits(model, cfg, device, False)
+    for (h1, l1, a1), (h2, l2, a2) in zip(fused, plain):
+        for a, b in ((h1, h2), (l1, l2), (a1, a2)):
+            assert torch.isfinite(a).all()
+            err = (a - b).abs().max().item()
+            assert err <= tol * (b.abs().max().item() + 1), err
+
+
+@pytest.mark.interpreter
+def test_fused_decode_path_matches_unfused_model():
+    """Same hidden states, logits and EAGLE-3 aux states (fp32, interpreter); the
+    planted check: with the path forced the fused forward really ran."""
+    calls = []
+    real = kernels.fused_linear
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    kernels.fused_linear = spy
+    try:
+        _compare_fused("cpu", torch.float32, 1e-4)
+    finally:
+        kernels.fused_linear = real
+    # 3 steps x (2 layers x 4 + lm_head), and the prefill's lm_head over its 3 last rows
+    assert len(calls) == 3 * (2 * 4 + 1) + 1, len(calls)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_decode_path_matches_unfused_model_bf16():
+    _compare_fused("cuda", torch.bfloat16, 3e-2)
+
+
+def _eagle_steps(head, cfg, device, fused: bool, steps: int = 3):
+    """An EAGLE-1 head's steps with the fused path on or off: 2 requests + 1 padded row
+    a step, the head's own hidden state carried; (hidden, logits) of each step."""
+    before = ops._fused_decode
+    ops.set_fused_decode(fused)
+    try:
+        runner = PagedRunner(cfg, device, dtype=head.dtype)
+        gen = torch.Generator(device="cpu").manual_seed(5)
+        hidden = torch.randn(3, cfg.hidden_size, generator=gen).to(device, head.dtype)
+        outs, nxt = [], [1, 2]
+        for _ in range(steps):
+            meta = runner.step([(0, [nxt[0]]), (1, [nxt[1]])], pad_reqs=1, pad_tokens=1)
+            hidden, logits = head(meta.input_ids, hidden, meta, runner.cache)
+            outs.append((hidden[:2].float().clone(), logits[:2].float()))
+            nxt = [int(x) for x in logits.argmax(-1)[:2]]
+    finally:
+        ops.set_fused_decode(before)
+    return outs
+
+
+@pytest.mark.interpreter
+def test_fused_decode_path_matches_unfused_eagle_head():
+    cfg = tiny_config("llama", num_layers=2)
+    target = random_causal_lm(cfg, dtype=torch.float32, device="cpu", seed=3)
+    head = random_eagle_head(eagle_config(cfg), target, seed=4)
+    with torch.no_grad():
+        fused = _eagle_steps(head, eagle_config(cfg), "cpu", True)
+        plain = _eagle_steps(head, eagle_config(cfg), "cpu", False)
+    for (h1, l1), (h2, l2) in zip(fused, plain):
+        for a, b in ((h1, h2), (l1, l2)):
+            assert torch.isfinite(a).all()
+            assert (a - b).abs().max().item() <= 1e-4 * (b.abs().max().item() + 1)
