@@ -39,11 +39,10 @@ MAX_K = 16384  # the padded reduction width a program holds in registers
 
 @triton.jit
 def _fused_linear_kernel(
-    x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, out_ptr, N, K, eps,
+    x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, out_ptr, M, N, K, eps,
     stride_x, stride_w, stride_r, stride_o,
-    M: tl.constexpr, MP: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr, RES: tl.constexpr,
-    GDC: tl.constexpr,
+    KP: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+    SILU: tl.constexpr, RES: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, KP)
@@ -62,30 +61,45 @@ def _fused_linear_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     dt = out_ptr.dtype.element_ty
-    rows = tl.arange(0, MP)
-    omask = (rows < M)[:, None] & cmask[None, :]
-    # The rows are unrolled (M is fixed per launch) and every store waits to the end, so
-    # nothing orders one row's loads after another row's store: all of x is in flight at
-    # once and the rows' reductions overlap.
-    y = tl.zeros([MP, BLOCK_N], tl.float32)
-    for m in tl.static_range(M):
-        a = tl.load(x_ptr + m * stride_x + ks, mask=kmask, other=0.0).to(tl.float32)
+    # Row m + 1's loads are issued before row m's product (software pipelining): with
+    # several rows the loop waits on one load latency, not one a row.
+    xa, xb, res = _load_row(x_ptr, r_ptr, 0, stride_x, stride_r, ks, kmask, cols, cmask, K,
+                            SILU, RES, 0 < M)  # fmt: skip
+    for m in range(M):
+        a, b, r = xa, xb, res
+        xa, xb, res = _load_row(x_ptr, r_ptr, m + 1, stride_x, stride_r, ks, kmask, cols,
+                                cmask, K, SILU, RES, m + 1 < M)  # fmt: skip
         if SILU:
-            u = tl.load(x_ptr + m * stride_x + K + ks, mask=kmask, other=0.0).to(tl.float32)
             s = (a / (1.0 + tl.exp(tl.minimum(-a, 80.0)))).to(dt).to(tl.float32)
-            a = (s * u).to(dt).to(tl.float32)
+            x = (s * b).to(dt).to(tl.float32)
+        else:
+            x = a
         if NORM:
-            rstd = tl.rsqrt(tl.sum(a * a, axis=0) / K + eps)
-            a = ((a * rstd).to(dt).to(tl.float32) * g).to(dt).to(tl.float32)
-        acc = tl.sum(w * a[None, :], axis=1)
-        y = tl.where((rows == m)[:, None], acc[None, :], y)
-    if HAS_BIAS:
-        y += bias[None, :]
+            rstd = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+            x = (x * rstd).to(dt).to(tl.float32) * g
+            x = x.to(dt).to(tl.float32)
+        acc = tl.sum(w * x[None, :], axis=1)
+        if HAS_BIAS:
+            acc += bias
+        if RES:
+            acc += r
+        tl.store(out_ptr + m * stride_o + cols, acc.to(dt), mask=cmask)
+
+
+@triton.jit
+def _load_row(x_ptr, r_ptr, m, stride_x, stride_r, ks, kmask, cols, cmask, K,
+              SILU: tl.constexpr, RES: tl.constexpr, live):  # fmt: skip
+    """Row m's inputs as float32 (nothing read where live is false): x (with SILU, the
+    gate half), the up half (SILU) and the residual's columns (RES); unused ones 0."""
+    row = x_ptr + m * stride_x
+    a = tl.load(row + ks, mask=kmask & live, other=0.0).to(tl.float32)
+    b = a
+    if SILU:
+        b = tl.load(row + K + ks, mask=kmask & live, other=0.0).to(tl.float32)
+    r = tl.zeros(cols.shape, tl.float32)
     if RES:
-        y += tl.load(
-            r_ptr + rows[:, None] * stride_r + cols[None, :], mask=omask, other=0.0
-        ).to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], y.to(dt), mask=omask)
+        r = tl.load(r_ptr + m * stride_r + cols, mask=cmask & live, other=0.0).to(tl.float32)
+    return a, b, r
 
 
 _LAUNCH = CachedLaunch(_fused_linear_kernel)
@@ -181,10 +195,10 @@ def fused_linear(
     gdc = bool(pdl) and not INTERPRET
     args = (x, weight, bias if bias is not None else weight,
             norm_weight if norm_weight is not None else weight,
-            residual if residual is not None else out, out, n, k, float(eps),
+            residual if residual is not None else out, out, m, n, k, float(eps),
             x.stride(0), weight.stride(0),
             residual.stride(0) if residual is not None else 0, out.stride(0),
-            m, triton.next_power_of_2(m), kp, block_n, bias is not None, norm_weight is not None, bool(silu),
+            kp, block_n, bias is not None, norm_weight is not None, bool(silu),
             residual is not None, gdc)  # fmt: skip
     key = specialization_key(args) + (x.device.index,)
     options = {"num_warps": warps}
