@@ -154,11 +154,13 @@ def check_fused_linear_args(
 
 
 def _tile(k: int) -> tuple[int, int, int]:
-    """(K padded, columns a program, warps): ~8192 weights a program at 4 warps (the
-    SmolLM2 sweep's best: 1.74 µs a launch), 16 warps at most."""
+    """(K padded, columns a program, warps): 64 weights a thread, 4 warps up to K 8192
+    (~8192 weights a program; SmolLM2 on the H200: 1.74 µs a launch in a chain), more
+    warps past it. One warp a program (row reductions without barriers) measured
+    1.07-1.63x slower."""
     kp = triton.next_power_of_2(k)
-    block_n = max(1, 8192 // kp)
     warps = min(16, max(4, kp // 2048))
+    block_n = max(1, 64 * 32 * warps // kp)
     if INTERPRET:  # the interpreter pays per program: larger slices
         block_n = max(block_n, min(64, 65536 // kp))
     return kp, block_n, warps
@@ -200,7 +202,7 @@ def fused_linear(
             residual.stride(0) if residual is not None else 0, out.stride(0),
             kp, block_n, bias is not None, norm_weight is not None, bool(silu),
             residual is not None, gdc)  # fmt: skip
-    key = specialization_key(args) + (x.device.index,)
+    key = specialization_key(args) + (x.device.index, warps)
     options = {"num_warps": warps}
     if gdc:
         options["launch_pdl"] = True

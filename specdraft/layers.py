@@ -420,12 +420,7 @@ def select_logits(
     else logits_indices (a device int64 tensor of row indices, checked by
     check_step_inputs), else each request's last token (meta.last_token_idx; padded
     requests read row 0)."""
-    rows = hidden
-    if not all_logits:
-        idx = meta.last_token_idx if logits_indices is None else logits_indices
-        rows = hidden.index_select(0, idx)
-    if ops.fused_lm_head(rows):
-        return ops.fused_linear(
-            rows, lm_head.weight, bias=lm_head.bias, pdl=kernels.pdl_supported(rows.device)
-        )
-    return lm_head(rows)
+    if all_logits:
+        return lm_head(hidden)
+    idx = meta.last_token_idx if logits_indices is None else logits_indices
+    return lm_head(hidden.index_select(0, idx))

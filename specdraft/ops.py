@@ -100,8 +100,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 _fused_decode = os.environ.get("SPECDRAFT_FUSED", "1") != "0"
 # Rows up to which the fused path runs: each program takes x's rows one after another,
-# so past a few rows cuBLAS's tensor-core GEMMs win (H200, SmolLM2 decode step: 0.51x
-# the unfused step's time at 1 row, 0.88x at 4, 1.33x at 8).
+# so past a few rows cuBLAS's tensor-core GEMMs win. H200, decode step under a graph,
+# fused with PDL against unfused: SmolLM2 520 vs 932 µs at 1 row, 740 vs 1041 at 4, 1042
+# vs 1044 at 8; llama-68m 100 vs 104 at 4, 144 vs 111 at 8.
 _fused_rows = 4
 
 
@@ -127,15 +128,6 @@ def fused_decode(x: torch.Tensor) -> bool:
         and 1 <= x.shape[0] <= _fused_rows
         and backend_for(x) == "triton"
     )
-
-
-_fused_lm_head = os.environ.get("SPECDRAFT_FUSED_LM_HEAD", "1") != "0"
-
-
-def fused_lm_head(rows: torch.Tensor) -> bool:
-    """Whether the lm_head over `rows` [R, H] runs as one fused_linear launch (the fused
-    decode path's rows; SPECDRAFT_FUSED_LM_HEAD=0 keeps cuBLAS)."""
-    return _fused_lm_head and fused_decode(rows) and rows.shape[1] <= kernels.fused_linear_max_k
 
 
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, **kw) -> torch.Tensor:
