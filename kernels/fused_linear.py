@@ -64,7 +64,7 @@ def _fused_linear_kernel(
     # Row m + 1's loads are issued before row m's product (software pipelining): with
     # several rows the loop waits on one load latency, not one a row.
     xa, xb, res = _load_row(x_ptr, r_ptr, 0, stride_x, stride_r, ks, kmask, cols, cmask, K,
-                            SILU, RES, 0 < M)  # fmt: skip
+                            SILU, RES, M > 0)  # fmt: skip
     for m in range(M):
         a, b, r = xa, xb, res
         xa, xb, res = _load_row(x_ptr, r_ptr, m + 1, stride_x, stride_r, ks, kmask, cols,
@@ -148,9 +148,9 @@ def check_fused_linear_args(
         o_end = out.data_ptr() + out.element_size() * ((m - 1) * out.stride(0) + n)
         if out.data_ptr() < x_end and x.data_ptr() < o_end:
             raise ValueError("out overlaps x: every program reads all of x")
-        if residual is not None and residual.data_ptr() == out.data_ptr():
-            if residual.stride() != out.stride():
-                raise ValueError("out aliases residual with other strides")
+        same = residual is not None and residual.data_ptr() == out.data_ptr()
+        if same and residual.stride() != out.stride():
+            raise ValueError("out aliases residual with other strides")
 
 
 def _tile(k: int) -> tuple[int, int, int]:

@@ -260,7 +260,6 @@ class DecoderLayer(nn.Module):
             return self.mlp(x, residual), None
         return self.mlp(x), residual
 
-
     def forward_fused(
         self, stream: torch.Tensor, meta: AttentionMetadata, kv_cache: KVPair, *, pdl: bool
     ) -> None:

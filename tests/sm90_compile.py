@@ -5,11 +5,13 @@ the GPU compiler rejects (stop 23: an MLIR dominance failure in a multi-row cut 
 with float32 logits), so the CPU suite compiles them too.
 
     TRITON_INTERPRET=0 python -m tests.sm90_compile [--cases V,B,K ...] [--dtypes ...]
-        [--sass]
+        [--sass] [--decode]
 
 Prints one line per launch; exits 1 if any launch fails to compile. --sass adds each
 kernel's SASS instruction count (nvdisasm), its local-memory loads and stores (register
-spills) and its most frequent opcodes: a device-free look at a kernel's cost. Run it in
+spills) and its most frequent opcodes: a device-free look at a kernel's cost. --decode
+also compiles the fused decode path's launches with programmatic dependent launch (and
+`--cases` with no value skips the sampler). Run it in
 a process of its own: it replaces Triton's active driver."""
 
 from __future__ import annotations
@@ -74,6 +76,62 @@ def launches(v: int, b: int, k: int, dtype: torch.dtype, sampled: bool) -> list[
     return plan[3]
 
 
+def decode_path_compiles() -> list[tuple[str, object]]:
+    """The fused decode path's launches with programmatic dependent launch (SmolLM2's
+    shapes: every fused_linear flavour at 1 and 4 rows, rotary + store, attention with
+    its split merge), each made through its own launcher with the JIT's run turned into
+    a compile-only warmup. Returns (label, compiled kernel) pairs."""
+    import importlib
+
+    # import_module: the package's names fused_linear / paged_attention are functions
+    fl = importlib.import_module("kernels.fused_linear")
+    pa = importlib.import_module("kernels.paged_attention")
+    rot = importlib.import_module("kernels.rotary")
+
+    got: list[tuple[str, object]] = []
+    label = [""]
+
+    def compile_only(jit):
+        run = jit.run
+
+        def warm(*a, **kw):
+            kw["warmup"] = True
+            compiled = run(*a, **kw)
+            got.append((f"{label[0]} {jit.__name__}", compiled))
+            return compiled
+
+        jit.run = warm
+
+    for jit in (fl._fused_linear_kernel, rot._rotary_store_kv_kernel,
+                pa._paged_attention_kernel, pa._combine_splits_kernel):  # fmt: skip
+        compile_only(jit)
+    bf = torch.bfloat16
+    h, f, hq, hkv, d = 576, 1536, 9, 3, 64
+    for m in (1, 4):
+        stream = torch.randn(m, h).to(bf)
+        for name, x, w, kw in (
+            ("norm", stream, torch.randn(960, h), dict(norm_weight=torch.ones(h).to(bf))),
+            ("residual", torch.randn(m, h).to(bf), torch.randn(h, h), dict(residual=stream)),
+            ("silu", torch.randn(m, 2 * f).to(bf), torch.randn(h, f), dict(silu=True)),
+            ("bias", stream, torch.randn(960, h), dict(bias=torch.randn(960).to(bf))),
+        ):
+            label[0] = f"decode M {m} {name}"
+            fl.fused_linear(x, w.to(bf), pdl=True, **kw)
+    label[0] = "decode"
+    t, blocks, bs = 4, 8, 16
+    q, k, v = (torch.randn(t, n, d).to(bf) for n in (hq, hkv, hkv))
+    kc, vc = (torch.randn(blocks, bs, hkv, d).to(bf) for _ in range(2))
+    pos = torch.arange(t) + 20
+    cos_sin = torch.randn(64, d)
+    rot.rotary_store_kv(q, k, v, pos, cos_sin, kc, vc, torch.arange(t) + 20, pdl=True)
+    qsl = torch.arange(t + 1, dtype=torch.int32)
+    seq = torch.full((t,), 24, dtype=torch.int32)
+    table = torch.arange(t * 2, dtype=torch.int32).view(t, 2) % blocks
+    pa.paged_attention(q, kc, vc, qsl, seq, table, 0.125, max_query_len=1, max_seq_len=24,
+                       num_splits=2, pdl=True)  # fmt: skip
+    return got
+
+
 def sass_summary(cubin: bytes) -> str:
     """Instruction count, registers, spills (STL / LDL) and the top opcodes of a cubin."""
     import triton
@@ -97,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", nargs="*", default=["16,10,4", "49152,4,3"])
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--sass", action="store_true", help="instruction counts (nvdisasm)")
+    ap.add_argument("--decode", action="store_true", help="also the fused decode path (PDL)")
     args = ap.parse_args(argv)
     driver.set_active(_Sm90Driver())
     failed = 0
@@ -118,6 +177,17 @@ def main(argv: list[str] | None = None) -> int:
                         cubin = compiled.asm.get("cubin", b"")
                         extra = f"; {sass_summary(cubin)}" if args.sass else ""
                         print(f"ok   {what}: cubin {len(cubin)} bytes{extra}", flush=True)
+    if args.decode:
+        try:
+            for what, compiled in decode_path_compiles():
+                cubin = compiled.asm.get("cubin", b"")
+                gdc = "griddepcontrol.wait" in compiled.asm.get("ptx", "")
+                extra = f"; {sass_summary(cubin)}" if args.sass else ""
+                print(f"ok   {what}: cubin {len(cubin)} bytes, griddepcontrol.wait {gdc}{extra}")
+        except Exception as e:  # any compiler failure is the finding
+            failed += 1
+            first = str(e).strip().splitlines()[:1] or [""]
+            print(f"FAIL decode path: {type(e).__name__}: {first[0][:200]}", flush=True)
     print(f"{failed} launches failed to compile for sm_90")
     return 1 if failed else 0
 

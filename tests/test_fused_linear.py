@@ -73,6 +73,10 @@ def check_case(device, dtype, m, k, n, *, bias, norm, silu, res, inplace, pdl=Fa
     assert err <= tol, (err, tol)
 
 
+def _flag_id(flags: dict) -> str:
+    return "-".join(k for k, v in flags.items() if v) or "plain"
+
+
 FLAGS = [
     dict(bias=False, norm=False, silu=False, res=False, inplace=False),
     dict(bias=True, norm=False, silu=False, res=False, inplace=False),
@@ -86,7 +90,7 @@ FLAGS = [
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("flags", FLAGS, ids=lambda f: "-".join(k for k, v in f.items() if v) or "plain")
+@pytest.mark.parametrize("flags", FLAGS, ids=_flag_id)
 def test_fused_linear_matches_float64(dtype, flags):
     for m, k, n in ((1, 48, 40), (3, 96, 72), (MAX_ROWS, 64, 130)):
         check_case("cpu", dtype, m, k, n, **flags)
@@ -94,7 +98,7 @@ def test_fused_linear_matches_float64(dtype, flags):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize("flags", FLAGS, ids=lambda f: "-".join(k for k, v in f.items() if v) or "plain")
+@pytest.mark.parametrize("flags", FLAGS, ids=_flag_id)
 def test_gpu_fused_linear_bf16(flags, pdl):
     pdl = pdl and kernels.pdl_supported("cuda")
     # SmolLM2's projections (K 576 / 1536), Llama-3-8B's (4096), a ragged K and N
@@ -157,8 +161,8 @@ def test_fused_linear_refuses_out_overlapping_x():
 
 def _model_logits(model, cfg, device, fused: bool, steps: int = 3):
     """With the fused path on or off throughout: prefill two prompts (8 rows with the
-    padding: the unfused path either way), then `steps` decode steps of 2 requests + 1 padded row; the hidden states,
-    logits and aux states of every decode step."""
+    padding: the unfused path either way), then `steps` decode steps of 2 requests + 1
+    padded row; the hidden states, logits and aux states of every decode step."""
     before = ops._fused_decode
     ops.set_fused_decode(fused)
     try:

@@ -1,6 +1,6 @@
-"""The rejection sampler's kernels compile for sm_90 on a CPU-only machine
-(tests/sm90_compile.py, in a process of its own): the interpreter runs programs that
-the GPU compiler may reject."""
+"""The rejection sampler's and the fused decode path's kernels compile for sm_90 on a
+CPU-only machine (tests/sm90_compile.py, in a process of its own): the interpreter runs
+programs that the GPU compiler may reject."""
 
 from __future__ import annotations
 
@@ -28,3 +28,24 @@ def test_sampler_kernels_compile_for_sm90():
     assert len(compiled) >= 2 * 2 * 2 * 2, out[-4000:]
     assert {"_partials_kernel", "_resample_kernel", "_greedy_kernel"} <= names, names
     assert all(int(size) > 0 for _, _, size in compiled), compiled
+
+
+@pytest.mark.interpreter
+def test_decode_path_compiles_for_sm90_with_pdl():
+    """The fused decode path's kernels compile with programmatic dependent launch, and
+    each waits (griddepcontrol.wait) before reading another kernel's output: the
+    interpreter never runs that branch."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.sm90_compile", "--cases", "--decode"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    pattern = r"^ok   decode (?:.* )?(_\w+_kernel): cubin \d+ bytes, griddepcontrol.wait (\w+)"
+    lines = re.findall(pattern, proc.stdout, re.M)
+    names = [name for name, _ in lines]
+    assert names.count("_fused_linear_kernel") == 8, out[-4000:]
+    assert {"_rotary_store_kv_kernel", "_paged_attention_kernel", "_combine_splits_kernel"} <= set(
+        names
+    ), names
+    assert all(w == "True" for _, w in lines), lines
