@@ -102,7 +102,71 @@ def _load_row(x_ptr, r_ptr, m, stride_x, stride_r, ks, kmask, cols, cmask, K,
     return a, b, r
 
 
+@triton.jit
+def _fused_linear_mma_kernel(
+    x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, out_ptr, M, N, K, eps,
+    stride_x, stride_w, stride_r, stride_o,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr, SILU: tl.constexpr, RES: tl.constexpr, GDC: tl.constexpr,
+    IEEE: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """The same product for 2 to 16 rows on tensor cores: x padded to 16 rows, K in
+    chunks of BLOCK_K (W's chunks pipelined), one [16, BLOCK_N] accumulator; the
+    prologue is applied chunk by chunk (RMSNorm's statistics in a first pass over x)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, 16)
+    rmask = rows < M
+    cmask = cols < N
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    dt = out_ptr.dtype.element_ty
+    xrow = x_ptr + rows[:, None] * stride_x
+    if NORM:
+        ss = tl.zeros([16], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            xm = rmask[:, None] & (ks < K)[None, :]
+            a = tl.load(xrow + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+            ss += tl.sum(a * a, axis=1)
+        rstd = tl.rsqrt(ss / K + eps)
+    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < K
+        w = tl.load(
+            w_ptr + cols[:, None].to(tl.int64) * stride_w + ks[None, :],
+            mask=cmask[:, None] & kmask[None, :],
+            other=0.0,
+        )
+        xm = rmask[:, None] & kmask[None, :]
+        a = tl.load(xrow + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+        if SILU:
+            u = tl.load(xrow + K + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+            sg = (a / (1.0 + tl.exp(tl.minimum(-a, 80.0)))).to(dt).to(tl.float32)
+            a = (sg * u).to(dt).to(tl.float32)
+        if NORM:
+            g = tl.load(g_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+            a = ((a * rstd[:, None]).to(dt).to(tl.float32) * g[None, :]).to(dt).to(tl.float32)
+        if IEEE:  # float32 weights: full-precision products
+            acc += tl.dot(a, tl.trans(w), input_precision="ieee", out_dtype=tl.float32)
+        else:
+            acc += tl.dot(a.to(dt), tl.trans(w), out_dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    omask = rmask[:, None] & cmask[None, :]
+    if RES:
+        acc += tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=omask, other=0.0).to(
+            tl.float32
+        )
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], acc.to(dt), mask=omask)
+
+
 _LAUNCH = CachedLaunch(_fused_linear_kernel)
+_LAUNCH_MMA = CachedLaunch(_fused_linear_mma_kernel)
+# From this many rows on, fused_linear takes the tensor-core kernel (MAX_ROWS + 1: never).
+# Not yet measured on a GPU, so off by default; bench and tests set it.
+MMA_ROWS = MAX_ROWS + 1
 
 
 def check_fused_linear_args(
@@ -193,18 +257,22 @@ def fused_linear(
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    kp, block_n, warps = _tile(k)
     gdc = bool(pdl) and not INTERPRET
-    args = (x, weight, bias if bias is not None else weight,
-            norm_weight if norm_weight is not None else weight,
-            residual if residual is not None else out, out, m, n, k, float(eps),
-            x.stride(0), weight.stride(0),
-            residual.stride(0) if residual is not None else 0, out.stride(0),
-            kp, block_n, bias is not None, norm_weight is not None, bool(silu),
-            residual is not None, gdc)  # fmt: skip
+    options: dict = {"launch_pdl": True} if gdc else {}
+    common = (x, weight, bias if bias is not None else weight,
+              norm_weight if norm_weight is not None else weight,
+              residual if residual is not None else out, out, m, n, k, float(eps),
+              x.stride(0), weight.stride(0),
+              residual.stride(0) if residual is not None else 0, out.stride(0))  # fmt: skip
+    flags = (bias is not None, norm_weight is not None, bool(silu), residual is not None, gdc)
+    if m >= MMA_ROWS:
+        block_n, block_k = 32, 64
+        args = common + (block_n, block_k) + flags + (x.dtype == torch.float32, 3)
+        key = specialization_key(args) + (x.device.index,)
+        _LAUNCH_MMA(key, (triton.cdiv(n, block_n),), args, {"num_warps": 4, **options})
+        return out
+    kp, block_n, warps = _tile(k)
+    args = common + (kp, block_n) + flags
     key = specialization_key(args) + (x.device.index, warps)
-    options = {"num_warps": warps}
-    if gdc:
-        options["launch_pdl"] = True
-    _LAUNCH(key, (triton.cdiv(n, block_n),), args, options)
+    _LAUNCH(key, (triton.cdiv(n, block_n),), args, {"num_warps": warps, **options})
     return out

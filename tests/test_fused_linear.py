@@ -96,6 +96,30 @@ def test_fused_linear_matches_float64(dtype, flags):
         check_case("cpu", dtype, m, k, n, **flags)
 
 
+@pytest.fixture
+def mma_from_2_rows(monkeypatch):
+    """fused_linear's tensor-core kernel for 2 rows and more (off by default)."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("specdraft.kernels.fused_linear"), "MMA_ROWS", 2)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("flags", FLAGS, ids=_flag_id)
+def test_fused_linear_mma_matches_float64(dtype, flags, mma_from_2_rows):
+    for m, k, n in ((2, 48, 40), (MAX_ROWS, 160, 72)):
+        check_case("cpu", dtype, m, k, n, **flags)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flags", FLAGS, ids=_flag_id)
+def test_gpu_fused_linear_mma_bf16(flags, mma_from_2_rows):
+    pdl = kernels.pdl_supported("cuda")
+    for m, k, n in ((4, 576, 960), (MAX_ROWS, 1536, 576), (2, 4096, 1000), (5, 300, 77)):
+        check_case("cuda", torch.bfloat16, m, k, n, pdl=pdl, **flags)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("flags", FLAGS, ids=_flag_id)
