@@ -66,7 +66,14 @@ def pdl_supported(device) -> bool:
 
     from .guard import INTERPRET
 
-    device = torch.device(device)
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise TypeError(
+            f"device must be a torch.device, a str or a CUDA index, got {type(device).__name__}"
+        )
+    try:
+        device = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device {device!r} is not a device: {e}") from None
     if device.type != "cuda" or INTERPRET or os.environ.get("SPECDRAFT_PDL", "1") == "0":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()

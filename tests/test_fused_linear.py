@@ -274,3 +274,16 @@ def test_fused_decode_path_matches_unfused_eagle_head():
         for a, b in ((h1, h2), (l1, l2)):
             assert torch.isfinite(a).all()
             assert (a - b).abs().max().item() <= 1e-4 * (b.abs().max().item() + 1)
+
+
+def test_set_fused_decode_and_pdl_supported_bad_inputs():
+    before = ops._fused_decode
+    with pytest.raises(TypeError, match="enabled must be a bool"):
+        ops.set_fused_decode("yes")
+    assert ops._fused_decode == before
+    with pytest.raises(TypeError, match="device must be"):
+        kernels.pdl_supported(0.5)
+    with pytest.raises(ValueError, match="device 'gpu0' is not a device"):
+        kernels.pdl_supported("gpu0")
+    assert kernels.pdl_supported("cpu") is False
+    assert kernels.pdl_supported(torch.device("cpu")) is False
