@@ -13,7 +13,13 @@ import torch
 from specdraft import kernels, ops
 from specdraft.kernels import fused_linear
 from specdraft.kernels.fused_linear import MAX_ROWS
-from specdraft.models.tiny import eagle_config, random_causal_lm, random_eagle_head, tiny_config
+from specdraft.models.tiny import (
+    eagle_config,
+    random_causal_lm,
+    random_eagle_head,
+    smollm2_135m_config,
+    tiny_config,
+)
 from tests.model_helpers import PagedRunner
 
 
@@ -287,3 +293,43 @@ def test_set_fused_decode_and_pdl_supported_bad_inputs():
         kernels.pdl_supported("gpu0")
     assert kernels.pdl_supported("cpu") is False
     assert kernels.pdl_supported(torch.device("cpu")) is False
+
+
+def _fed_logits(model, cfg, device, fused: bool, feed):
+    """Prefill three prompts, then decode the tokens in `feed` (3 rows a step, the same
+    tokens whatever the model predicts); the logits of every decode step."""
+    before = ops._fused_decode
+    ops.set_fused_decode(fused)
+    try:
+        runner = PagedRunner(cfg, device, dtype=model.dtype)
+        meta = runner.step([(0, [3, 5, 7]), (1, [2, 4]), (2, [9])])
+        model(meta.input_ids, meta, runner.cache)
+        out = []
+        for step in feed:
+            meta = runner.step([(i, [t]) for i, t in enumerate(step)])
+            out.append(model(meta.input_ids, meta, runner.cache)[1].double())
+    finally:
+        ops.set_fused_decode(before)
+    return torch.stack(out)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_decode_error_within_the_unfused_bf16_error():
+    """SmolLM2's shapes, 6 layers, random weights: the fused path's bf16 logits are no
+    further from the float32 model's (same bf16-rounded weights) than the unfused path's
+    bf16 logits are. Judged against that error, not a fixed number."""
+    cfg = smollm2_135m_config(num_layers=6)
+    low = random_causal_lm(cfg, dtype=torch.bfloat16, device="cuda", seed=7)
+    ref = random_causal_lm(cfg, dtype=torch.float32, device="cuda", seed=7)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(p.bfloat16().float())
+        feed = [[11, 12, 13], [21, 22, 23], [31, 32, 33], [41, 42, 43]]
+        want = _fed_logits(ref, cfg, "cuda", False, feed)
+        plain = _fed_logits(low, cfg, "cuda", False, feed)
+        fused = _fed_logits(low, cfg, "cuda", True, feed)
+    err_plain = (plain - want).abs().max().item()
+    err_fused = (fused - want).abs().max().item()
+    assert torch.isfinite(fused).all()
+    assert err_plain > 0, "the bf16 model must differ from the float32 one"
+    assert err_fused <= 1.5 * err_plain, (err_fused, err_plain)
