@@ -63,12 +63,12 @@ def _fused_linear_kernel(
     dt = out_ptr.dtype.element_ty
     # Row m + 1's loads are issued before row m's product (software pipelining): with
     # several rows the loop waits on one load latency, not one a row.
-    xa, xb, res = _load_row(x_ptr, r_ptr, 0, stride_x, stride_r, ks, kmask, cols, cmask, K,
-                            SILU, RES, M > 0)  # fmt: skip
+    xa, xb, res = _load_row(x_ptr, r_ptr, 0, M, stride_x, stride_r, ks, kmask, cols, cmask, K,
+                            SILU, RES)  # fmt: skip
     for m in range(M):
         a, b, r = xa, xb, res
-        xa, xb, res = _load_row(x_ptr, r_ptr, m + 1, stride_x, stride_r, ks, kmask, cols,
-                                cmask, K, SILU, RES, m + 1 < M)  # fmt: skip
+        xa, xb, res = _load_row(x_ptr, r_ptr, m + 1, M, stride_x, stride_r, ks, kmask, cols,
+                                cmask, K, SILU, RES)  # fmt: skip
         if SILU:
             s = (a / (1.0 + tl.exp(tl.minimum(-a, 80.0)))).to(dt).to(tl.float32)
             x = (s * b).to(dt).to(tl.float32)
@@ -87,18 +87,21 @@ def _fused_linear_kernel(
 
 
 @triton.jit
-def _load_row(x_ptr, r_ptr, m, stride_x, stride_r, ks, kmask, cols, cmask, K,
-              SILU: tl.constexpr, RES: tl.constexpr, live):  # fmt: skip
-    """Row m's inputs as float32 (nothing read where live is false): x (with SILU, the
-    gate half), the up half (SILU) and the residual's columns (RES); unused ones 0."""
+def _load_row(x_ptr, r_ptr, m, M, stride_x, stride_r, ks, kmask, cols, cmask, K,
+              SILU: tl.constexpr, RES: tl.constexpr):  # fmt: skip
+    """Row m's inputs as float32 (nothing read past row M - 1): x (with SILU, the gate
+    half), the up half (SILU) and the residual's columns (RES); unused ones 0."""
     row = x_ptr + m * stride_x
-    a = tl.load(row + ks, mask=kmask & live, other=0.0).to(tl.float32)
+    # m < M as a tensor: a plain bool mask term is refused by some interpreter versions
+    kmask = kmask & ((ks * 0 + m) < M)
+    a = tl.load(row + ks, mask=kmask, other=0.0).to(tl.float32)
     b = a
     if SILU:
-        b = tl.load(row + K + ks, mask=kmask & live, other=0.0).to(tl.float32)
+        b = tl.load(row + K + ks, mask=kmask, other=0.0).to(tl.float32)
     r = tl.zeros(cols.shape, tl.float32)
     if RES:
-        r = tl.load(r_ptr + m * stride_r + cols, mask=cmask & live, other=0.0).to(tl.float32)
+        cmask = cmask & ((cols * 0 + m) < M)
+        r = tl.load(r_ptr + m * stride_r + cols, mask=cmask, other=0.0).to(tl.float32)
     return a, b, r
 
 
