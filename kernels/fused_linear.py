@@ -170,6 +170,7 @@ _LAUNCH_MMA = CachedLaunch(_fused_linear_mma_kernel)
 # From this many rows on, fused_linear takes the tensor-core kernel (MAX_ROWS + 1: never).
 # Not yet measured on a GPU, so off by default; bench and tests set it.
 MMA_ROWS = MAX_ROWS + 1
+MMA_BLOCK_N = 32  # its columns a program (16 or more)
 
 
 def check_fused_linear_args(
@@ -269,7 +270,7 @@ def fused_linear(
               residual.stride(0) if residual is not None else 0, out.stride(0))  # fmt: skip
     flags = (bias is not None, norm_weight is not None, bool(silu), residual is not None, gdc)
     if m >= MMA_ROWS:
-        block_n, block_k = 32, 64
+        block_n, block_k = MMA_BLOCK_N, 64
         args = common + (block_n, block_k) + flags + (x.dtype == torch.float32, 3)
         key = specialization_key(args) + (x.device.index,)
         _LAUNCH_MMA(key, (triton.cdiv(n, block_n),), args, {"num_warps": 4, **options})
