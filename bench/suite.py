@@ -5,8 +5,9 @@ the embedded model, attention), then short tables.
     python -m bench.suite [--out results] [--quick] [--sweep] [--no-flex] [--only a,b] [--jobs 8]
                           [--test-budget-s S] [--gpus 0,1]
 
---only picks parts: tests, host, capture, models, e2e, spec, mainjob, hostprof, draft,
-gemv, rejection, attention (default: all). mainjob: `specdraft generate` with the shipped head
+--only picks parts: tests, host, capture, models, decode, e2e, spec, mainjob, hostprof,
+draft, gemv, rejection, attention (default: all). decode: whole-model decode steps, fused
+path against unfused (decode_step.md). mainjob: `specdraft generate` with the shipped head
 at batch 1 (greedy and T = 1), 8 and 32, one process each (main_job.md).
 
 Exit status is non-zero when a test or a benchmark fails."""
@@ -209,8 +210,8 @@ def main() -> int:
     ap.add_argument("--gpus", default=None, help="deal the test files over these GPUs, e.g. 0,1")
     ap.add_argument(
         "--only",
-        default="tests,host,capture,models,e2e,spec,mainjob,hostprof,draft,gemv,rejection,"
-        "attention",
+        default="tests,host,capture,models,decode,e2e,spec,mainjob,hostprof,draft,gemv,"
+        "rejection,attention",
     )
     args = ap.parse_args()
     parts = set(args.only.split(","))
@@ -241,6 +242,10 @@ def main() -> int:
         from bench import models
 
         codes.append(models.main(out))
+    if "decode" in parts:
+        from bench import decode_step
+
+        codes.append(decode_step.main(out + ["--mma"]))
     if "e2e" in parts:
         from bench import e2e
 
@@ -274,8 +279,8 @@ def main() -> int:
         bench_argv = out + ["--quick"] * args.quick + ["--sweep"] * args.sweep
         bench_argv += ["--no-flex"] * args.no_flex
         codes.append(attention.main(bench_argv))
-    for name in ("models", "capture", "e2e", "spec_step", "main_job", "draft_round", "gemv",
-                 "rejection"):  # fmt: skip
+    for name in ("models", "capture", "decode_step", "e2e", "spec_step", "main_job",
+                 "draft_round", "gemv", "rejection"):  # fmt: skip
         # (host_profile.md is long: it stays in --out)
         md = args.out / f"{name}.md"
         if md.exists():

@@ -1,0 +1,146 @@
+"""Decode step of a whole model under CUDA-graph replay: the fused decode path against
+the unfused one (GPU only).
+
+One step of `--rows` requests, one token each, `--ctx` tokens cached, random bf16
+weights, for SmolLM2-135M (the embedded model's shapes), a llama-68m-shaped draft and an
+EAGLE-1 head with SmolLM2's shapes. Columns: unfused (cuBLAS GEMMs with separate
+RMSNorm / SiLU-and-multiply launches), fused (kernels.fused_linear's row loop with
+programmatic dependent launch where the GPU has it) and fused with the tensor-core
+kernel from 2 rows on (`--mma`), each with its ratio to the weight-read floor (weight
+bytes / the read bandwidth measured in the same run). The fused columns force the path
+for every row count timed (the library takes it up to 4 rows).
+
+    python -m bench.decode_step [--out results] [--rows 1,2,4,8] [--ctx 256] [--mma]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+import torch
+
+MODELS = ("smollm2-135m", "llama-68m", "eagle-smollm2")
+DEVICE = "cuda"
+
+
+def _build(name: str, ctx: int, target):
+    from specdraft.models.tiny import (
+        eagle_config,
+        llama_68m_config,
+        random_causal_lm,
+        random_eagle_head,
+        smollm2_135m_config,
+    )
+
+    if name == "eagle-smollm2":  # the head shares SmolLM2's embedding and lm_head
+        if target is None:
+            target = _build("smollm2-135m", ctx, None)[1]
+        cfg = eagle_config(smollm2_135m_config())
+        return cfg, random_eagle_head(cfg, target, seed=1, max_positions=ctx + 64).eval()
+    cfg = smollm2_135m_config() if name == "smollm2-135m" else llama_68m_config()
+    return cfg, random_causal_lm(cfg, seed=0, device=DEVICE, max_positions=ctx + 64).eval()
+
+
+def _step(model, cfg, rows: int, ctx: int, eagle: bool):
+    """The step as a closure over a paged cache with `ctx` tokens a request."""
+    from tests.model_helpers import PagedRunner
+
+    runner = PagedRunner(
+        cfg, DEVICE, max_num_reqs=rows, max_num_tokens=max(rows, 16), max_model_len=ctx + 64
+    )
+    for r in range(rows):
+        runner.tables.add_request(r, ctx + 1)
+        runner.lens[r] = ctx
+    toks = torch.randint(0, cfg.vocab_size, (rows,))
+    meta = runner.step([(r, [int(toks[r])]) for r in range(rows)])
+    if eagle:
+        hid = torch.randn(rows, cfg.hidden_size, device=DEVICE, dtype=model.dtype)
+        return lambda: model(meta.input_ids, hid, meta, runner.cache)
+    return lambda: model(meta.input_ids, meta, runner.cache)
+
+
+def _weight_bytes(model, rows: int) -> int:
+    """Weights one step reads: every parameter once, `rows` rows of an embedding table
+    that is not also the lm_head."""
+    embed = getattr(model.embed_tokens, "weight", None)
+    tied = embed is not None and model.lm_head.weight is embed
+    total = 0
+    for p in model.parameters():
+        if p is embed and not tied:
+            total += rows * p.shape[1] * p.element_size()
+        else:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("results"))
+    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--mma", action="store_true", help="also the tensor-core kernel")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.decode_step needs an NVIDIA GPU; the CPU tests cover the fused path")
+        return 2
+    from bench.common import (
+        environment,
+        markdown_table,
+        read_bandwidth_tbps,
+        save_results,
+        time_graph_us,
+    )
+    from specdraft import kernels, ops
+
+    fl = importlib.import_module("specdraft.kernels.fused_linear")
+    env = environment()
+    bw = read_bandwidth_tbps()
+    pdl = kernels.pdl_supported(DEVICE)
+    print(f"{env['gpu']}: read {bw:.2f} TB/s; PDL {pdl}; torch {env['torch']}", flush=True)
+    modes = [("unfused", False, None), ("fused", True, None)]
+    if args.mma:
+        modes.append(("fused_mma", True, 2))
+    saved = (ops._fused_decode, ops._fused_rows, fl.MMA_ROWS)
+    rows_out, target = [], None
+    try:
+        for name in args.models.split(","):
+            cfg, model = _build(name, args.ctx, target)
+            if name == "smollm2-135m":
+                target = model
+            for rows in (int(x) for x in args.rows.split(",")):
+                step = _step(model, cfg, rows, args.ctx, name.startswith("eagle"))
+                floor = _weight_bytes(model, rows) / (bw * 1e12) * 1e6
+                row = {"model": name, "rows": rows, "floor_us": floor}
+                for mode, fused, mma in modes:
+                    ops.set_fused_decode(fused)
+                    ops._fused_rows = max(rows, saved[1]) if fused else saved[1]
+                    fl.MMA_ROWS = mma if mma is not None else saved[2]
+                    with torch.inference_mode():
+                        row[f"{mode}_us"] = time_graph_us([step], min_launches=20)
+                    row[f"{mode}_x_floor"] = row[f"{mode}_us"] / floor
+                row["fused_over_unfused"] = row["fused_us"] / row["unfused_us"]
+                rows_out.append(row)
+                print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
+    finally:
+        ops.set_fused_decode(saved[0])
+        ops._fused_rows, fl.MMA_ROWS = saved[1], saved[2]
+    cols = [("model", "model"), ("rows", "rows"), ("floor_us", "weight floor µs")]
+    for mode, _, _ in modes:
+        cols += [(f"{mode}_us", f"{mode} µs"), (f"{mode}_x_floor", "x floor")]
+    cols.append(("fused_over_unfused", "fused / unfused"))
+    head = (
+        f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; read "
+        f"{bw:.2f} TB/s; context {args.ctx}, random bf16 weights, CUDA-graph replay; PDL {pdl}"
+    )
+    text = head + "\n\n" + markdown_table(rows_out, cols)
+    save_results(args.out, "decode_step", {"env": env, "read_tbps": bw, "rows": rows_out}, text)
+    print("\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
