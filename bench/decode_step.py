@@ -8,9 +8,11 @@ RMSNorm / SiLU-and-multiply launches), fused (kernels.fused_linear's row loop wi
 programmatic dependent launch where the GPU has it) and fused with the tensor-core
 kernel from 2 rows on (`--mma`), each with its ratio to the weight-read floor (weight
 bytes / the read bandwidth measured in the same run). The fused columns force the path
-for every row count timed (the library takes it up to 4 rows).
+for every row count timed up to fused_linear's 8 (the library takes it up to 4 rows).
 
-    python -m bench.decode_step [--out results] [--rows 1,2,4,8] [--ctx 256] [--mma]
+Launches per step come from the profiler, after every timing.
+
+    python -m bench.decode_step [--out results] [--rows 1,2,4,8,32] [--ctx 256] [--mma]
 """
 
 from __future__ import annotations
@@ -76,10 +78,23 @@ def _weight_bytes(model, rows: int) -> int:
     return total
 
 
+def _launches(step) -> int:
+    """Kernels (and copies) one eager step launches: what its graph replays."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode():
+        step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("results"))
-    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--rows", default="1,2,4,8,32")
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--mma", action="store_true", help="also the tensor-core kernel")
@@ -105,7 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.mma:
         modes.append(("fused_mma", True, 2))
     saved = (ops._fused_decode, ops._fused_rows, fl.MMA_ROWS)
-    rows_out, target = [], None
+    rows_out, steps, target = [], [], None
+
+    def use(fused: bool, mma, rows: int) -> None:
+        ops.set_fused_decode(fused)
+        ops._fused_rows = max(rows, saved[1]) if fused else saved[1]
+        fl.MMA_ROWS = mma if mma is not None else saved[2]
+
     try:
         for name in args.models.split(","):
             cfg, model = _build(name, args.ctx, target)
@@ -116,21 +137,29 @@ def main(argv: list[str] | None = None) -> int:
                 floor = _weight_bytes(model, rows) / (bw * 1e12) * 1e6
                 row = {"model": name, "rows": rows, "floor_us": floor}
                 for mode, fused, mma in modes:
-                    ops.set_fused_decode(fused)
-                    ops._fused_rows = max(rows, saved[1]) if fused else saved[1]
-                    fl.MMA_ROWS = mma if mma is not None else saved[2]
+                    if fused and rows > fl.MAX_ROWS:  # past what fused_linear takes
+                        row[f"{mode}_us"] = row[f"{mode}_x_floor"] = None
+                        continue
+                    use(fused, mma, rows)
                     with torch.inference_mode():
                         row[f"{mode}_us"] = time_graph_us([step], min_launches=20)
                     row[f"{mode}_x_floor"] = row[f"{mode}_us"] / floor
-                row["fused_over_unfused"] = row["fused_us"] / row["unfused_us"]
+                    steps.append((row, mode, fused, mma, rows, step))
+                fused_us = row["fused_us"]
+                row["fused_over_unfused"] = fused_us and fused_us / row["unfused_us"]
                 rows_out.append(row)
                 print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
+        # Launches per step last: the profiler leaves callbacks installed in the process.
+        for row, mode, fused, mma, rows, step in steps:
+            use(fused, mma, rows)
+            row[f"{mode}_launches"] = _launches(step)
     finally:
         ops.set_fused_decode(saved[0])
         ops._fused_rows, fl.MMA_ROWS = saved[1], saved[2]
     cols = [("model", "model"), ("rows", "rows"), ("floor_us", "weight floor µs")]
     for mode, _, _ in modes:
-        cols += [(f"{mode}_us", f"{mode} µs"), (f"{mode}_x_floor", "x floor")]
+        cols += [(f"{mode}_us", f"{mode} µs"), (f"{mode}_x_floor", "x floor"),
+                 (f"{mode}_launches", "launches")]  # fmt: skip
     cols.append(("fused_over_unfused", "fused / unfused"))
     head = (
         f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; read "
