@@ -14,6 +14,9 @@ program holds a [BLOCK_N, K] slice of W in registers (K padded to a power of two
 - RES: the residual row is added to the float32 accumulator before the single rounding
   (out may be the residual itself: each program reads and writes only its own columns).
 
+From MMA_ROWS rows on (off by default until measured on a GPU) a tensor-core kernel takes
+the launch instead: x padded to 16 rows, K in pipelined chunks, one accumulator.
+
 GDC (programmatic dependent launch, Hopper and later): the program loads its weights,
 which no kernel writes, then waits for the previous kernel in the stream to finish
 (griddepcontrol.wait) and lets the next one start launching. Every kernel launched with
