@@ -6,7 +6,6 @@ from .activation import check_silu_and_mul_args, silu_and_mul
 from .argmax import argmax_rows, check_argmax_args
 from .commit import check_commit_args, commit_step, commit_step_torch
 from .embedding import check_embed_concat_args, embed_concat
-from .fused_linear import MAX_ROWS as fused_linear_max_rows
 from .fused_linear import check_fused_linear_args, fused_linear
 from .gemv import check_linear_small_m_args, linear_small_m
 from .guard import INTERPRET, check_tensors_runnable, runnable
@@ -98,7 +97,6 @@ __all__ = [
     "compute_slot_mapping",
     "embed_concat",
     "fused_linear",
-    "fused_linear_max_rows",
     "gather_params",
     "linear_small_m",
     "num_sms",

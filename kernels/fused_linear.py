@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .guard import INTERPRET
-from .launch import CachedLaunch, specialization_key
+from .launch import CachedLaunch, pdl_launch, specialization_key
 from .validation import _check_tensor
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -264,8 +264,7 @@ def fused_linear(
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    gdc = bool(pdl) and not INTERPRET
-    options: dict = {"launch_pdl": True} if gdc else {}
+    gdc, options = pdl_launch(pdl)
     common = (x, weight, bias if bias is not None else weight,
               norm_weight if norm_weight is not None else weight,
               residual if residual is not None else out, out, m, n, k, float(eps),

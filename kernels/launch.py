@@ -11,10 +11,13 @@ is missing, every call goes through the JIT.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Hashable
 from typing import Any
 
 import torch
+
+from .guard import INTERPRET
 
 try:
     from triton.compiler import CompiledKernel
@@ -62,10 +65,6 @@ def pdl_supported(device) -> bool:
     of compute capability 9.0 or later, outside the interpreter, unless SPECDRAFT_PDL=0.
     Kernels launched with it wait (griddepcontrol.wait) before touching anything another
     kernel writes, so it changes timing only."""
-    import os
-
-    from .guard import INTERPRET
-
     if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
         raise TypeError(
             f"device must be a torch.device, a str or a CUDA index, got {type(device).__name__}"
@@ -81,3 +80,10 @@ def pdl_supported(device) -> bool:
     if got is None:
         got = _PDL[index] = torch.cuda.get_device_capability(index)[0] >= 9
     return got
+
+
+def pdl_launch(pdl: bool) -> tuple[bool, dict]:
+    """(the kernels' GDC constexpr, the launch options) for a launcher's `pdl` argument:
+    off under the interpreter, which has no griddepcontrol."""
+    gdc = bool(pdl) and not INTERPRET
+    return gdc, ({"launch_pdl": True} if gdc else {})

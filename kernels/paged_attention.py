@@ -38,7 +38,7 @@ import triton.language as tl
 # The argument checks live with the others in validation.py. The other launchers import
 # _check_tensor and validate_kv_cache from here (re-exported: `name as name`), and
 # specdraft.kernels exports check_paged_attention_args from here.
-from .guard import INTERPRET
+from .launch import pdl_launch
 from .validation import MAX_NUM_SPLITS, check_paged_attention_args
 from .validation import _check_tensor as _check_tensor
 from .validation import validate_kv_cache as validate_kv_cache
@@ -609,8 +609,7 @@ def paged_attention(
     else:
         part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
     grid = (cdiv(num_tokens, cfg.block_q) + num_reqs, num_kv_heads, cfg.num_splits)
-    pdl = bool(pdl) and not INTERPRET
-    launch_pdl = {"launch_pdl": True} if pdl else {}
+    pdl, launch_pdl = pdl_launch(pdl)
     _paged_attention_kernel[grid](
         out,
         part_out,

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .guard import INTERPRET
 from .kv_store import check_store_kv_args
+from .launch import pdl_launch
 from .paged_attention import _check_tensor
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -338,6 +338,7 @@ def rotary_store_kv(
     num_kv_heads = k.shape[1]
     half = cos_sin_cache.shape[1] // 2
     tail = head_dim - 2 * half
+    gdc, launch_pdl = pdl_launch(pdl)
     _rotary_store_kv_kernel[(num_tokens,)](
         q,
         k,
@@ -373,7 +374,7 @@ def rotary_store_kv(
         TAIL=tail,
         TAIL_P=triton.next_power_of_2(max(tail, 1)),
         BLOCK_SIZE=block_size,
-        GDC=bool(pdl) and not INTERPRET,
+        GDC=gdc,
         num_warps=4 if max(num_q_heads * half, num_kv_heads * head_dim) >= 1024 else 1,
-        **({"launch_pdl": True} if pdl and not INTERPRET else {}),
+        **launch_pdl,
     )

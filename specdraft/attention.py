@@ -95,10 +95,9 @@ class PagedAttention(torch.nn.Module):
         k_cache, v_cache = kv_cache
         if not stored:
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        extra = {"pdl": True} if pdl else {}
         return paged_attention(
-            q, k_cache, v_cache, *self._metadata(meta), self.scale, out=out,
-            **self._options(meta), **extra,
+            q, k_cache, v_cache, *self._metadata(meta), self.scale, out=out, pdl=pdl,
+            **self._options(meta),
         )  # fmt: skip
 
     def check(

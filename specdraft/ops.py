@@ -166,14 +166,19 @@ def argmax(logits: torch.Tensor, *, out=None, tickets=None, offsets=None) -> tor
     return out.copy_(idx)
 
 
-def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, **kw):
+def paged_attention(
+    q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, *, pdl=False, **kw
+):
+    """pdl: programmatic dependent launch on the Triton backend (the PyTorch path has no
+    launches to chain)."""
     impl = _impl("paged_attention", q)
     if impl is torch_ops.paged_attention:
         # Same argument checks as the kernel's launcher, nothing launched.
         kernels.check_paged_attention_args(
             q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, **kw
         )
-    return impl(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, **kw)
+        return impl(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, **kw)
+    return impl(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, pdl=pdl, **kw)
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:

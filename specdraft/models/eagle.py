@@ -158,17 +158,20 @@ class EagleHead(nn.Module):
         # [embed(token); hidden] in one launch; the last layer adds its residual inside
         # its down projection (no norm follows it).
         x = ops.embed_concat(input_ids, self.embed_tokens.weight, hidden_states)
-        if ops.fused_decode(x):
-            # A few rows: the fused decode path; fc's output is the residual stream.
-            pdl = kernels.pdl_supported(x.device)
+        # A few rows take the fused decode path: fc's output is the residual stream,
+        # updated in place by each layer.
+        fused = ops.fused_decode(x)
+        pdl = fused and kernels.pdl_supported(x.device)
+        if fused:
             x = ops.fused_linear(x, self.fc.weight, bias=self.fc.bias, pdl=pdl)
-            for i, layer in enumerate(self.layers):
-                layer.forward_fused(x, meta, caches[i], pdl=pdl)
-            return x, select_logits(x, self.lm_head, meta, logits_indices, all_logits)
-        x = self.fc(x)
+        else:
+            x = self.fc(x)
         residual, last = None, len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, meta, caches[i], add_residual=i == last)
+            if fused:
+                layer.forward_fused(x, meta, caches[i], pdl=pdl)
+            else:
+                x, residual = layer(x, residual, meta, caches[i], add_residual=i == last)
         return x, select_logits(x, self.lm_head, meta, logits_indices, all_logits)
 
 

@@ -136,25 +136,21 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"aux_layers holds {i}, outside [0, {cfg.num_layers})")
         aux: list[torch.Tensor | None] = [None] * len(aux_at)
         hidden = self.embed_tokens(input_ids)
-        if ops.fused_decode(hidden):
-            # A few rows: the fused decode path, one residual stream updated in place.
-            pdl = kernels.pdl_supported(hidden.device)
-            for i, layer in enumerate(self.layers):
-                for j, at in enumerate(aux_at):
-                    if at == i:
-                        aux[j] = hidden.clone()
+        # A few rows take the fused decode path: one residual stream (`hidden`, the
+        # embedding's fresh output) updated in place, so `residual` stays None.
+        fused = ops.fused_decode(hidden)
+        pdl = fused and kernels.pdl_supported(hidden.device)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            for j, at in enumerate(aux_at):
+                if at == i:
+                    # clone at layer 0 / on the fused path: that tensor is updated in place
+                    aux[j] = hidden.clone() if residual is None else hidden + residual
+            if fused:
                 layer.forward_fused(hidden, meta, caches[i], pdl=pdl)
-            hidden = self.norm(hidden)
-        else:
-            residual = None
-            for i, layer in enumerate(self.layers):
-                for j, at in enumerate(aux_at):
-                    if at == i:
-                        # clone at layer 0: the embedding output becomes its residual and
-                        # is updated in place
-                        aux[j] = hidden.clone() if residual is None else hidden + residual
+            else:
                 hidden, residual = layer(hidden, residual, meta, caches[i])
-            hidden, _ = self.norm(hidden, residual)
+        hidden = self.norm(hidden) if fused else self.norm(hidden, residual)[0]
         logits = select_logits(hidden, self.lm_head, meta, logits_indices, all_logits)
         if aux_layers is None:
             return hidden, logits
