@@ -5,14 +5,14 @@ One step of `--rows` requests, one token each, `--ctx` tokens cached, random bf1
 weights, for SmolLM2-135M (the embedded model's shapes), a llama-68m-shaped draft and an
 EAGLE-1 head with SmolLM2's shapes. Columns: unfused (cuBLAS GEMMs with separate
 RMSNorm / SiLU-and-multiply launches), fused (kernels.fused_linear's row loop with
-programmatic dependent launch where the GPU has it) and fused with the tensor-core
-kernel from 2 rows on (`--mma`), each with its ratio to the weight-read floor (weight
+programmatic dependent launch where the GPU has it) and, with `--rpp 1,2,4`, fused with
+that many rows of x to a program, each with its ratio to the weight-read floor (weight
 bytes / the read bandwidth measured in the same run). The fused columns force the path
 for every row count timed up to fused_linear's 8 (the library takes it up to 4 rows).
 
 Launches per step come from the profiler, after every timing.
 
-    python -m bench.decode_step [--out results] [--rows 1,2,4,8,32] [--ctx 256] [--mma]
+    python -m bench.decode_step [--out results] [--rows 1,2,4,8,32] [--ctx 256] [--rpp 1,2,4]
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="1,2,4,8,32")
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--mma", action="store_true", help="also the tensor-core kernel")
+    ap.add_argument("--rpp", default="", help="also fused with these rows a program")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.decode_step needs an NVIDIA GPU; the CPU tests cover the fused path")
@@ -117,15 +117,14 @@ def main(argv: list[str] | None = None) -> int:
     pdl = kernels.pdl_supported(DEVICE)
     print(f"{env['gpu']}: read {bw:.2f} TB/s; PDL {pdl}; torch {env['torch']}", flush=True)
     modes = [("unfused", False, None), ("fused", True, None)]
-    if args.mma:
-        modes.append(("fused_mma", True, 2))
-    saved = (ops._fused_decode, ops._fused_rows, fl.MMA_ROWS)
+    modes += [(f"fused_rpp{r}", True, int(r)) for r in args.rpp.split(",") if r]
+    saved = (ops._fused_decode, ops._fused_rows, fl.ROWS_PER_PROGRAM)
     rows_out, steps, target = [], [], None
 
-    def use(fused: bool, mma, rows: int) -> None:
+    def use(fused: bool, rpp, rows: int) -> None:
         ops.set_fused_decode(fused)
         ops._fused_rows = max(rows, saved[1]) if fused else saved[1]
-        fl.MMA_ROWS = mma if mma is not None else saved[2]
+        fl.ROWS_PER_PROGRAM = rpp if rpp is not None else saved[2]
 
     try:
         for name in args.models.split(","):
@@ -136,26 +135,26 @@ def main(argv: list[str] | None = None) -> int:
                 step = _step(model, cfg, rows, args.ctx, name.startswith("eagle"))
                 floor = _weight_bytes(model, rows) / (bw * 1e12) * 1e6
                 row = {"model": name, "rows": rows, "floor_us": floor}
-                for mode, fused, mma in modes:
+                for mode, fused, rpp in modes:
                     if fused and rows > fl.MAX_ROWS:  # past what fused_linear takes
                         row[f"{mode}_us"] = row[f"{mode}_x_floor"] = None
                         continue
-                    use(fused, mma, rows)
+                    use(fused, rpp, rows)
                     with torch.inference_mode():
                         row[f"{mode}_us"] = time_graph_us([step], min_launches=20)
                     row[f"{mode}_x_floor"] = row[f"{mode}_us"] / floor
-                    steps.append((row, mode, fused, mma, rows, step))
+                    steps.append((row, mode, fused, rpp, rows, step))
                 fused_us = row["fused_us"]
                 row["fused_over_unfused"] = fused_us and fused_us / row["unfused_us"]
                 rows_out.append(row)
                 print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
         # Launches per step last: the profiler leaves callbacks installed in the process.
-        for row, mode, fused, mma, rows, step in steps:
-            use(fused, mma, rows)
+        for row, mode, fused, rpp, rows, step in steps:
+            use(fused, rpp, rows)
             row[f"{mode}_launches"] = _launches(step)
     finally:
         ops.set_fused_decode(saved[0])
-        ops._fused_rows, fl.MMA_ROWS = saved[1], saved[2]
+        ops._fused_rows, fl.ROWS_PER_PROGRAM = saved[1], saved[2]
     cols = [("model", "model"), ("rows", "rows"), ("floor_us", "weight floor µs")]
     for mode, _, _ in modes:
         cols += [(f"{mode}_us", f"{mode} µs"), (f"{mode}_x_floor", "x floor"),

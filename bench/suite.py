@@ -245,7 +245,7 @@ def main() -> int:
     if "decode" in parts:
         from bench import decode_step
 
-        codes.append(decode_step.main(out + ["--mma"]))
+        codes.append(decode_step.main(out + ["--rpp", "1,2,4"]))
     if "e2e" in parts:
         from bench import e2e
 

@@ -4,7 +4,7 @@ At decode sizes (a few rows) a projection is latency-bound: the H200 runs a 576 
 cuBLAS GEMM in ~3.5 µs where its weights take 0.25 µs to read, and the RMSNorm before it
 and the SiLU-and-multiply or residual add around it are launches of their own. Here each
 program holds a [BLOCK_N, K] slice of W in registers (K padded to a power of two, up to
-16384) and runs every row of x through it, with the work around the GEMM folded in:
+16384) and runs its rows of x through it, with the work around the GEMM folded in:
 
 - NORM: x is RMS-normalized on load (each program recomputes its rows' norms; the
   rounding matches kernels.rms_norm: x * rstd rounded to the dtype, times the weight,
@@ -14,8 +14,12 @@ program holds a [BLOCK_N, K] slice of W in registers (K padded to a power of two
 - RES: the residual row is added to the float32 accumulator before the single rounding
   (out may be the residual itself: each program reads and writes only its own columns).
 
-From MMA_ROWS rows on (off by default until measured on a GPU) a tensor-core kernel takes
-the launch instead: x padded to 16 rows, K in pipelined chunks, one accumulator.
+Rows: a program takes ROWS of x's rows, one after another (the grid's second axis covers
+the rest). A row costs a program about 0.5 µs on the H200 (two block-wide reductions and
+their barriers), a launch about 1.9 µs, so several rows go to several programs, which
+read the same W slice (from L2 after the first). A tensor-core variant (x padded to 16
+rows, K in pipelined chunks) measured 2.6x slower than this at 4 rows and 1.6x at 8: it
+cannot start its weight loads before the wait, and its K loop is serial.
 
 GDC (programmatic dependent launch, Hopper and later): the program loads its weights,
 which no kernel writes, then waits for the previous kernel in the stream to finish
@@ -37,6 +41,8 @@ from .validation import _check_tensor
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_ROWS = 8  # rows of x a launch takes (past that, tensor-core GEMMs win)
+# Rows a program takes (None: rows_per_program's table); bench and tests set it.
+ROWS_PER_PROGRAM: int | None = None
 MAX_K = 16384  # the padded reduction width a program holds in registers
 
 
@@ -45,9 +51,11 @@ def _fused_linear_kernel(
     x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, out_ptr, M, N, K, eps,
     stride_x, stride_w, stride_r, stride_o,
     KP: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-    SILU: tl.constexpr, RES: tl.constexpr, GDC: tl.constexpr,
+    SILU: tl.constexpr, RES: tl.constexpr, GDC: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m0 = tl.program_id(1) * ROWS
+    end = tl.minimum(m0 + ROWS, M)
     ks = tl.arange(0, KP)
     kmask = ks < K
     cmask = cols < N
@@ -66,11 +74,11 @@ def _fused_linear_kernel(
     dt = out_ptr.dtype.element_ty
     # Row m + 1's loads are issued before row m's product (software pipelining): with
     # several rows the loop waits on one load latency, not one a row.
-    xa, xb, res = _load_row(x_ptr, r_ptr, 0, M, stride_x, stride_r, ks, kmask, cols, cmask, K,
-                            SILU, RES)  # fmt: skip
-    for m in range(M):
+    xa, xb, res = _load_row(x_ptr, r_ptr, m0, end, stride_x, stride_r, ks, kmask, cols, cmask,
+                            K, SILU, RES)  # fmt: skip
+    for m in range(m0, end):
         a, b, r = xa, xb, res
-        xa, xb, res = _load_row(x_ptr, r_ptr, m + 1, M, stride_x, stride_r, ks, kmask, cols,
+        xa, xb, res = _load_row(x_ptr, r_ptr, m + 1, end, stride_x, stride_r, ks, kmask, cols,
                                 cmask, K, SILU, RES)  # fmt: skip
         if SILU:
             s = (a / (1.0 + tl.exp(tl.minimum(-a, 80.0)))).to(dt).to(tl.float32)
@@ -108,72 +116,7 @@ def _load_row(x_ptr, r_ptr, m, M, stride_x, stride_r, ks, kmask, cols, cmask, K,
     return a, b, r
 
 
-@triton.jit
-def _fused_linear_mma_kernel(
-    x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, out_ptr, M, N, K, eps,
-    stride_x, stride_w, stride_r, stride_o,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    NORM: tl.constexpr, SILU: tl.constexpr, RES: tl.constexpr, GDC: tl.constexpr,
-    IEEE: tl.constexpr, STAGES: tl.constexpr,
-):  # fmt: skip
-    """The same product for 2 to 16 rows on tensor cores: x padded to 16 rows, K in
-    chunks of BLOCK_K (W's chunks pipelined), one [16, BLOCK_N] accumulator; the
-    prologue is applied chunk by chunk (RMSNorm's statistics in a first pass over x)."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.arange(0, 16)
-    rmask = rows < M
-    cmask = cols < N
-    if GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    dt = out_ptr.dtype.element_ty
-    xrow = x_ptr + rows[:, None] * stride_x
-    if NORM:
-        ss = tl.zeros([16], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            xm = rmask[:, None] & (ks < K)[None, :]
-            a = tl.load(xrow + ks[None, :], mask=xm, other=0.0).to(tl.float32)
-            ss += tl.sum(a * a, axis=1)
-        rstd = tl.rsqrt(ss / K + eps)
-    acc = tl.zeros([16, BLOCK_N], tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < K
-        w = tl.load(
-            w_ptr + cols[:, None].to(tl.int64) * stride_w + ks[None, :],
-            mask=cmask[:, None] & kmask[None, :],
-            other=0.0,
-        )
-        xm = rmask[:, None] & kmask[None, :]
-        a = tl.load(xrow + ks[None, :], mask=xm, other=0.0).to(tl.float32)
-        if SILU:
-            u = tl.load(xrow + K + ks[None, :], mask=xm, other=0.0).to(tl.float32)
-            sg = (a / (1.0 + tl.exp(tl.minimum(-a, 80.0)))).to(dt).to(tl.float32)
-            a = (sg * u).to(dt).to(tl.float32)
-        if NORM:
-            g = tl.load(g_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
-            a = ((a * rstd[:, None]).to(dt).to(tl.float32) * g[None, :]).to(dt).to(tl.float32)
-        if IEEE:  # float32 weights: full-precision products
-            acc += tl.dot(a, tl.trans(w), input_precision="ieee", out_dtype=tl.float32)
-        else:
-            acc += tl.dot(a.to(dt), tl.trans(w), out_dtype=tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    omask = rmask[:, None] & cmask[None, :]
-    if RES:
-        acc += tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=omask, other=0.0).to(
-            tl.float32
-        )
-    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], acc.to(dt), mask=omask)
-
-
 _LAUNCH = CachedLaunch(_fused_linear_kernel)
-_LAUNCH_MMA = CachedLaunch(_fused_linear_mma_kernel)
-# From this many rows on, fused_linear takes the tensor-core kernel (MAX_ROWS + 1: never).
-# Not yet measured on a GPU, so off by default; bench and tests set it.
-MMA_ROWS = MAX_ROWS + 1
-MMA_BLOCK_N = 32  # its columns a program (16 or more)
 
 
 def check_fused_linear_args(
@@ -224,6 +167,21 @@ def check_fused_linear_args(
             raise ValueError("out aliases residual with other strides")
 
 
+def rows_per_program(m: int) -> int:
+    """Rows of x one program takes, for m rows (ROWS_PER_PROGRAM when set). Under the
+    interpreter, which pays per program, all of them."""
+    if ROWS_PER_PROGRAM is not None:
+        return max(1, min(ROWS_PER_PROGRAM, m))
+    if INTERPRET:
+        return m
+    # H200, SmolLM2's four projections x 30 layers under a graph with PDL (µs for 1, 2,
+    # 3, 4 ... rows a program): 2 rows 288 / 281; 3 rows 352 / 374; 4 rows 410 / 389 /
+    # 427 (4); 8 rows 692 / 573 / 603 (4) / 712 (8). One row a program multiplies the
+    # programs, each holding its W slice in registers, into several waves; all rows in
+    # one program run them one after another.
+    return 1 if m == 1 else 2
+
+
 def _tile(k: int) -> tuple[int, int, int]:
     """(K padded, columns a program, warps): 64 weights a thread, 4 warps up to K 8192
     (~8192 weights a program; SmolLM2 on the H200: 1.74 µs a launch in a chain), more
@@ -271,14 +229,10 @@ def fused_linear(
               x.stride(0), weight.stride(0),
               residual.stride(0) if residual is not None else 0, out.stride(0))  # fmt: skip
     flags = (bias is not None, norm_weight is not None, bool(silu), residual is not None, gdc)
-    if m >= MMA_ROWS:
-        block_n, block_k = MMA_BLOCK_N, 64
-        args = common + (block_n, block_k) + flags + (x.dtype == torch.float32, 3)
-        key = specialization_key(args) + (x.device.index,)
-        _LAUNCH_MMA(key, (triton.cdiv(n, block_n),), args, {"num_warps": 4, **options})
-        return out
     kp, block_n, warps = _tile(k)
-    args = common + (kp, block_n) + flags
+    rows = rows_per_program(m)
+    args = common + (kp, block_n) + flags + (rows,)
     key = specialization_key(args) + (x.device.index, warps)
-    _LAUNCH(key, (triton.cdiv(n, block_n),), args, {"num_warps": warps, **options})
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, rows))
+    _LAUNCH(key, grid, args, {"num_warps": warps, **options})
     return out

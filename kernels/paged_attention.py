@@ -205,10 +205,11 @@ def _paged_attention_kernel(
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if GDC:  # programmatic dependent launch: wait for the kernel that wrote q and K/V
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
+    # Programmatic dependent launch (GDC): the metadata (query_start_loc, seq_lens) is read
+    # before the wait. When a PDL kernel starts, every program of the kernel before it has
+    # passed its own wait, so the kernel two back has completed: the metadata, written
+    # before the step's first projection, is final. q and this step's K/V rows come from
+    # the kernel just before (rotary + store): read after the wait, as is every write.
     req = _find_request(qsl_ptr, tile, num_reqs, num_tokens, BLOCK_Q)
     q_start = _load_qsl(qsl_ptr, req, num_tokens)
     q_block = tile - (q_start // BLOCK_Q + req)
@@ -223,6 +224,9 @@ def _paged_attention_kernel(
         # Past every request: rows of padded tokens get zeros (invariant 2). With splits
         # the combine kernel writes them instead.
         if NUM_SPLITS == 1:
+            if GDC:
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
             # q_start is clamped and q_block >= 0 here: rows stay in [0, num_tokens).
             tok = q_start + q_block * BLOCK_Q + local_q
             rows = (local_q < BLOCK_Q) & (tok < num_tokens)
@@ -252,6 +256,9 @@ def _paged_attention_kernel(
     rows = (local_q < BLOCK_Q) & (q_idx < q_len)
     tok = (q_start + q_idx).to(tl.int64)
     q_pos = ctx_len + q_idx
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     q = tl.load(
         q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
         mask=rows[:, None] & d_mask[None, :],

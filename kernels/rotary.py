@@ -169,17 +169,20 @@ def _rotary_store_kv_kernel(
     GDC: tl.constexpr = False,
 ):
     tok = tl.program_id(0).to(tl.int64)
-    if GDC:  # programmatic dependent launch: q, k, v come from the kernel before
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    # Positions, slots and the cos / sin table are read before the wait (programmatic
+    # dependent launch): the metadata was written at least two kernels back (see
+    # kernels.paged_attention); q, k, v come from the kernel just before.
     cos, sin, offs_d, d_mask = _load_cos_sin(
         positions_ptr, tok, cos_sin_ptr, max_positions, stride_ct, HALF, HALF_P
     )
+    slot = tl.load(slot_mapping_ptr + tok)
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     q_row = q_ptr + tok * stride_qt
     _rotate_heads(
         q_row, stride_qh, q_row, stride_qh, cos, sin, offs_d, d_mask, NUM_Q_HEADS, HQ_P, HALF
     )
-    slot = tl.load(slot_mapping_ptr + tok)
     # store_kv's contract: slot -1 marks a padded token, and any slot outside
     # [0, num_slots) writes nothing rather than out of bounds. q is rotated either way.
     if (slot >= 0) & (slot < num_slots):

@@ -78,8 +78,7 @@ def launches(v: int, b: int, k: int, dtype: torch.dtype, sampled: bool) -> list[
 
 def decode_path_compiles() -> list[tuple[str, object]]:
     """The fused decode path's launches with programmatic dependent launch (SmolLM2's
-    shapes: every fused_linear flavour at 1 and 4 rows, and 4 rows on the tensor-core
-    kernel; rotary + store, attention with
+    shapes: every fused_linear flavour at 1 and 4 rows; rotary + store, attention with
     its split merge), each made through its own launcher with the JIT's run turned into
     a compile-only warmup. Returns (label, compiled kernel) pairs."""
     import importlib
@@ -103,13 +102,13 @@ def decode_path_compiles() -> list[tuple[str, object]]:
 
         jit.run = warm
 
-    for jit in (fl._fused_linear_kernel, fl._fused_linear_mma_kernel, rot._rotary_store_kv_kernel,
-                pa._paged_attention_kernel, pa._combine_splits_kernel):  # fmt: skip
+    for jit in (fl._fused_linear_kernel, rot._rotary_store_kv_kernel, pa._paged_attention_kernel,
+                pa._combine_splits_kernel):  # fmt: skip
         compile_only(jit)
     bf = torch.bfloat16
     h, f, hq, hkv, d = 576, 1536, 9, 3, 64
-    for m, mma in ((1, False), (4, False), (4, True)):
-        fl.MMA_ROWS = 2 if mma else fl.MAX_ROWS + 1
+    for m, rows in ((1, 1), (4, 2)):
+        fl.ROWS_PER_PROGRAM = rows
         stream = torch.randn(m, h).to(bf)
         for name, x, w, kw in (
             ("norm", stream, torch.randn(960, h), dict(norm_weight=torch.ones(h).to(bf))),
@@ -119,7 +118,7 @@ def decode_path_compiles() -> list[tuple[str, object]]:
         ):
             label[0] = f"decode M {m} {name}"
             fl.fused_linear(x, w.to(bf), pdl=True, **kw)
-    fl.MMA_ROWS = fl.MAX_ROWS + 1
+    fl.ROWS_PER_PROGRAM = None
     label[0] = "decode"
     t, blocks, bs = 4, 8, 16
     q, k, v = (torch.randn(t, n, d).to(bf) for n in (hq, hkv, hkv))

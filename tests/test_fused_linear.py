@@ -102,27 +102,32 @@ def test_fused_linear_matches_float64(dtype, flags):
         check_case("cpu", dtype, m, k, n, **flags)
 
 
-@pytest.fixture
-def mma_from_2_rows(monkeypatch):
-    """fused_linear's tensor-core kernel for 2 rows and more (off by default)."""
+@pytest.mark.interpreter
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("flags", FLAGS[::2] + FLAGS[-3:-2], ids=_flag_id)
+def test_fused_linear_rows_per_program(rows, flags, monkeypatch):
+    """x's rows split over the grid's second axis, ROWS to a program (a last program
+    with fewer): every row computed once, by the program that owns it."""
     import importlib
 
-    monkeypatch.setattr(importlib.import_module("specdraft.kernels.fused_linear"), "MMA_ROWS", 2)
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("flags", FLAGS, ids=_flag_id)
-def test_fused_linear_mma_matches_float64(dtype, flags, mma_from_2_rows):
-    for m, k, n in ((2, 48, 40), (MAX_ROWS, 160, 72)):
-        check_case("cpu", dtype, m, k, n, **flags)
+    monkeypatch.setattr(
+        importlib.import_module("specdraft.kernels.fused_linear"), "ROWS_PER_PROGRAM", rows
+    )
+    for m, k, n in ((MAX_ROWS, 64, 40), (5, 48, 72)):
+        check_case("cpu", torch.float16, m, k, n, **flags)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("flags", FLAGS, ids=_flag_id)
-def test_gpu_fused_linear_mma_bf16(flags, mma_from_2_rows):
+def test_gpu_fused_linear_rows_per_program(rows, flags, monkeypatch):
+    import importlib
+
+    monkeypatch.setattr(
+        importlib.import_module("specdraft.kernels.fused_linear"), "ROWS_PER_PROGRAM", rows
+    )
     pdl = kernels.pdl_supported("cuda")
-    for m, k, n in ((4, 576, 960), (MAX_ROWS, 1536, 576), (2, 4096, 1000), (5, 300, 77)):
+    for m, k, n in ((4, 576, 960), (MAX_ROWS, 1536, 576), (7, 300, 77)):
         check_case("cuda", torch.bfloat16, m, k, n, pdl=pdl, **flags)
 
 

@@ -45,7 +45,6 @@ def test_decode_path_compiles_for_sm90_with_pdl():
     lines = re.findall(pattern, proc.stdout, re.M)
     names = [name for name, _ in lines]
     assert names.count("_fused_linear_kernel") == 8, out[-4000:]
-    assert names.count("_fused_linear_mma_kernel") == 4, out[-4000:]
     assert {"_rotary_store_kv_kernel", "_paged_attention_kernel", "_combine_splits_kernel"} <= set(
         names
     ), names
