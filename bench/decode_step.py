@@ -8,7 +8,7 @@ RMSNorm / SiLU-and-multiply launches), fused (kernels.fused_linear's row loop wi
 programmatic dependent launch where the GPU has it) and, with `--rpp 1,2,4`, fused with
 that many rows of x to a program, each with its ratio to the weight-read floor (weight
 bytes / the read bandwidth measured in the same run). The fused columns force the path
-for every row count timed up to fused_linear's 8 (the library takes it up to 4 rows).
+for every row count timed up to fused_linear's 8 (the library takes it up to each model's kernels.max_fused_rows: 4 or 8).
 
 Launches per step come from the profiler, after every timing.
 
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def use(fused: bool, rpp, rows: int) -> None:
         ops.set_fused_decode(fused)
-        ops._fused_rows = max(rows, saved[1]) if fused else saved[1]
+        ops._fused_rows = rows if fused else saved[1]
         fl.ROWS_PER_PROGRAM = rpp if rpp is not None else saved[2]
 
     try:

@@ -6,7 +6,7 @@ from .activation import check_silu_and_mul_args, silu_and_mul
 from .argmax import argmax_rows, check_argmax_args
 from .commit import check_commit_args, commit_step, commit_step_torch
 from .embedding import check_embed_concat_args, embed_concat
-from .fused_linear import check_fused_linear_args, fused_linear
+from .fused_linear import check_fused_linear_args, fused_linear, max_fused_rows
 from .gemv import check_linear_small_m_args, linear_small_m
 from .guard import INTERPRET, check_tensors_runnable, runnable
 from .kv_store import check_store_kv_args, store_kv
@@ -97,6 +97,7 @@ __all__ = [
     "compute_slot_mapping",
     "embed_concat",
     "fused_linear",
+    "max_fused_rows",
     "gather_params",
     "linear_small_m",
     "num_sms",

@@ -167,12 +167,12 @@ def check_fused_linear_args(
             raise ValueError("out aliases residual with other strides")
 
 
-def rows_per_program(m: int) -> int:
+def rows_per_program(m: int, *, interpret: bool = INTERPRET) -> int:
     """Rows of x one program takes, for m rows (ROWS_PER_PROGRAM when set). Under the
     interpreter, which pays per program, all of them."""
     if ROWS_PER_PROGRAM is not None:
         return max(1, min(ROWS_PER_PROGRAM, m))
-    if INTERPRET:
+    if interpret:
         return m
     # H200, SmolLM2's four projections x 30 layers under a graph with PDL (µs for 1, 2,
     # 3, 4 ... rows a program): 2 rows 288 / 281; 3 rows 352 / 374; 4 rows 410 / 389 /
@@ -182,7 +182,34 @@ def rows_per_program(m: int) -> int:
     return 1 if m == 1 else 2
 
 
-def _tile(k: int) -> tuple[int, int, int]:
+# Programs a launch may take with more than 4 rows: each holds its W slice in registers,
+# and past about this many (a few waves) the fused path lost to cuBLAS. H200, decode step
+# at 8 rows under a graph (largest projection's programs): SmolLM2-135M 867 vs 1027 µs
+# unfused (1536), its one-layer EAGLE head 56.7 vs 61.5 (1536), llama-68m 136 vs 109
+# (3072); llama-68m at 4 rows 94.9 vs 103 (1536).
+PROGRAM_BUDGET = 1536
+MIN_FUSED_ROWS = 4  # rows every model takes on the fused path (measured on each)
+
+
+def max_fused_rows(shapes) -> int:
+    """Rows up to which a model whose projections have these weight shapes ([N, K]
+    pairs) takes the fused decode path: MIN_FUSED_ROWS, and up to MAX_ROWS while no
+    launch needs more than PROGRAM_BUDGET programs (GPU tiles, also under the
+    interpreter, so the choice is the same on every machine)."""
+    limit = MIN_FUSED_ROWS
+    for m in range(MIN_FUSED_ROWS + 1, MAX_ROWS + 1):
+        rows = rows_per_program(m, interpret=False)
+        progs = max(
+            triton.cdiv(int(n), _tile(int(k), interpret=False)[1]) * triton.cdiv(m, rows)
+            for n, k in shapes
+        )
+        if progs > PROGRAM_BUDGET:
+            break
+        limit = m
+    return limit
+
+
+def _tile(k: int, *, interpret: bool = INTERPRET) -> tuple[int, int, int]:
     """(K padded, columns a program, warps): 64 weights a thread, 4 warps up to K 8192
     (~8192 weights a program; SmolLM2 on the H200: 1.74 µs a launch in a chain), more
     warps past it. One warp a program (row reductions without barriers) measured
@@ -190,7 +217,7 @@ def _tile(k: int) -> tuple[int, int, int]:
     kp = triton.next_power_of_2(k)
     warps = min(16, max(4, kp // 2048))
     block_n = max(1, 64 * 32 * warps // kp)
-    if INTERPRET:  # the interpreter pays per program: larger slices
+    if interpret:  # the interpreter pays per program: larger slices
         block_n = max(block_n, min(64, 65536 // kp))
     return kp, block_n, warps
 

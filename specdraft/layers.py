@@ -260,6 +260,12 @@ class DecoderLayer(nn.Module):
             return self.mlp(x, residual), None
         return self.mlp(x), residual
 
+    def projection_shapes(self) -> list[tuple[int, int]]:
+        """[N, K] of the four projections the fused path launches (kernels.max_fused_rows)."""
+        attn, mlp = self.self_attn, self.mlp
+        return [tuple(p.weight.shape) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                 mlp.down_proj)]  # fmt: skip
+
     def forward_fused(
         self, stream: torch.Tensor, meta: AttentionMetadata, kv_cache: KVPair, *, pdl: bool
     ) -> None:

@@ -99,16 +99,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 _fused_decode = os.environ.get("SPECDRAFT_FUSED", "1") != "0"
-# Rows up to which the fused path runs: each program takes x's rows one after another,
-# so past a few rows cuBLAS's tensor-core GEMMs win. H200, decode step under a graph,
-# fused with PDL against unfused: SmolLM2 520 vs 932 µs at 1 row, 740 vs 1041 at 4, 1042
-# vs 1044 at 8; llama-68m 100 vs 104 at 4, 144 vs 111 at 8.
-_fused_rows = 4
+# Rows up to which the fused path runs, for every model (None: each model's own limit,
+# kernels.max_fused_rows of its projections' shapes); the decode benchmark sets it.
+_fused_rows: int | None = None
 
 
 def set_fused_decode(enabled: bool) -> None:
-    """Whether decoder layers run inputs of at most 4 rows on
-    the Triton backend through the fused decode path (each projection one
+    """Whether decoder layers run inputs of a few rows (4, or up to 8 for models small
+    enough: kernels.max_fused_rows) on the Triton backend through the fused decode
+    path (each projection one
     kernels.fused_linear launch with its RMSNorm, SiLU-and-multiply and residual add
     folded in, launched with programmatic dependent launch where the GPU has it). On by
     default; SPECDRAFT_FUSED=0 turns it off for a process. Applies to calls made, or
@@ -119,13 +118,15 @@ def set_fused_decode(enabled: bool) -> None:
     _fused_decode = enabled
 
 
-def fused_decode(x: torch.Tensor) -> bool:
+def fused_decode(x: torch.Tensor, max_rows: int = 4) -> bool:
     """Whether a decoder forward over hidden states `x` [num_tokens, H] takes the fused
-    decode path now (see set_fused_decode)."""
+    decode path now (see set_fused_decode): at most `max_rows` rows (the model's
+    kernels.max_fused_rows) on the Triton backend."""
+    limit = _fused_rows if _fused_rows is not None else max_rows
     return (
         _fused_decode
         and x.dim() == 2
-        and 1 <= x.shape[0] <= _fused_rows
+        and 1 <= x.shape[0] <= limit
         and backend_for(x) == "triton"
     )
 

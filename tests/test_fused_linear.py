@@ -117,6 +117,24 @@ def test_fused_linear_rows_per_program(rows, flags, monkeypatch):
         check_case("cpu", torch.float16, m, k, n, **flags)
 
 
+def test_max_fused_rows_follows_the_program_budget():
+    """SmolLM2-sized projections (largest: gate/up [3072, 576]) take up to 8 rows, the
+    llama-68m draft's ([6144, 768]) and Llama-3-8B's 4, the floor; the same answer
+    under the interpreter as on the GPU."""
+    from specdraft.kernels import max_fused_rows
+    from specdraft.models.tiny import llama_68m_config
+
+    smol = random_causal_lm(smollm2_135m_config(), seed=0, device="cpu", max_positions=32)
+    assert max_fused_rows([(960, 576), (576, 576), (3072, 576), (576, 1536)]) == 8
+    assert smol.fused_rows() == 8
+    assert max_fused_rows([(6144, 768), (768, 3072)]) == 4
+    assert max_fused_rows([(28672, 4096), (4096, 14336)]) == 4
+    llama = random_causal_lm(llama_68m_config(), seed=0, device="cpu", max_positions=32)
+    assert llama.fused_rows() == 4
+    head = random_eagle_head(eagle_config(smollm2_135m_config()), smol, seed=1, max_positions=32)
+    assert head.fused_rows() == 8
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("flags", FLAGS, ids=_flag_id)
@@ -195,15 +213,17 @@ def test_fused_linear_refuses_out_overlapping_x():
 
 
 def _model_logits(model, cfg, device, fused: bool, steps: int = 3):
-    """With the fused path on or off throughout: prefill two prompts (8 rows with the
-    padding: the unfused path either way), then `steps` decode steps of 2 requests + 1
+    """With the fused path on or off throughout: prefill two prompts (12 rows with the
+    padding, past fused_linear's MAX_ROWS: the unfused path either way), then `steps` decode steps of 2 requests + 1
     padded row; the hidden states, logits and aux states of every decode step."""
     before = ops._fused_decode
     ops.set_fused_decode(fused)
     try:
         runner = PagedRunner(cfg, device, dtype=model.dtype)
-        meta = runner.step([(0, [3, 5, 7, 11]), (1, [2, 4])], pad_reqs=1, pad_tokens=2)
-        model(meta.input_ids, meta, runner.cache)  # 8 rows: past the fused path's 4
+        meta = runner.step([(0, [3, 5, 7, 11, 13, 6]), (1, [2, 4, 9, 10])], pad_reqs=1,
+                           pad_tokens=2)  # fmt: skip
+        assert meta.num_tokens > MAX_ROWS
+        model(meta.input_ids, meta, runner.cache)
         outs, nxt = [], [1, 2]
         for _ in range(steps):
             meta = runner.step([(0, [nxt[0]]), (1, [nxt[1]])], pad_reqs=1, pad_tokens=1)

@@ -138,6 +138,16 @@ class EagleHead(nn.Module):
             src["lm_head.weight"] = ["lm_head.weight"]
         return src
 
+    def fused_rows(self) -> int:
+        """Rows up to which this model's forward takes the fused decode path
+        (kernels.max_fused_rows of its projections; computed once)."""
+        rows = self.__dict__.get("_fused_rows")
+        if rows is None:
+            shapes = [s for layer in self.layers for s in layer.projection_shapes()]
+            shapes.append(tuple(self.fc.weight.shape))
+            rows = self.__dict__["_fused_rows"] = kernels.max_fused_rows(shapes)
+        return rows
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -160,7 +170,7 @@ class EagleHead(nn.Module):
         x = ops.embed_concat(input_ids, self.embed_tokens.weight, hidden_states)
         # A few rows take the fused decode path: fc's output is the residual stream,
         # updated in place by each layer.
-        fused = ops.fused_decode(x)
+        fused = ops.fused_decode(x, self.fused_rows())
         pdl = fused and kernels.pdl_supported(x.device)
         if fused:
             x = ops.fused_linear(x, self.fc.weight, bias=self.fc.bias, pdl=pdl)

@@ -94,6 +94,15 @@ class LlamaForCausalLM(nn.Module):
             src["lm_head.weight"] = ["lm_head.weight"]
         return src
 
+    def fused_rows(self) -> int:
+        """Rows up to which this model's forward takes the fused decode path
+        (kernels.max_fused_rows of its projections; computed once)."""
+        rows = self.__dict__.get("_fused_rows")
+        if rows is None:
+            shapes = [s for layer in self.layers for s in layer.projection_shapes()]
+            rows = self.__dict__["_fused_rows"] = kernels.max_fused_rows(shapes)
+        return rows
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -138,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         # A few rows take the fused decode path: one residual stream (`hidden`, the
         # embedding's fresh output) updated in place, so `residual` stays None.
-        fused = ops.fused_decode(hidden)
+        fused = ops.fused_decode(hidden, self.fused_rows())
         pdl = fused and kernels.pdl_supported(hidden.device)
         residual = None
         for i, layer in enumerate(self.layers):
