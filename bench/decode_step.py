@@ -12,7 +12,8 @@ for every row count timed up to fused_linear's 8 (the library takes it up to eac
 
 Launches per step come from the profiler, after every timing.
 
-    python -m bench.decode_step [--out results] [--rows 1,2,4,8,32] [--ctx 256] [--rpp 1,2,4]
+    python -m bench.decode_step [--out results] [--rows 1,2,4,8,32] [--ctx 256]
+        [--max-model-len 1024] [--rpp 1,2,4]
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ MODELS = ("smollm2-135m", "llama-68m", "eagle-smollm2")
 DEVICE = "cuda"
 
 
-def _build(name: str, ctx: int, target):
+def _build(name: str, max_len: int, target):
     from specdraft.models.tiny import (
         eagle_config,
         llama_68m_config,
@@ -39,19 +40,19 @@ def _build(name: str, ctx: int, target):
 
     if name == "eagle-smollm2":  # the head shares SmolLM2's embedding and lm_head
         if target is None:
-            target = _build("smollm2-135m", ctx, None)[1]
+            target = _build("smollm2-135m", max_len, None)[1]
         cfg = eagle_config(smollm2_135m_config())
-        return cfg, random_eagle_head(cfg, target, seed=1, max_positions=ctx + 64).eval()
+        return cfg, random_eagle_head(cfg, target, seed=1, max_positions=max_len).eval()
     cfg = smollm2_135m_config() if name == "smollm2-135m" else llama_68m_config()
-    return cfg, random_causal_lm(cfg, seed=0, device=DEVICE, max_positions=ctx + 64).eval()
+    return cfg, random_causal_lm(cfg, seed=0, device=DEVICE, max_positions=max_len).eval()
 
 
-def _step(model, cfg, rows: int, ctx: int, eagle: bool):
+def _step(model, cfg, rows: int, ctx: int, eagle: bool, max_len: int):
     """The step as a closure over a paged cache with `ctx` tokens a request."""
     from tests.model_helpers import PagedRunner
 
     runner = PagedRunner(
-        cfg, DEVICE, max_num_reqs=rows, max_num_tokens=max(rows, 16), max_model_len=ctx + 64
+        cfg, DEVICE, max_num_reqs=rows, max_num_tokens=max(rows, 16), max_model_len=max_len
     )
     for r in range(rows):
         runner.tables.add_request(r, ctx + 1)
@@ -96,9 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("results"))
     ap.add_argument("--rows", default="1,2,4,8,32")
     ap.add_argument("--ctx", type=int, default=256)
+    # The attention launch's split count follows max_model_len (the metadata's length
+    # bound); 1024 is the main job's. SmolLM2 at 1 row, context 256: 2 splits (bound 320)
+    # 489 µs a step, 8 splits (bound 1024) ~408, 16 (2048) ~403-420 (H200, stop 26).
+    ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--rpp", default="", help="also fused with these rows a program")
     args = ap.parse_args(argv)
+    max_len = max(args.max_model_len, args.ctx + 64)
     if not torch.cuda.is_available():
         print("bench.decode_step needs an NVIDIA GPU; the CPU tests cover the fused path")
         return 2
@@ -128,11 +134,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         for name in args.models.split(","):
-            cfg, model = _build(name, args.ctx, target)
+            cfg, model = _build(name, max_len, target)
             if name == "smollm2-135m":
                 target = model
             for rows in (int(x) for x in args.rows.split(",")):
-                step = _step(model, cfg, rows, args.ctx, name.startswith("eagle"))
+                step = _step(model, cfg, rows, args.ctx, name.startswith("eagle"), max_len)
                 floor = _weight_bytes(model, rows) / (bw * 1e12) * 1e6
                 row = {"model": name, "rows": rows, "floor_us": floor}
                 for mode, fused, rpp in modes:
@@ -162,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     cols.append(("fused_over_unfused", "fused / unfused"))
     head = (
         f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; read "
-        f"{bw:.2f} TB/s; context {args.ctx}, random bf16 weights, CUDA-graph replay; PDL {pdl}"
+        f"{bw:.2f} TB/s; context {args.ctx}, max_model_len {max_len}, random bf16 weights, "
+        f"CUDA-graph replay; PDL {pdl}"
     )
     text = head + "\n\n" + markdown_table(rows_out, cols)
     save_results(args.out, "decode_step", {"env": env, "read_tbps": bw, "rows": rows_out}, text)
