@@ -8,12 +8,15 @@ RMSNorm / SiLU-and-multiply launches), fused (kernels.fused_linear's row loop wi
 programmatic dependent launch where the GPU has it) and, with `--rpp 1,2,4`, fused with
 that many rows of x to a program, each with its ratio to the weight-read floor (weight
 bytes / the read bandwidth measured in the same run). The fused columns force the path
-for every row count timed up to fused_linear's 8 (the library takes it up to each model's kernels.max_fused_rows: 4 or 8).
+for every row count timed up to fused_linear's 8 (the library takes it up to each
+model's kernels.max_fused_rows: 4 or 8). `--splits` adds columns with the attention
+split count forced; `--chain` also times SmolLM2's projections alone
+(projection_chain.md).
 
 Launches per step come from the profiler, after every timing.
 
     python -m bench.decode_step [--out results] [--rows 1,2,4,8,32] [--ctx 256]
-        [--max-model-len 1024] [--rpp 1,2,4]
+        [--max-model-len 1024] [--rpp 1,2,4] [--splits 1,8,16] [--chain]
 """
 
 from __future__ import annotations
@@ -92,6 +95,76 @@ def _launches(step) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
+def _forced_splits(choose, splits: int):
+    """choose_launch_config with its split count fixed (the launcher passes
+    num_splits=None explicitly, so a partial's keyword would be overridden)."""
+
+    def forced(**kw):
+        kw["num_splits"] = splits
+        return choose(**kw)
+
+    return forced
+
+
+def projection_chain(rows_list, rpp_list, layers: int = 30) -> list[dict]:
+    """SmolLM2's four projections a layer x `layers` under one graph, with their
+    prologues and epilogues (norm + QKV, O + residual, norm + gate/up, SiLU + down +
+    residual), through fused_linear (PDL where supported; rows a program: the library's
+    choice and each of rpp_list) against cuBLAS GEMMs alone. µs per chain."""
+    from bench.common import time_graph_us
+    from specdraft import kernels
+    from specdraft.models.tiny import smollm2_135m_config
+
+    fl = importlib.import_module("specdraft.kernels.fused_linear")
+    cfg = smollm2_135m_config()
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    nqkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    pdl = kernels.pdl_supported(DEVICE)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+
+    def rand(*shape, scale=0.04):
+        return (torch.randn(*shape, device=DEVICE, generator=g) * scale).to(torch.bfloat16)
+
+    w = [(rand(nqkv, h), rand(h, h), rand(2 * f, h), rand(h, f), 1 + rand(h, scale=0.1),
+          1 + rand(h, scale=0.1)) for _ in range(layers)]  # fmt: skip
+    out, saved = [], fl.ROWS_PER_PROGRAM
+    try:
+        for m in rows_list:
+            if m > fl.MAX_ROWS:
+                continue
+            x, qkv, gu = rand(m, h, scale=1.0), rand(m, nqkv), rand(m, 2 * f)
+
+            def fused():
+                for wq, wo, wgu, wd, n1, n2 in w:
+                    fl.fused_linear(x, wq, norm_weight=n1, out=qkv, pdl=pdl)
+                    fl.fused_linear(qkv[:, :h], wo, residual=x, out=x, pdl=pdl)
+                    fl.fused_linear(x, wgu, norm_weight=n2, out=gu, pdl=pdl)
+                    fl.fused_linear(gu, wd, silu=True, residual=x, out=x, pdl=pdl)
+
+            def cublas():
+                for wq, wo, wgu, wd, _, _ in w:
+                    torch.mm(x, wq.t(), out=qkv)
+                    torch.mm(qkv[:, :h], wo.t(), out=x)
+                    torch.mm(x, wgu.t(), out=gu)
+                    torch.mm(gu[:, :f], wd.t(), out=x)
+
+            row = {"rows": m}
+            for rpp in [None] + [r for r in rpp_list if r <= m]:
+                fl.ROWS_PER_PROGRAM = rpp
+                with torch.inference_mode():
+                    row["fused" if rpp is None else f"rpp{rpp}"] = time_graph_us(
+                        [fused], min_launches=1, replays=15
+                    )
+            fl.ROWS_PER_PROGRAM = saved
+            with torch.inference_mode():
+                row["cublas"] = time_graph_us([cublas], min_launches=1, replays=15)
+            print("projection chain:", {k: round(v, 1) for k, v in row.items()}, flush=True)
+            out.append(row)
+    finally:
+        fl.ROWS_PER_PROGRAM = saved
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("results"))
@@ -103,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--rpp", default="", help="also fused with these rows a program")
+    ap.add_argument("--splits", default="", help="also fused with these attention splits")
+    ap.add_argument("--chain", action="store_true",
+                    help="also SmolLM2's projections alone (projection_chain.md)")  # fmt: skip
     args = ap.parse_args(argv)
     max_len = max(args.max_model_len, args.ctx + 64)
     if not torch.cuda.is_available():
@@ -122,15 +198,21 @@ def main(argv: list[str] | None = None) -> int:
     bw = read_bandwidth_tbps()
     pdl = kernels.pdl_supported(DEVICE)
     print(f"{env['gpu']}: read {bw:.2f} TB/s; PDL {pdl}; torch {env['torch']}", flush=True)
-    modes = [("unfused", False, None), ("fused", True, None)]
-    modes += [(f"fused_rpp{r}", True, int(r)) for r in args.rpp.split(",") if r]
-    saved = (ops._fused_decode, ops._fused_rows, fl.ROWS_PER_PROGRAM)
+    pa = importlib.import_module("specdraft.kernels.paged_attention")
+    # (column, fused, rows a program, attention splits); None: the library's choice
+    modes = [("unfused", False, None, None), ("fused", True, None, None)]
+    modes += [(f"fused_rpp{r}", True, int(r), None) for r in args.rpp.split(",") if r]
+    modes += [(f"fused_splits{n}", True, None, int(n)) for n in args.splits.split(",") if n]
+    saved = (ops._fused_decode, ops._fused_rows, fl.ROWS_PER_PROGRAM, pa.choose_launch_config)
     rows_out, steps, target = [], [], None
 
-    def use(fused: bool, rpp, rows: int) -> None:
+    def use(fused: bool, rpp, splits, rows: int) -> None:
         ops.set_fused_decode(fused)
         ops._fused_rows = rows if fused else saved[1]
         fl.ROWS_PER_PROGRAM = rpp if rpp is not None else saved[2]
+        pa.choose_launch_config = saved[3]
+        if splits is not None:
+            pa.choose_launch_config = _forced_splits(saved[3], splits)
 
     try:
         for name in args.models.split(","):
@@ -141,28 +223,28 @@ def main(argv: list[str] | None = None) -> int:
                 step = _step(model, cfg, rows, args.ctx, name.startswith("eagle"), max_len)
                 floor = _weight_bytes(model, rows) / (bw * 1e12) * 1e6
                 row = {"model": name, "rows": rows, "floor_us": floor}
-                for mode, fused, rpp in modes:
+                for mode, fused, rpp, splits in modes:
                     if fused and rows > fl.MAX_ROWS:  # past what fused_linear takes
                         row[f"{mode}_us"] = row[f"{mode}_x_floor"] = None
                         continue
-                    use(fused, rpp, rows)
+                    use(fused, rpp, splits, rows)
                     with torch.inference_mode():
                         row[f"{mode}_us"] = time_graph_us([step], min_launches=20)
                     row[f"{mode}_x_floor"] = row[f"{mode}_us"] / floor
-                    steps.append((row, mode, fused, rpp, rows, step))
+                    steps.append((row, mode, (fused, rpp, splits, rows), step))
                 fused_us = row["fused_us"]
                 row["fused_over_unfused"] = fused_us and fused_us / row["unfused_us"]
                 rows_out.append(row)
                 print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
         # Launches per step last: the profiler leaves callbacks installed in the process.
-        for row, mode, fused, rpp, rows, step in steps:
-            use(fused, rpp, rows)
+        for row, mode, how, step in steps:
+            use(*how)
             row[f"{mode}_launches"] = _launches(step)
     finally:
         ops.set_fused_decode(saved[0])
-        ops._fused_rows, fl.ROWS_PER_PROGRAM = saved[1], saved[2]
+        ops._fused_rows, fl.ROWS_PER_PROGRAM, pa.choose_launch_config = saved[1:]
     cols = [("model", "model"), ("rows", "rows"), ("floor_us", "weight floor µs")]
-    for mode, _, _ in modes:
+    for mode, *_ in modes:
         cols += [(f"{mode}_us", f"{mode} µs"), (f"{mode}_x_floor", "x floor"),
                  (f"{mode}_launches", "launches")]  # fmt: skip
     cols.append(("fused_over_unfused", "fused / unfused"))
@@ -174,6 +256,19 @@ def main(argv: list[str] | None = None) -> int:
     text = head + "\n\n" + markdown_table(rows_out, cols)
     save_results(args.out, "decode_step", {"env": env, "read_tbps": bw, "rows": rows_out}, text)
     print("\n" + text)
+    if args.chain:
+        rpps = [int(r) for r in args.rpp.split(",") if r]
+        chain = projection_chain([int(x) for x in args.rows.split(",")], rpps)
+        ccols = [("rows", "rows"), ("fused", "fused_linear µs")]
+        ccols += [(f"rpp{r}", f"rows a program: {r}") for r in rpps]
+        ccols.append(("cublas", "cuBLAS GEMMs alone µs"))
+        ctext = (
+            f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; "
+            f"SmolLM2-135M's projections x 30 layers (120 launches) under one graph; PDL {pdl}"
+            "\n\n" + markdown_table(chain, ccols)
+        )
+        save_results(args.out, "projection_chain", {"env": env, "rows": chain}, ctext)
+        print("\n" + ctext)
     return 0
 
 
