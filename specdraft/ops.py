@@ -102,6 +102,10 @@ _fused_decode = os.environ.get("SPECDRAFT_FUSED", "1") != "0"
 # Rows up to which the fused path runs, for every model (None: each model's own limit,
 # kernels.max_fused_rows of its projections' shapes); the decode benchmark sets it.
 _fused_rows: int | None = None
+# Under Triton's interpreter a fused_linear program runs its rows one after another in
+# Python, so there forwards of more than this many rows take the unfused path unless
+# _fused_rows says otherwise (CI: the 8-row limit took the CPU tests 719 -> 1215 s).
+_INTERPRET_FUSED_ROWS = 4
 
 
 def set_fused_decode(enabled: bool) -> None:
@@ -122,7 +126,9 @@ def fused_decode(x: torch.Tensor, max_rows: int = 4) -> bool:
     """Whether a decoder forward over hidden states `x` [num_tokens, H] takes the fused
     decode path now (see set_fused_decode): at most `max_rows` rows (the model's
     kernels.max_fused_rows) on the Triton backend."""
-    limit = _fused_rows if _fused_rows is not None else max_rows
+    limit = _fused_rows
+    if limit is None:
+        limit = min(max_rows, _INTERPRET_FUSED_ROWS) if kernels.INTERPRET else max_rows
     return (
         _fused_decode
         and x.dim() == 2
