@@ -15,11 +15,11 @@ program holds a [BLOCK_N, K] slice of W in registers (K padded to a power of two
   (out may be the residual itself: each program reads and writes only its own columns).
 
 Rows: a program takes ROWS of x's rows, one after another (the grid's second axis covers
-the rest). A row costs a program about 0.5 µs on the H200 (two block-wide reductions and
-their barriers), a launch about 1.9 µs, so several rows go to several programs, which
-read the same W slice (from L2 after the first). A tensor-core variant (x padded to 16
-rows, K in pipelined chunks) measured 2.6x slower than this at 4 rows and 1.6x at 8: it
-cannot start its weight loads before the wait, and its K loop is serial.
+the rest). A row costs a program about 0.5 µs on the H200 (its reductions run one after
+another), a launch about 1.9 µs, so several rows go to several programs, which read the
+same W slice (from L2 after the first). A tensor-core variant (x padded to 16 rows, K in
+pipelined chunks) measured 2.6x slower than this at 4 rows and 1.6x at 8; it waited
+before loading its weights and ran its K loop chunk after chunk.
 
 GDC (programmatic dependent launch, Hopper and later): the program loads its weights,
 which no kernel writes, then waits for the previous kernel in the stream to finish
@@ -188,7 +188,7 @@ def rows_per_program(m: int, *, interpret: bool = INTERPRET) -> int:
 # unfused (1536), its one-layer EAGLE head 56.7 vs 61.5 (1536), llama-68m 136 vs 109
 # (3072); llama-68m at 4 rows 94.9 vs 103 (1536).
 PROGRAM_BUDGET = 1536
-MIN_FUSED_ROWS = 4  # rows every model takes on the fused path (measured on each)
+MIN_FUSED_ROWS = 4  # rows every model takes on the fused path (the limit before stop 26)
 
 
 def max_fused_rows(shapes) -> int:
