@@ -301,6 +301,18 @@ class DecoderLayer(nn.Module):
         )  # fmt: skip
 
 
+def fused_row_limit(owner: torch.nn.Module, layers, *extra: torch.Tensor) -> int:
+    """Rows up to which `owner`'s forward takes the fused decode path:
+    kernels.max_fused_rows of its decoder layers' projections and the `extra` weights,
+    computed once and kept on the module."""
+    rows = owner.__dict__.get("_fused_rows")
+    if rows is None:
+        shapes = [s for layer in layers for s in layer.projection_shapes()]
+        shapes += [tuple(w.shape) for w in extra]
+        rows = owner.__dict__["_fused_rows"] = kernels.max_fused_rows(shapes)
+    return rows
+
+
 def layer_caches(
     kv_caches,
     num_layers: int,

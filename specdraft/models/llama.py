@@ -19,6 +19,7 @@ from specdraft.layers import (
     RMSNorm,
     RotaryEmbedding,
     check_step_inputs,
+    fused_row_limit,
     layer_caches,
     select_logits,
 )
@@ -95,13 +96,8 @@ class LlamaForCausalLM(nn.Module):
         return src
 
     def fused_rows(self) -> int:
-        """Rows up to which this model's forward takes the fused decode path
-        (kernels.max_fused_rows of its projections; computed once)."""
-        rows = self.__dict__.get("_fused_rows")
-        if rows is None:
-            shapes = [s for layer in self.layers for s in layer.projection_shapes()]
-            rows = self.__dict__["_fused_rows"] = kernels.max_fused_rows(shapes)
-        return rows
+        """Rows up to which this model's forward takes the fused decode path."""
+        return fused_row_limit(self, self.layers)
 
     def forward(
         self,
