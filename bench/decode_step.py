@@ -107,10 +107,13 @@ def _forced_splits(choose, splits: int):
 
 
 def projection_chain(rows_list, rpp_list, layers: int = 30) -> list[dict]:
-    """SmolLM2's four projections a layer x `layers` under one graph, with their
-    prologues and epilogues (norm + QKV, O + residual, norm + gate/up, SiLU + down +
-    residual), through fused_linear (PDL where supported; rows a program: the library's
-    choice and each of rpp_list) against cuBLAS GEMMs alone. µs per chain."""
+    """SmolLM2's four projections a layer x `layers` under one graph, as the fused layer
+    launches them (norm + QKV, O + residual, norm + gate/up + SiLU-and-multiply, down +
+    residual), through fused_linear (PDL where supported): the library's choice (the
+    rows kernel at SmolLM2's K), the wide kernel for every projection (`wide`, and
+    with rpp_list rows a program), the wide kernel with the SiLU-and-multiply as the
+    down projection's prologue (`wide_silu`, the layer before stop 27), against cuBLAS
+    GEMMs alone. µs per chain."""
     from bench.common import time_graph_us
     from specdraft import kernels
     from specdraft.models.tiny import smollm2_135m_config
@@ -127,41 +130,49 @@ def projection_chain(rows_list, rpp_list, layers: int = 30) -> list[dict]:
 
     w = [(rand(nqkv, h), rand(h, h), rand(2 * f, h), rand(h, f), 1 + rand(h, scale=0.1),
           1 + rand(h, scale=0.1)) for _ in range(layers)]  # fmt: skip
-    out, saved = [], fl.ROWS_PER_PROGRAM
+    out, saved = [], (fl.ROWS_PER_PROGRAM, fl.ROWS_MAX_K)
     try:
         for m in rows_list:
             if m > fl.MAX_ROWS:
                 continue
             x, qkv, gu = rand(m, h, scale=1.0), rand(m, nqkv), rand(m, 2 * f)
+            act = rand(m, f)
 
-            def fused():
+            def fused(silu=False, x=x, qkv=qkv, gu=gu, act=act):
                 for wq, wo, wgu, wd, n1, n2 in w:
                     fl.fused_linear(x, wq, norm_weight=n1, out=qkv, pdl=pdl)
                     fl.fused_linear(qkv[:, :h], wo, residual=x, out=x, pdl=pdl)
-                    fl.fused_linear(x, wgu, norm_weight=n2, out=gu, pdl=pdl)
-                    fl.fused_linear(gu, wd, silu=True, residual=x, out=x, pdl=pdl)
+                    if silu:
+                        fl.fused_linear(x, wgu, norm_weight=n2, out=gu, pdl=pdl)
+                        fl.fused_linear(gu, wd, silu=True, residual=x, out=x, pdl=pdl)
+                    else:
+                        fl.fused_linear(x, wgu, norm_weight=n2, glu=True, out=act, pdl=pdl)
+                        fl.fused_linear(act, wd, residual=x, out=x, pdl=pdl)
 
-            def cublas():
+            def cublas(x=x, qkv=qkv, gu=gu):
                 for wq, wo, wgu, wd, _, _ in w:
                     torch.mm(x, wq.t(), out=qkv)
                     torch.mm(qkv[:, :h], wo.t(), out=x)
                     torch.mm(x, wgu.t(), out=gu)
                     torch.mm(gu[:, :f], wd.t(), out=x)
 
+            variants = [("fused", None, saved[1], False), ("wide", None, 0, False),
+                        ("wide_silu", None, 0, True)]  # fmt: skip
+            variants += [(f"rpp{r}", r, 0, False) for r in rpp_list if r <= m]
             row = {"rows": m}
-            for rpp in [None] + [r for r in rpp_list if r <= m]:
-                fl.ROWS_PER_PROGRAM = rpp
+            for name, rpp, max_k, silu in variants:
+                fl.ROWS_PER_PROGRAM, fl.ROWS_MAX_K = rpp, max_k
                 with torch.inference_mode():
-                    row["fused" if rpp is None else f"rpp{rpp}"] = time_graph_us(
-                        [fused], min_launches=1, replays=15
+                    row[name] = time_graph_us(
+                        [lambda silu=silu: fused(silu)], min_launches=1, replays=15
                     )
-            fl.ROWS_PER_PROGRAM = saved
+            fl.ROWS_PER_PROGRAM, fl.ROWS_MAX_K = saved
             with torch.inference_mode():
                 row["cublas"] = time_graph_us([cublas], min_launches=1, replays=15)
             print("projection chain:", {k: round(v, 1) for k, v in row.items()}, flush=True)
             out.append(row)
     finally:
-        fl.ROWS_PER_PROGRAM = saved
+        fl.ROWS_PER_PROGRAM, fl.ROWS_MAX_K = saved
     return out
 
 
@@ -175,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     # 489 µs a step, 8 splits (bound 1024) ~408, 16 (2048) ~403-420 (H200, stop 26).
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--rpp", default="", help="also fused with these rows a program")
+    ap.add_argument("--rpp", default="", help="also fused, wide kernel, these rows a program")
+    ap.add_argument("--wide", action="store_true",
+                    help="also fused with the wide kernel for every projection")  # fmt: skip
     ap.add_argument("--splits", default="", help="also fused with these attention splits")
     ap.add_argument("--chain", action="store_true",
                     help="also SmolLM2's projections alone (projection_chain.md)")  # fmt: skip
@@ -199,14 +212,19 @@ def main(argv: list[str] | None = None) -> int:
     pdl = kernels.pdl_supported(DEVICE)
     print(f"{env['gpu']}: read {bw:.2f} TB/s; PDL {pdl}; torch {env['torch']}", flush=True)
     pa = importlib.import_module("specdraft.kernels.paged_attention")
-    # (column, fused, rows a program, attention splits); None: the library's choice
-    modes = [("unfused", False, None, None), ("fused", True, None, None)]
-    modes += [(f"fused_rpp{r}", True, int(r), None) for r in args.rpp.split(",") if r]
-    modes += [(f"fused_splits{n}", True, None, int(n)) for n in args.splits.split(",") if n]
+    # (column, fused, rows a program, attention splits, rows kernel's K bound); None:
+    # the library's choice
+    lib = fl.ROWS_MAX_K
+    modes = [("unfused", False, None, None, lib), ("fused", True, None, None, lib)]
+    if args.wide:
+        modes.append(("fused_wide", True, None, None, 0))
+    modes += [(f"fused_rpp{r}", True, int(r), None, 0) for r in args.rpp.split(",") if r]
+    modes += [(f"fused_splits{n}", True, None, int(n), lib) for n in args.splits.split(",") if n]
     saved = (ops._fused_decode, ops._fused_rows, fl.ROWS_PER_PROGRAM, pa.choose_launch_config)
     rows_out, steps, target = [], [], None
 
-    def use(fused: bool, rpp, splits, rows: int) -> None:
+    def use(fused: bool, rpp, splits, max_k, rows: int) -> None:
+        fl.ROWS_MAX_K = max_k
         ops.set_fused_decode(fused)
         ops._fused_rows = rows if fused else saved[1]
         fl.ROWS_PER_PROGRAM = rpp if rpp is not None else saved[2]
@@ -223,15 +241,15 @@ def main(argv: list[str] | None = None) -> int:
                 step = _step(model, cfg, rows, args.ctx, name.startswith("eagle"), max_len)
                 floor = _weight_bytes(model, rows) / (bw * 1e12) * 1e6
                 row = {"model": name, "rows": rows, "floor_us": floor}
-                for mode, fused, rpp, splits in modes:
+                for mode, fused, rpp, splits, max_k in modes:
                     if fused and rows > fl.MAX_ROWS:  # past what fused_linear takes
                         row[f"{mode}_us"] = row[f"{mode}_x_floor"] = None
                         continue
-                    use(fused, rpp, splits, rows)
+                    use(fused, rpp, splits, max_k, rows)
                     with torch.inference_mode():
                         row[f"{mode}_us"] = time_graph_us([step], min_launches=20)
                     row[f"{mode}_x_floor"] = row[f"{mode}_us"] / floor
-                    steps.append((row, mode, (fused, rpp, splits, rows), step))
+                    steps.append((row, mode, (fused, rpp, splits, max_k, rows), step))
                 fused_us = row["fused_us"]
                 row["fused_over_unfused"] = fused_us and fused_us / row["unfused_us"]
                 rows_out.append(row)
@@ -243,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ops.set_fused_decode(saved[0])
         ops._fused_rows, fl.ROWS_PER_PROGRAM, pa.choose_launch_config = saved[1:]
+        fl.ROWS_MAX_K = lib
     cols = [("model", "model"), ("rows", "rows"), ("floor_us", "weight floor µs")]
     for mode, *_ in modes:
         cols += [(f"{mode}_us", f"{mode} µs"), (f"{mode}_x_floor", "x floor"),
@@ -259,8 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.chain:
         rpps = [int(r) for r in args.rpp.split(",") if r]
         chain = projection_chain([int(x) for x in args.rows.split(",")], rpps)
-        ccols = [("rows", "rows"), ("fused", "fused_linear µs")]
-        ccols += [(f"rpp{r}", f"rows a program: {r}") for r in rpps]
+        ccols = [("rows", "rows"), ("fused", "fused_linear µs"), ("wide", "wide kernel µs"),
+                 ("wide_silu", "wide kernel, SiLU in the down prologue µs")]  # fmt: skip
+        ccols += [(f"rpp{r}", f"wide, rows a program: {r}") for r in rpps]
         ccols.append(("cublas", "cuBLAS GEMMs alone µs"))
         ctext = (
             f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; "

@@ -6,7 +6,13 @@ from .activation import check_silu_and_mul_args, silu_and_mul
 from .argmax import argmax_rows, check_argmax_args
 from .commit import check_commit_args, commit_step, commit_step_torch
 from .embedding import check_embed_concat_args, embed_concat
-from .fused_linear import check_fused_linear_args, fused_linear, max_fused_rows
+from .fused_linear import (
+    check_fused_linear_args,
+    fused_linear,
+    fused_qkv_rope,
+    fused_qkv_rope_supported,
+    max_fused_rows,
+)
 from .gemv import check_linear_small_m_args, linear_small_m
 from .guard import INTERPRET, check_tensors_runnable, runnable
 from .kv_store import check_store_kv_args, store_kv
@@ -53,6 +59,7 @@ commit_step = runnable(commit_step)
 embed_concat = runnable(embed_concat)
 linear_small_m = runnable(linear_small_m)
 fused_linear = runnable(fused_linear)
+fused_qkv_rope = runnable(fused_qkv_rope)
 store_kv = runnable(store_kv)
 paged_attention = runnable(paged_attention)
 rms_norm = runnable(rms_norm)
@@ -97,6 +104,8 @@ __all__ = [
     "compute_slot_mapping",
     "embed_concat",
     "fused_linear",
+    "fused_qkv_rope",
+    "fused_qkv_rope_supported",
     "max_fused_rows",
     "gather_params",
     "linear_small_m",

@@ -1,25 +1,32 @@
-"""One decode-step projection in one launch: y = prologue(x) W^T (+ bias) (+ residual).
+"""One decode-step projection in one launch: y = epilogue(prologue(x) W^T (+ bias)) (+ residual).
 
 At decode sizes (a few rows) a projection is latency-bound: the H200 runs a 576 x 960
 cuBLAS GEMM in ~3.5 µs where its weights take 0.25 µs to read, and the RMSNorm before it
 and the SiLU-and-multiply or residual add around it are launches of their own. Here each
-program holds a [BLOCK_N, K] slice of W in registers (K padded to a power of two, up to
-16384) and runs its rows of x through it, with the work around the GEMM folded in:
+program holds a slice of W in registers and runs x's rows through it, with the work
+around the GEMM folded in, all in float32 and the output rounded once:
 
-- NORM: x is RMS-normalized on load (each program recomputes its rows' norms; the
-  rounding matches kernels.rms_norm: x * rstd rounded to the dtype, times the weight,
-  rounded again);
-- SILU: x is [M, 2K] = [gate | up] and the product silu(gate) * up is formed on load
-  (rounded as kernels.silu_and_mul rounds it);
-- RES: the residual row is added to the float32 accumulator before the single rounding
-  (out may be the residual itself: each program reads and writes only its own columns).
+- NORM: RMSNorm of x: the norm weight is folded into W at load (W * g is exact in
+  float32 for bf16 / fp16 operands) and the row's 1 / rms scales the product;
+- SILU: x is [M, 2K] = [gate | up] and silu(gate) * up is formed on load;
+- GLU: W is [2N, K] = [gate; up] and the output is silu(x W_gate^T) * (x W_up^T): the
+  gate/up projection with its SiLU-and-multiply, so the down projection reads N
+  columns instead of forming the product per program;
+- RES: the residual row is added before the rounding (out may be the residual itself:
+  each program reads and writes only its own columns).
 
-Rows: a program takes ROWS of x's rows, one after another (the grid's second axis covers
-the rest). A row costs a program about 0.5 µs on the H200 (its reductions run one after
-another), a launch about 1.9 µs, so several rows go to several programs, which read the
-same W slice (from L2 after the first). A tensor-core variant (x padded to 16 rows, K in
-pipelined chunks) measured 2.6x slower than this at 4 rows and 1.6x at 8; it waited
-before loading its weights and ran its K loop chunk after chunk.
+Two kernels. The rows kernel (K <= ROWS_MAX_K, no SILU) runs a program's rows all at
+once over [columns, rows, K runs, K lanes] tiles: K lies along the 32 lanes of a warp
+and the columns along the warps, so every reduction is a warp's shuffles and a launch
+has one barrier (the output's layout change), whatever the row count. The wide kernel
+(larger K, or SILU, whose product it forms once a program) spreads K over all of a
+program's warps and runs its rows one after another, two block-wide reductions a row,
+ROWS rows a program (the grid's second axis covers the rest). H200, SmolLM2-135M decode
+step under a graph (stop 27, bench.decode_step): rows kernel 390 / 470 / 562 / 677 µs at
+1 / 2 / 4 / 8 rows against 416 / 489 / 601 / 771 with the wide kernel for every
+projection. A tensor-core variant (x padded to 16 rows, K in pipelined chunks) measured
+2.6x slower than the wide kernel at 4 rows (stop 26); it waited before loading its
+weights and ran its K loop chunk after chunk.
 
 GDC (programmatic dependent launch, Hopper and later): the program loads its weights,
 which no kernel writes, then waits for the previous kernel in the stream to finish
@@ -44,6 +51,199 @@ MAX_ROWS = 8  # rows of x a launch takes (past that, tensor-core GEMMs win)
 # Rows a program takes (None: rows_per_program's table); bench and tests set it.
 ROWS_PER_PROGRAM: int | None = None
 MAX_K = 16384  # the padded reduction width a program holds in registers
+# K up to which the rows kernel takes a projection (at most 64 of K a thread); wider K
+# goes to the wide kernel. ROWS_TILE: (lanes along K, columns a thread) for the rows
+# kernel, None for the default (bench and tests set it).
+ROWS_MAX_K = 2048
+ROWS_TILE: tuple[int, int] | None = None
+
+
+@triton.jit
+def _rows_w(w_ptr, nn, N, K, stride_w, BASE: tl.constexpr, KH: tl.constexpr, KL: tl.constexpr):
+    """One K piece of W for the rows kernel: K offsets [1, 1, KH, KL] from BASE, their
+    mask, and W [BN, 1, KH, KL] as float32 (zero past N and K)."""
+    kk = BASE + tl.arange(0, KH)[None, None, :, None] * KL + tl.arange(0, KL)[None, None, None, :]
+    km = kk < K
+    w = tl.load(w_ptr + nn.to(tl.int64) * stride_w + kk, mask=(nn < N) & km, other=0.0)
+    return kk, km, w.to(tl.float32)
+
+
+@triton.jit
+def _rows_x(x_ptr, kk, km, rr, nn, M, stride_x):
+    """The rows' x over one K piece, [BN, R, KH, KL] float32 (broadcast over the BN
+    columns, so that it shares W's layout)."""
+    ptr = x_ptr + rr * stride_x + kk + nn * 0
+    return tl.load(ptr, mask=km & (rr < M) & (nn * 0 == 0), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rows_part(w, x):
+    """A thread's partial sums of w * x over its K runs: [BN, R, KL]."""
+    return tl.sum(w * x, axis=2)
+
+
+@triton.jit
+def _lanes_sum(part):
+    """The partials summed across the lanes of a warp (shuffles, no barrier): [BN, R]."""
+    return tl.sum(part, axis=2)
+
+
+@triton.jit
+def _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
+               KH1: tl.constexpr, KH2: tl.constexpr, KL: tl.constexpr, NORM: tl.constexpr,
+               GLU: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
+    """The rows kernel's product over tiles [BN, R, KH, KL]: W (and with GLU the up
+    rows, N rows further) loaded, the norm weight folded in, then the wait (GDC), then
+    x; returns (acc, acc_up) [BN, R] float32, with RMSNorm's row scale applied (acc_up
+    is acc without GLU)."""
+    k1, km1, w1 = _rows_w(w_ptr, nn, N, K, stride_w, 0, KH1, KL)
+    if GLU:
+        _, _, u1 = _rows_w(w_ptr + N * stride_w, nn, N, K, stride_w, 0, KH1, KL)
+    if KH2 > 0:
+        k2, km2, w2 = _rows_w(w_ptr, nn, N, K, stride_w, KH1 * KL, KH2, KL)
+        if GLU:
+            _, _, u2 = _rows_w(w_ptr + N * stride_w, nn, N, K, stride_w, KH1 * KL, KH2, KL)
+    if NORM:  # fold the norm weight into W (exact for bf16 / fp16: a 16-bit product)
+        g1 = tl.load(g_ptr + k1 + nn * 0, mask=km1 & (nn * 0 == 0), other=0.0)  # W's layout
+        w1 = w1 * g1.to(tl.float32)
+        if GLU:
+            u1 = u1 * g1.to(tl.float32)
+        if KH2 > 0:
+            g2 = tl.load(g_ptr + k2 + nn * 0, mask=km2 & (nn * 0 == 0), other=0.0)
+            w2 = w2 * g2.to(tl.float32)
+            if GLU:
+                u2 = u2 * g2.to(tl.float32)
+    if GDC:  # weights are in flight; now wait for the kernel that wrote x
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    x1 = _rows_x(x_ptr, k1, km1, rr, nn, M, stride_x)
+    if KH2 > 0:
+        x2 = _rows_x(x_ptr, k2, km2, rr, nn, M, stride_x)
+    part = _rows_part(w1, x1)
+    if GLU:
+        part_u = _rows_part(u1, x1)
+    if NORM:
+        sq = _rows_part(x1, x1)
+    if KH2 > 0:
+        part += _rows_part(w2, x2)
+        if GLU:
+            part_u += _rows_part(u2, x2)
+        if NORM:
+            sq += _rows_part(x2, x2)
+    acc = _lanes_sum(part)
+    acc_u = acc
+    if GLU:
+        acc_u = _lanes_sum(part_u)
+    if NORM:  # RMSNorm's row scale, applied after the product
+        rstd = tl.rsqrt(_lanes_sum(sq) / K + eps)
+        acc = acc * rstd
+        if GLU:
+            acc_u = acc_u * rstd
+    return acc, acc_u
+
+
+@triton.jit
+def _fused_rows_kernel(
+    x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, out_ptr, M, N, K, eps,
+    stride_x, stride_w, stride_r, stride_o,
+    KH1: tl.constexpr, KH2: tl.constexpr, KL: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, RES: tl.constexpr,
+    GDC: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """All ROWS rows of a program at once over tiles [BLOCK_N, ROWS, KH, KL]: K (KH1 +
+    KH2 pieces of KL) runs along the lanes of a warp and the columns along the warps, so
+    every reduction stays inside a warp, and each row costs its loads and arithmetic
+    but no latency step of its own. GLU: W holds [gate; up] (2N rows) and the output
+    is silu(x W_gate^T) * (x W_up^T)."""
+    n0 = tl.program_id(0) * BLOCK_N
+    m0 = tl.program_id(1) * ROWS
+    rr = m0 + tl.arange(0, ROWS)[None, :, None, None]
+    nn = n0 + tl.arange(0, BLOCK_N)[:, None, None, None]
+    rows = m0 + tl.arange(0, ROWS)[None, :]
+    cols = n0 + tl.arange(0, BLOCK_N)[:, None]
+    omask = (rows < M) & (cols < N)
+    if HAS_BIAS:  # before the wait, with the weights
+        bias = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        if GLU:
+            bias_u = tl.load(b_ptr + N + cols, mask=cols < N, other=0.0).to(tl.float32)
+    acc, acc_u = _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
+                            KH1, KH2, KL, NORM, GLU, GDC)  # fmt: skip
+    if HAS_BIAS:
+        acc += bias
+        if GLU:
+            acc_u += bias_u
+    if GLU:
+        acc = acc / (1.0 + tl.exp(tl.minimum(-acc, 80.0))) * acc_u
+    if RES:
+        acc += tl.load(r_ptr + rows * stride_r + cols, mask=omask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _fused_qkv_rope_kernel(
+    x_ptr, w_ptr, b_ptr, g_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, slot_ptr, cs_ptr,
+    M, N, K, eps, max_positions, num_slots,
+    stride_x, stride_w, stride_q, stride_kcb, stride_kct, stride_kch,
+    stride_vcb, stride_vct, stride_vch, stride_cs,
+    KH1: tl.constexpr, KH2: tl.constexpr, KL: tl.constexpr, PAIRS: tl.constexpr,
+    HALF: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+    GDC: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """The QKV projection with rotary and the K/V store as its epilogue (the rows
+    kernel's product; heads of 2 * HALF dims, rotated whole). A program takes PAIRS
+    column pairs (d, d + HALF) of the heads: 2 * PAIRS columns, column n's pair partner
+    at n + PAIRS. q heads go rotated to q, k heads rotated and
+    v heads as they are to the cache at each row's slot (slot -1, or one outside the
+    cache, writes nothing: rotary_store_kv's contract)."""
+    p0 = tl.program_id(0) * PAIRS
+    m0 = tl.program_id(1) * ROWS
+    n = tl.arange(0, 2 * PAIRS)
+    j = p0 + n % PAIRS  # the pair a column belongs to
+    col = (j // HALF) * (2 * HALF) + j % HALF + (n // PAIRS) * HALF
+    nn = col[:, None, None, None]
+    rr = m0 + tl.arange(0, ROWS)[None, :, None, None]
+    # A pair's head, its dim and each row's position, slot, cos and sin: the metadata was
+    # written at least two kernels back (see kernels.paged_attention), so before the wait.
+    jp = p0 + tl.arange(0, PAIRS)[:, None]
+    head = jp // HALF
+    d = jp % HALF
+    rows = m0 + tl.arange(0, ROWS)[None, :]
+    live = (rows < M) & (head < NUM_Q_HEADS + 2 * NUM_KV_HEADS)
+    pos = tl.load(pos_ptr + rows, mask=rows < M, other=0)
+    pos = tl.minimum(tl.maximum(pos, 0), max_positions - 1)
+    rot = head < NUM_Q_HEADS + NUM_KV_HEADS  # q and k heads
+    cos = tl.load(cs_ptr + pos * stride_cs + d, mask=live & rot, other=1.0)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=live & rot, other=0.0)
+    slot = tl.load(slot_ptr + rows, mask=rows < M, other=-1)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + col[:, None], mask=col[:, None] < N, other=0.0).to(tl.float32)
+    acc, _ = _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
+                        KH1, KH2, KL, NORM, False, GDC)  # fmt: skip
+    if HAS_BIAS:
+        acc += bias
+    # Columns n and n + PAIRS are a pair, held by one thread: split them apart.
+    x1, x2 = tl.split(tl.permute(tl.reshape(acc, [2, PAIRS, ROWS]), (1, 2, 0)))
+    y1 = x1 * cos - x2 * sin  # v heads: cos 1, sin 0
+    y2 = x2 * cos + x1 * sin
+    dt = q_ptr.dtype.element_ty
+    y1, y2 = y1.to(dt), y2.to(dt)
+    is_q = live & (head < NUM_Q_HEADS)
+    q_off = rows * stride_q + head * (2 * HALF) + d
+    tl.store(q_ptr + q_off, y1, mask=is_q)
+    tl.store(q_ptr + q_off + HALF, y2, mask=is_q)
+    ok = live & (slot >= 0) & (slot < num_slots) & (head >= NUM_Q_HEADS)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    is_k = ok & rot
+    k_off = blk * stride_kcb + off * stride_kct + (head - NUM_Q_HEADS) * stride_kch + d
+    tl.store(kc_ptr + k_off, y1, mask=is_k)
+    tl.store(kc_ptr + k_off + HALF, y2, mask=is_k)
+    is_v = ok & (head >= NUM_Q_HEADS + NUM_KV_HEADS)
+    v_off = (blk * stride_vcb + off * stride_vct
+             + (head - NUM_Q_HEADS - NUM_KV_HEADS) * stride_vch + d)  # fmt: skip
+    tl.store(vc_ptr + v_off, y1, mask=is_v)
+    tl.store(vc_ptr + v_off + HALF, y2, mask=is_v)
 
 
 @triton.jit
@@ -51,27 +251,34 @@ def _fused_linear_kernel(
     x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, out_ptr, M, N, K, eps,
     stride_x, stride_w, stride_r, stride_o,
     KP: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-    SILU: tl.constexpr, RES: tl.constexpr, GDC: tl.constexpr, ROWS: tl.constexpr,
+    SILU: tl.constexpr, GLU: tl.constexpr, RES: tl.constexpr, GDC: tl.constexpr,
+    ROWS: tl.constexpr,
 ):  # fmt: skip
+    """Wide K (past ROWS_MAX_K): a program holds [BLOCK_N, KP] of W (K across all its
+    warps) and runs its rows one after another, two block-wide reductions a row."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m0 = tl.program_id(1) * ROWS
     end = tl.minimum(m0 + ROWS, M)
     ks = tl.arange(0, KP)
     kmask = ks < K
     cmask = cols < N
-    w = tl.load(
-        w_ptr + cols[:, None].to(tl.int64) * stride_w + ks[None, :],
-        mask=cmask[:, None] & kmask[None, :],
-        other=0.0,
-    ).to(tl.float32)
-    if NORM:
+    wptr = w_ptr + cols[:, None].to(tl.int64) * stride_w + ks[None, :]
+    wmask = cmask[:, None] & kmask[None, :]
+    w = tl.load(wptr, mask=wmask, other=0.0).to(tl.float32)
+    if GLU:
+        wu = tl.load(wptr + N * stride_w, mask=wmask, other=0.0).to(tl.float32)
+    if NORM:  # fold the norm weight into W (exact for bf16 / fp16: a 16-bit product)
         g = tl.load(g_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
+        w = w * g[None, :]
+        if GLU:
+            wu = wu * g[None, :]
     if HAS_BIAS:
         bias = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        if GLU:
+            bias_u = tl.load(b_ptr + N + cols, mask=cmask, other=0.0).to(tl.float32)
     if GDC:  # weights are in flight; now wait for the kernel that wrote x
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    dt = out_ptr.dtype.element_ty
     # Row m + 1's loads are issued before row m's product (software pipelining): with
     # several rows the loop waits on one load latency, not one a row.
     xa, xb, res = _load_row(x_ptr, r_ptr, m0, end, stride_x, stride_r, ks, kmask, cols, cmask,
@@ -80,21 +287,26 @@ def _fused_linear_kernel(
         a, b, r = xa, xb, res
         xa, xb, res = _load_row(x_ptr, r_ptr, m + 1, end, stride_x, stride_r, ks, kmask, cols,
                                 cmask, K, SILU, RES)  # fmt: skip
+        x = a
         if SILU:
-            s = (a / (1.0 + tl.exp(tl.minimum(-a, 80.0)))).to(dt).to(tl.float32)
-            x = (s * b).to(dt).to(tl.float32)
-        else:
-            x = a
+            x = a / (1.0 + tl.exp(tl.minimum(-a, 80.0))) * b
+        acc = tl.sum(w * x[None, :], axis=1)
+        if GLU:
+            acc_u = tl.sum(wu * x[None, :], axis=1)
         if NORM:
             rstd = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
-            x = (x * rstd).to(dt).to(tl.float32) * g
-            x = x.to(dt).to(tl.float32)
-        acc = tl.sum(w * x[None, :], axis=1)
+            acc = acc * rstd
+            if GLU:
+                acc_u = acc_u * rstd
         if HAS_BIAS:
             acc += bias
+            if GLU:
+                acc_u += bias_u
+        if GLU:
+            acc = acc / (1.0 + tl.exp(tl.minimum(-acc, 80.0))) * acc_u
         if RES:
             acc += r
-        tl.store(out_ptr + m * stride_o + cols, acc.to(dt), mask=cmask)
+        tl.store(out_ptr + m * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
@@ -116,11 +328,12 @@ def _load_row(x_ptr, r_ptr, m, M, stride_x, stride_r, ks, kmask, cols, cmask, K,
     return a, b, r
 
 
-_LAUNCH = CachedLaunch(_fused_linear_kernel)
+_ROWS_LAUNCH = CachedLaunch(_fused_rows_kernel)
+_WIDE_LAUNCH = CachedLaunch(_fused_linear_kernel)
 
 
 def check_fused_linear_args(
-    x, weight, *, bias=None, norm_weight=None, silu=False, residual=None, out=None
+    x, weight, *, bias=None, norm_weight=None, silu=False, glu=False, residual=None, out=None
 ) -> None:
     """fused_linear's argument checks (nothing launched)."""
     _check_tensor("x", x, 2, _DTYPES)
@@ -128,6 +341,8 @@ def check_fused_linear_args(
     m, width = x.shape
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"x has {m} rows: fused_linear takes 1 to {MAX_ROWS}")
+    if silu and glu:
+        raise ValueError("silu=True and glu=True cannot be combined")
     k = weight.shape[1]
     want = 2 * k if silu else k
     if width != want:
@@ -138,14 +353,20 @@ def check_fused_linear_args(
     if not 1 <= k <= MAX_K:
         raise ValueError(f"weight has in_features {k}: fused_linear takes 1 to {MAX_K}")
     n = weight.shape[0]
+    if glu:
+        if n % 2:
+            raise ValueError(
+                f"weight has {n} rows: glu=True needs [gate; up], an even number of rows"
+            )
+        n //= 2
     for name, t in (("weight", weight), ("bias", bias), ("norm_weight", norm_weight),
                     ("residual", residual), ("out", out)):  # fmt: skip
         if t is not None and isinstance(t, torch.Tensor) and t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, x on {x.device}")
     if bias is not None:
         _check_tensor("bias", bias, 1, (x.dtype,))
-        if bias.shape[0] != n:
-            raise ValueError(f"bias has shape {tuple(bias.shape)}, expected [{n}]")
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"bias has shape {tuple(bias.shape)}, expected [{weight.shape[0]}]")
     if norm_weight is not None:
         if silu:
             raise ValueError("norm_weight and silu=True cannot be combined")
@@ -168,40 +389,45 @@ def check_fused_linear_args(
 
 
 def rows_per_program(m: int, *, interpret: bool = INTERPRET) -> int:
-    """Rows of x one program takes, for m rows (ROWS_PER_PROGRAM when set). Under the
-    interpreter, which pays per program, all of them."""
+    """Rows of x one program of the wide kernel takes, for m rows (ROWS_PER_PROGRAM
+    when set). Under the interpreter, which pays per program, all of them."""
     if ROWS_PER_PROGRAM is not None:
         return max(1, min(ROWS_PER_PROGRAM, m))
     if interpret:
         return m
-    # H200, SmolLM2's four projections x 30 layers under a graph with PDL (µs for 1, 2,
-    # 3, 4 ... rows a program): 2 rows 288 / 281; 3 rows 352 / 374; 4 rows 410 / 389 /
-    # 427 (4); 8 rows 692 / 573 / 603 (4) / 712 (8). One row a program multiplies the
-    # programs, each holding its W slice in registers, into several waves; all rows in
-    # one program run them one after another.
+    # H200, SmolLM2's four projections x 30 layers under a graph with PDL, on this
+    # kernel before the rows kernel took them (µs for 1, 2, 3, 4 ... rows a program): 2
+    # rows 288 / 281; 3 rows 352 / 374; 4 rows 410 / 389 / 427 (4); 8 rows 692 / 573 /
+    # 603 (4) / 712 (8). One row a program multiplies the programs, each holding its W
+    # slice in registers, into several waves; all rows in one program run them one
+    # after another.
     return 1 if m == 1 else 2
 
 
-# Programs a launch may take with more than 4 rows: each holds its W slice in registers,
-# and past about this many (a few waves) the fused path lost to cuBLAS. H200, decode step
-# at 8 rows under a graph (largest projection's programs): SmolLM2-135M 867 vs 1027 µs
-# unfused (1536), its one-layer EAGLE head 56.7 vs 61.5 (1536), llama-68m 136 vs 109
-# (3072); llama-68m at 4 rows 94.9 vs 103 (1536).
+# Programs a wide-kernel launch may take with more than 4 rows: each holds its W slice
+# in registers, and past about this many (a few waves) the fused path lost to cuBLAS.
+# H200, decode step at 8 rows under a graph (largest projection's programs, stop 26):
+# SmolLM2-135M 867 vs 1027 µs unfused (1536), its one-layer EAGLE head 56.7 vs 61.5
+# (1536), llama-68m 136 vs 109 (3072); llama-68m at 4 rows 94.9 vs 103 (1536).
 PROGRAM_BUDGET = 1536
-MIN_FUSED_ROWS = 4  # rows every model takes on the fused path (the limit before stop 26)
+MIN_FUSED_ROWS = 4  # rows every model takes on the fused path
 
 
 def max_fused_rows(shapes) -> int:
     """Rows up to which a model whose projections have these weight shapes ([N, K]
-    pairs) takes the fused decode path: MIN_FUSED_ROWS, and up to MAX_ROWS while no
+    pairs) takes the fused decode path: MAX_ROWS when the rows kernel takes every
+    projection (K <= ROWS_MAX_K); else MIN_FUSED_ROWS, and more while no wide-kernel
     launch needs more than PROGRAM_BUDGET programs (GPU tiles, also under the
     interpreter, so the choice is the same on every machine)."""
+    wide = [(int(n), int(k)) for n, k in shapes if int(k) > ROWS_MAX_K]
+    if not wide:
+        return MAX_ROWS
     limit = MIN_FUSED_ROWS
     for m in range(MIN_FUSED_ROWS + 1, MAX_ROWS + 1):
         rows = rows_per_program(m, interpret=False)
         progs = max(
-            triton.cdiv(int(n), _tile(int(k), interpret=False)[1]) * triton.cdiv(m, rows)
-            for n, k in shapes
+            triton.cdiv(n, _wide_tile(k, interpret=False)[1]) * triton.cdiv(m, rows)
+            for n, k in wide
         )
         if progs > PROGRAM_BUDGET:
             break
@@ -209,17 +435,37 @@ def max_fused_rows(shapes) -> int:
     return limit
 
 
-def _tile(k: int, *, interpret: bool = INTERPRET) -> tuple[int, int, int]:
-    """(K padded, columns a program, warps): 64 weights a thread, 4 warps up to K 8192
-    (~8192 weights a program; SmolLM2 on the H200: 1.74 µs a launch in a chain), more
-    warps past it. One warp a program (row reductions without barriers) measured
-    1.07-1.63x slower."""
+def _wide_tile(k: int, *, interpret: bool = INTERPRET) -> tuple[int, int, int]:
+    """(K padded, columns a program, warps) of the wide kernel: 64 weights a thread, 4
+    warps up to K 8192, more warps past it. One warp a program (row reductions without
+    barriers) measured 1.07-1.63x slower."""
     kp = triton.next_power_of_2(k)
     warps = min(16, max(4, kp // 2048))
     block_n = max(1, 64 * 32 * warps // kp)
     if interpret:  # the interpreter pays per program: larger slices
         block_n = max(block_n, min(64, 65536 // kp))
     return kp, block_n, warps
+
+
+def _rows_tile(k: int, elem: int, *, interpret: bool = INTERPRET):
+    """(KH1, KH2, KL, columns a program, warps) of the rows kernel: K in 16-byte
+    vectors along up to 32 lanes (KL = lanes x vector), then in KH1 + KH2 (powers of
+    two) such runs a thread; the columns along the 4 warps (and any lanes K leaves),
+    ROWS_TILE[1] columns a thread."""
+    vec = 16 // elem
+    lanes_k = min(32, triton.next_power_of_2(triton.cdiv(k, vec)))
+    cols_thread = 1
+    if ROWS_TILE is not None:
+        lanes_k, cols_thread = min(ROWS_TILE[0], lanes_k), ROWS_TILE[1]
+    kl = lanes_k * vec
+    runs = triton.cdiv(k, kl)
+    kh1 = 1 << (runs.bit_length() - 1)
+    kh2 = triton.next_power_of_2(runs - kh1) if runs > kh1 else 0
+    warps = 4
+    block_n = 32 // lanes_k * warps * cols_thread
+    if interpret:  # the interpreter pays per program: larger tiles
+        block_n = max(block_n, 64)
+    return kh1, kh2, kl, block_n, warps
 
 
 def fused_linear(
@@ -230,21 +476,27 @@ def fused_linear(
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     silu: bool = False,
+    glu: bool = False,
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """[M, N] = f(x) @ weight[N, K]^T (+ bias) (+ residual), M <= MAX_ROWS, one launch.
+    """[M, N] = g(f(x) @ weight^T (+ bias)) (+ residual), M <= MAX_ROWS, one launch.
 
     f is the identity, RMSNorm with norm_weight and eps, or (silu=True, x [M, 2K])
-    silu(x[:, :K]) * x[:, K:]. out may be residual itself (an in-place residual stream),
-    never overlap x. pdl=True launches with programmatic dependent launch (CUDA,
-    compute capability 9 or later; see kernels.pdl_supported)."""
+    silu(x[:, :K]) * x[:, K:]. g is the identity, or (glu=True, weight [2N, K] =
+    [gate; up], bias [2N]) silu(gate) * up: the gate/up projection with its
+    SiLU-and-multiply. The prologue and epilogue run in float32; the output is rounded
+    once. out may be residual itself (an in-place residual stream), never overlap x.
+    pdl=True launches with programmatic dependent launch (CUDA, compute capability 9
+    or later; see kernels.pdl_supported)."""
     check_fused_linear_args(
-        x, weight, bias=bias, norm_weight=norm_weight, silu=silu, residual=residual, out=out
-    )
+        x, weight, bias=bias, norm_weight=norm_weight, silu=silu, glu=glu, residual=residual,
+        out=out,
+    )  # fmt: skip
     m = x.shape[0]
     n, k = weight.shape
+    n = n // 2 if glu else n
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0:
@@ -255,11 +507,123 @@ def fused_linear(
               residual if residual is not None else out, out, m, n, k, float(eps),
               x.stride(0), weight.stride(0),
               residual.stride(0) if residual is not None else 0, out.stride(0))  # fmt: skip
-    flags = (bias is not None, norm_weight is not None, bool(silu), residual is not None, gdc)
-    kp, block_n, warps = _tile(k)
-    rows = rows_per_program(m)
-    args = common + (kp, block_n) + flags + (rows,)
+    bias_norm = (bias is not None, norm_weight is not None)
+    tail = (bool(glu), residual is not None, gdc)
+    if k <= ROWS_MAX_K and not silu:  # the wide kernel forms silu(gate) * up once a program
+        kh1, kh2, kl, block_n, warps = _rows_tile(k, x.element_size())
+        rows = triton.next_power_of_2(m)  # every row in one program
+        args = common + (kh1, kh2, kl, block_n) + bias_norm + tail + (rows,)
+        launch = _ROWS_LAUNCH
+    else:
+        kp, block_n, warps = _wide_tile(k)
+        if glu:  # two W slices a program
+            block_n = max(1, block_n // 2)
+        rows = rows_per_program(m)
+        args = common + (kp, block_n) + bias_norm + (bool(silu),) + tail + (rows,)
+        launch = _WIDE_LAUNCH
     key = specialization_key(args) + (x.device.index, warps)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, rows))
-    _LAUNCH(key, grid, args, {"num_warps": warps, **options})
+    launch(key, grid, args, {"num_warps": warps, **options})
     return out
+
+
+_ROPE_LAUNCH = CachedLaunch(_fused_qkv_rope_kernel)
+# Column pairs a program of the QKV + rotary kernel takes: 2 (a column a warp; the pair
+# partners meet through one layout change) against 4 (both in one thread, x held twice:
+# 253 registers with spills at 8 rows, offline sm_90 SASS).
+ROPE_PAIRS = 2
+
+
+def fused_qkv_rope_supported(k: int, head_dim: int, rotary_dim: int) -> bool:
+    """Whether fused_qkv_rope takes a QKV projection with this in_features, head_dim
+    and rotary width: the rows kernel's K, whole heads rotated."""
+    return k <= ROWS_MAX_K and rotary_dim == head_dim and head_dim % 2 == 0
+
+
+def fused_qkv_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    num_q_heads: int,
+    bias: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    out: torch.Tensor | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """The QKV projection with rotary and the K/V store in one launch: qkv = f(x)
+    weight^T (+ bias), f the identity or RMSNorm (norm_weight, eps) as in fused_linear,
+    with weight [(Hq + 2 Hkv) D, K] (Hkv and D from the cache); then, as
+    rotary_store_kv does it, q and k rotated (cos_sin_cache [max_positions, D]: whole
+    heads), q returned [M, Hq, D] (in `out` [M, Hq D] when given; unit column stride),
+    rotated k and v written to the cache at slot_mapping (a slot of -1, or outside the
+    cache, writes nothing). Everything in float32, each output rounded once. Every
+    check runs before the launch: a refused call writes nothing."""
+    from .rotary import check_rotary_store_kv_args  # rotary imports paged_attention
+
+    check_fused_linear_args(x, weight, bias=bias, norm_weight=norm_weight)
+    m, k = x.shape
+    if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, int) or num_q_heads < 1:
+        raise ValueError(f"num_q_heads must be a positive int, got {num_q_heads!r}")
+    if k_cache.dim() != 4:
+        raise ValueError(
+            f"k_cache has shape {tuple(k_cache.shape)}, expected [num_blocks, block_size, "
+            "num_kv_heads, head_dim]"
+        )
+    hkv, d = int(k_cache.shape[2]), int(k_cache.shape[3])
+    n = (num_q_heads + 2 * hkv) * d
+    if weight.shape[0] != n:
+        raise ValueError(
+            f"weight has {weight.shape[0]} rows, expected (num_q_heads {num_q_heads} + 2 x "
+            f"{hkv} kv heads) x head_dim {d} = {n}"
+        )
+    if num_q_heads % hkv:
+        raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {hkv}")
+    if not isinstance(cos_sin_cache, torch.Tensor) or cos_sin_cache.dim() != 2:
+        raise ValueError("cos_sin_cache must be a [max_positions, rotary_dim] tensor")
+    if not fused_qkv_rope_supported(k, d, int(cos_sin_cache.shape[1])):
+        raise ValueError(
+            f"fused_qkv_rope takes in_features <= {ROWS_MAX_K} and a rotary width equal to "
+            f"head_dim; got in_features {k}, head_dim {d}, cos_sin_cache width "
+            f"{cos_sin_cache.shape[1]}: use fused_linear and rotary_store_kv"
+        )
+    if out is None:
+        out = torch.empty((m, num_q_heads * d), dtype=x.dtype, device=x.device)
+    _check_tensor("out", out, 2, (x.dtype,))
+    if tuple(out.shape) != (m, num_q_heads * d) or out.stride(1) != 1:
+        raise ValueError(
+            f"out has shape {tuple(out.shape)} and strides {out.stride()}, expected "
+            f"[{m}, {num_q_heads * d}] with unit column stride"
+        )
+    if out.device != x.device:
+        raise ValueError(f"out is on {out.device}, x on {x.device}")
+    q = out.unflatten(1, (num_q_heads, d))
+    # q's own shape stands in for k and v (same dtype, device and head layout): the
+    # kernel reads neither, it writes them.
+    stand_in = q[:, :hkv]
+    block_size = check_rotary_store_kv_args(
+        q, stand_in, stand_in, positions, cos_sin_cache, k_cache, v_cache, slot_mapping
+    )
+    if m == 0:
+        return q
+    gdc, options = pdl_launch(pdl)
+    kh1, kh2, kl, _, warps = _rows_tile(k, x.element_size())
+    pairs = 64 if INTERPRET else ROPE_PAIRS  # the interpreter pays per program
+    rows = triton.next_power_of_2(m)
+    args = (x, weight, bias if bias is not None else weight,
+            norm_weight if norm_weight is not None else weight, out, k_cache, v_cache,
+            positions, slot_mapping, cos_sin_cache, m, n, k, float(eps),
+            cos_sin_cache.shape[0], k_cache.shape[0] * block_size, x.stride(0),
+            weight.stride(0), out.stride(0), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            cos_sin_cache.stride(0), kh1, kh2, kl, pairs, d // 2, num_q_heads, hkv,
+            block_size, bias is not None, norm_weight is not None, gdc, rows)  # fmt: skip
+    key = specialization_key(args) + (x.device.index, warps)
+    grid = (triton.cdiv(n // 2, pairs), triton.cdiv(m, rows))
+    _ROPE_LAUNCH(key, grid, args, {"num_warps": warps, **options})
+    return q

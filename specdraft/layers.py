@@ -169,6 +169,43 @@ class Attention(nn.Module):
             )
         return self.o_proj(self.attend(self.qkv_proj(x), meta, kv_cache))
 
+    def project_attend(
+        self,
+        x: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVPair,
+        *,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+        pdl: bool,
+    ) -> torch.Tensor:
+        """The fused decode path's attention half: QKV projection (with the RMSNorm
+        before it folded in), rotary, the K/V store and attention; returns [num_tokens,
+        Hq D]. One launch for the first three where kernels.fused_qkv_rope takes the
+        shapes (whole heads rotated), else fused_linear then rotary_store_kv."""
+        t = x.shape[0]
+        cos_sin = self.rotary.cos_sin_cache
+        if not kernels.fused_qkv_rope_supported(x.shape[1], self.head_dim, cos_sin.shape[1]):
+            qkv = ops.fused_linear(
+                x, self.qkv_proj.weight, bias=self.qkv_proj.bias, norm_weight=norm_weight,
+                eps=eps, pdl=pdl,
+            )  # fmt: skip
+            return self.attend(qkv, meta, kv_cache, pdl=pdl)
+        q_out = torch.empty((t, self.q_size), dtype=x.dtype, device=x.device)
+        q = q_out.view(t, self.num_heads, self.head_dim)
+        # All checks before the first write (the launch writes the cache); q's heads stand
+        # in for k and v, which the launch writes to the cache only.
+        stand_in = q[:, : self.num_kv_heads]
+        self.attn.check(q, stand_in, stand_in, kv_cache, meta)
+        k_cache, v_cache = kv_cache
+        ops.fused_qkv_rope(
+            x, self.qkv_proj.weight, meta.positions, cos_sin, k_cache, v_cache,
+            meta.slot_mapping, num_q_heads=self.num_heads, bias=self.qkv_proj.bias,
+            norm_weight=norm_weight, eps=eps, out=q_out, pdl=pdl,
+        )  # fmt: skip
+        out = self.attn(q, stand_in, stand_in, kv_cache, meta, stored=True, pdl=pdl)
+        return out.view(t, self.q_size)
+
     def attend(
         self, qkv: torch.Tensor, meta: AttentionMetadata, kv_cache: KVPair, *, pdl: bool = False
     ) -> torch.Tensor:
@@ -271,10 +308,10 @@ class DecoderLayer(nn.Module):
     ) -> None:
         """The layer on the fused decode path (ops.fused_decode): `stream` [T, H] is the
         residual stream entering the layer (what forward's hidden + residual sums to) and
-        leaves it holding the layer's output, updated in place. Four fused_linear
-        launches (norm + QKV, O + residual, norm + gate/up, SiLU-and-multiply + down +
-        residual) around rotary + store and attention; the residual adds round once,
-        from float32, where forward rounds the GEMM output first."""
+        leaves it holding the layer's output, updated in place. Five launches: norm +
+        QKV + rotary + K/V store (Attention.project_attend), attention, O + residual,
+        norm + gate/up + SiLU-and-multiply, down + residual; each rounds once, from
+        float32, where forward rounds the norm, the GEMM output and the product too."""
         attn, mlp = self.self_attn, self.mlp
         if stream.dim() != 2 or stream.shape[1] != attn.qkv_proj.in_features:
             raise ValueError(
@@ -282,22 +319,21 @@ class DecoderLayer(nn.Module):
                 f"[num_tokens, {attn.qkv_proj.in_features}]"
             )
         norm = self.input_layernorm
-        qkv = ops.fused_linear(
-            stream, attn.qkv_proj.weight, bias=attn.qkv_proj.bias,
-            norm_weight=None if norm is None else norm.weight,
+        out = attn.project_attend(
+            stream, meta, kv_cache, norm_weight=None if norm is None else norm.weight,
             eps=1e-6 if norm is None else norm.eps, pdl=pdl,
         )  # fmt: skip
-        out = attn.attend(qkv, meta, kv_cache, pdl=pdl)
         ops.fused_linear(
             out, attn.o_proj.weight, bias=attn.o_proj.bias, residual=stream, out=stream, pdl=pdl
         )
         post = self.post_attention_layernorm
-        gate_up = ops.fused_linear(
-            stream, mlp.gate_up_proj.weight, norm_weight=post.weight, eps=post.eps, pdl=pdl
-        )
+        act = ops.fused_linear(
+            stream, mlp.gate_up_proj.weight, norm_weight=post.weight, eps=post.eps, glu=True,
+            pdl=pdl,
+        )  # fmt: skip
         ops.fused_linear(
-            gate_up, mlp.down_proj.weight, bias=mlp.down_proj.bias, silu=True,
-            residual=stream, out=stream, pdl=pdl,
+            act, mlp.down_proj.weight, bias=mlp.down_proj.bias, residual=stream, out=stream,
+            pdl=pdl,
         )  # fmt: skip
 
 

@@ -142,6 +142,12 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, **kw) -> torch.Tensor:
     return kernels.fused_linear(x, weight, **kw)
 
 
+def fused_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *args, **kw) -> torch.Tensor:
+    """kernels.fused_qkv_rope (Triton backend only: the fused decode path's QKV
+    projection with rotary and the K/V store)."""
+    return kernels.fused_qkv_rope(x, weight, *args, **kw)
+
+
 def linear_residual_(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """residual += x W^T in place, one cuBLAS call (the addition in the GEMM's float32
     epilogue, one rounding; in place, so no copy of the residual first): a layer's output

@@ -79,7 +79,8 @@ def launches(v: int, b: int, k: int, dtype: torch.dtype, sampled: bool) -> list[
 def decode_path_compiles() -> list[tuple[str, object]]:
     """The fused decode path's launches with programmatic dependent launch (SmolLM2's
     shapes: every fused_linear flavour at 1 and 4 rows; rotary + store, attention with
-    its split merge), each made through its own launcher with the JIT's run turned into
+    its splits merged in the launch and by a second one), each made through its own
+    launcher with the JIT's run turned into
     a compile-only warmup. Returns (label, compiled kernel) pairs."""
     import importlib
 
@@ -102,8 +103,8 @@ def decode_path_compiles() -> list[tuple[str, object]]:
 
         jit.run = warm
 
-    for jit in (fl._fused_linear_kernel, rot._rotary_store_kv_kernel, pa._paged_attention_kernel,
-                pa._combine_splits_kernel):  # fmt: skip
+    for jit in (fl._fused_rows_kernel, fl._fused_linear_kernel, rot._rotary_store_kv_kernel,
+                pa._paged_attention_kernel, pa._combine_splits_kernel):  # fmt: skip
         compile_only(jit)
     bf = torch.bfloat16
     h, f, hq, hkv, d = 576, 1536, 9, 3, 64
@@ -114,6 +115,19 @@ def decode_path_compiles() -> list[tuple[str, object]]:
             ("norm", stream, torch.randn(960, h), dict(norm_weight=torch.ones(h).to(bf))),
             ("residual", torch.randn(m, h).to(bf), torch.randn(h, h), dict(residual=stream)),
             ("silu", torch.randn(m, 2 * f).to(bf), torch.randn(h, f), dict(silu=True)),
+            (
+                "glu",
+                stream,
+                torch.randn(2 * f, h),
+                dict(norm_weight=torch.ones(h).to(bf), glu=True),
+            ),
+            ("down", torch.randn(m, f).to(bf), torch.randn(h, f), dict(residual=stream)),
+            (
+                "wide",
+                torch.randn(m, 4096).to(bf),
+                torch.randn(64, 4096),
+                dict(norm_weight=torch.ones(4096).to(bf), glu=True),
+            ),
             ("bias", stream, torch.randn(960, h), dict(bias=torch.randn(960).to(bf))),
         ):
             label[0] = f"decode M {m} {name}"
@@ -129,8 +143,12 @@ def decode_path_compiles() -> list[tuple[str, object]]:
     qsl = torch.arange(t + 1, dtype=torch.int32)
     seq = torch.full((t,), 24, dtype=torch.int32)
     table = torch.arange(t * 2, dtype=torch.int32).view(t, 2) % blocks
-    pa.paged_attention(q, kc, vc, qsl, seq, table, 0.125, max_query_len=1, max_seq_len=24,
-                       num_splits=2, pdl=True)  # fmt: skip
+    for merge in (True, False):  # splits merged in the attention launch, or a second one
+        pa.MERGE_IN_KERNEL = merge
+        label[0] = f"decode merge {'in kernel' if merge else 'launch'}"
+        pa.paged_attention(q, kc, vc, qsl, seq, table, 0.125, max_query_len=1, max_seq_len=24,
+                           num_splits=2, pdl=True)  # fmt: skip
+    pa.MERGE_IN_KERNEL = True
     return got
 
 
