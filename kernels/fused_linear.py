@@ -534,9 +534,17 @@ _ROPE_LAUNCH = CachedLaunch(_fused_qkv_rope_kernel)
 ROPE_PAIRS = 2
 
 
+ROPE_FUSED = True  # the layers' switch for fused_qkv_rope (bench and tests set it)
+
+
 def fused_qkv_rope_supported(k: int, head_dim: int, rotary_dim: int) -> bool:
-    """Whether fused_qkv_rope takes a QKV projection with this in_features, head_dim
-    and rotary width: the rows kernel's K, whole heads rotated."""
+    """Whether the fused decode path takes fused_qkv_rope for a QKV projection with
+    this in_features, head_dim and rotary width: the rows kernel's K, whole heads
+    rotated (and ROPE_FUSED on)."""
+    return ROPE_FUSED and _rope_takes(k, head_dim, rotary_dim)
+
+
+def _rope_takes(k: int, head_dim: int, rotary_dim: int) -> bool:
     return k <= ROWS_MAX_K and rotary_dim == head_dim and head_dim % 2 == 0
 
 
@@ -586,7 +594,7 @@ def fused_qkv_rope(
         raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {hkv}")
     if not isinstance(cos_sin_cache, torch.Tensor) or cos_sin_cache.dim() != 2:
         raise ValueError("cos_sin_cache must be a [max_positions, rotary_dim] tensor")
-    if not fused_qkv_rope_supported(k, d, int(cos_sin_cache.shape[1])):
+    if not _rope_takes(k, d, int(cos_sin_cache.shape[1])):
         raise ValueError(
             f"fused_qkv_rope takes in_features <= {ROWS_MAX_K} and a rotary width equal to "
             f"head_dim; got in_features {k}, head_dim {d}, cos_sin_cache width "

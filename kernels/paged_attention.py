@@ -11,10 +11,8 @@ One kernel serves every query shape. Programs tile the batch along three axes:
   padded tokens.
 - axis 1, KV heads.
 - axis 2, KV splits (flash-decoding). With NUM_SPLITS > 1 every program writes a
-  normalised partial output and its log-sum-exp; the last split of a query tile and KV
-  head to finish (a ticket) merges them in the same launch (MERGE; or
-  `_combine_splits_kernel` in a second launch). Split boundaries come from seq_lens on
-  the device; the count is a host constant.
+  normalised partial output and its log-sum-exp, and `_combine_splits_kernel` merges
+  them. Split boundaries come from seq_lens on the device; the count is a host constant.
 
 All lengths are read on the device, so one captured CUDA graph is valid for every
 batch whose num_tokens / num_reqs / max_query_len fit the launch it was captured with.
@@ -166,7 +164,6 @@ def _paged_attention_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    tickets_ptr,
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -204,7 +201,6 @@ def _paged_attention_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     GDC: tl.constexpr = False,
-    MERGE: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -226,9 +222,8 @@ def _paged_attention_kernel(
 
     if req == num_reqs:
         # Past every request: rows of padded tokens get zeros (invariant 2). With splits
-        # the combine kernel writes them instead, or split 0 where the splits merge here.
-        zero_rows = NUM_SPLITS == 1 or MERGE
-        if zero_rows and split == 0:
+        # the combine kernel writes them instead.
+        if NUM_SPLITS == 1:
             if GDC:
                 tl.extra.cuda.gdc_wait()
                 tl.extra.cuda.gdc_launch_dependents()
@@ -378,45 +373,6 @@ def _paged_attention_kernel(
         )
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(part_lse_ptr + row, lse, mask=rows)
-        if MERGE:
-            # The last split of this (tile, KV head) to finish merges them all: the
-            # barrier puts every thread's partial stores before the ticket's release, and
-            # the ticket's acquire makes the other splits' partials visible to the last.
-            tl.debug_barrier()
-            t_ptr = tickets_ptr + tile * tl.num_programs(1) + kv_head
-            if tl.atomic_add(t_ptr, 1, sem="acq_rel") == NUM_SPLITS - 1:
-                tl.store(t_ptr, 0)  # ready for the next launch
-                _merge_rows(out_ptr, part_out_ptr, part_lse_ptr, tok, head, rows, offs_d,
-                            d_mask, num_tokens, stride_ot, stride_oh, NUM_Q_HEADS,
-                            HEAD_DIM_P, NUM_SPLITS)  # fmt: skip
-
-
-@triton.jit
-def _merge_rows(out_ptr, part_out_ptr, part_lse_ptr, tok, head, rows, offs_d, d_mask,
-                num_tokens, stride_ot, stride_oh, NUM_Q_HEADS: tl.constexpr,
-                HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr):  # fmt: skip
-    """A tile's rows merged from the NUM_SPLITS partials this launch wrote for them (read
-    past L1, which may hold a line from an earlier launch): each split's normalised
-    output weighted by its share of the softmax mass."""
-    offs_s = tl.arange(0, NUM_SPLITS)
-    prow = (offs_s[:, None] * num_tokens + tok[None, :]) * NUM_Q_HEADS + head[None, :]
-    lse = tl.load(part_lse_ptr + prow, mask=rows[None, :], other=float("-inf"),
-                  cache_modifier=".cg")  # fmt: skip
-    lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp2(lse - lse_max[None, :])
-    parts = tl.load(
-        part_out_ptr + prow[:, :, None] * HEAD_DIM_P + offs_d[None, None, :],
-        mask=(w > 0.0)[:, :, None] & rows[None, :, None],
-        other=0.0,
-        cache_modifier=".cg",
-    )
-    num = tl.sum(w[:, :, None] * parts, 0)
-    den = tl.sum(w, 0)
-    den = tl.where(den == 0.0, 1.0, den)
-    o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, (num / den[:, None]).to(out_ptr.dtype.element_ty),
-             mask=rows[:, None] & d_mask[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -556,34 +512,6 @@ def choose_launch_config(
     return AttentionLaunchConfig(block_m, block_q, block_n, num_splits, num_warps, num_stages)
 
 
-# The splits merge inside the attention launch (the last split of a query tile and KV
-# head to finish combines them) unless MERGE_IN_KERNEL is off: then a second launch,
-# _combine_splits_kernel, does. The tickets are one int32 a (tile, KV head), zero between
-# launches (the last split resets its own), shared by every launch on a device: the
-# launches of one device run one after another on its stream.
-MERGE_IN_KERNEL = True
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []  # outgrown buffers: graphs captured with them keep them
-
-
-def merge_tickets(device: torch.device, n: int) -> torch.Tensor | None:
-    """The device's ticket buffer of at least n zeros, grown outside graph capture (a
-    capture's warm-up pass runs the same launch first); None (merge with the second
-    launch) when MERGE_IN_KERNEL is off or a capture would need a larger buffer. An
-    outgrown buffer is kept, never freed: a graph captured earlier still uses it."""
-    if not MERGE_IN_KERNEL:
-        return None
-    t = _TICKETS.get(device)
-    if t is None or t.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        if t is not None:
-            _RETIRED.append(t)
-        size = max(n, 1024 if t is None else 2 * t.numel())
-        t = _TICKETS[device] = torch.zeros(size, dtype=torch.int32, device=device)
-    return t
-
-
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -676,8 +604,6 @@ def paged_attention(
     )
     qpk = num_q_heads // num_kv_heads
     head_dim_p = triton.next_power_of_2(head_dim)
-    grid = (cdiv(num_tokens, cfg.block_q) + num_reqs, num_kv_heads, cfg.num_splits)
-    tickets = merge_tickets(q.device, grid[0] * grid[1]) if cfg.num_splits > 1 else None
     if cfg.num_splits > 1:
         part_out = torch.empty(
             (cfg.num_splits, num_tokens, num_q_heads, head_dim_p),
@@ -689,12 +615,12 @@ def paged_attention(
         )
     else:
         part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
+    grid = (cdiv(num_tokens, cfg.block_q) + num_reqs, num_kv_heads, cfg.num_splits)
     pdl, launch_pdl = pdl_launch(pdl)
     _paged_attention_kernel[grid](
         out,
         part_out,
         part_lse,
-        tickets if tickets is not None else seq_lens,
         q,
         k_cache,
         v_cache,
@@ -732,12 +658,11 @@ def paged_attention(
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         GDC=pdl,
-        MERGE=tickets is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch_pdl,
     )
-    if cfg.num_splits > 1 and tickets is None:
+    if cfg.num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_q_heads)](
             out,
             part_out,

@@ -308,10 +308,11 @@ class DecoderLayer(nn.Module):
     ) -> None:
         """The layer on the fused decode path (ops.fused_decode): `stream` [T, H] is the
         residual stream entering the layer (what forward's hidden + residual sums to) and
-        leaves it holding the layer's output, updated in place. Five launches: norm +
-        QKV + rotary + K/V store (Attention.project_attend), attention, O + residual,
-        norm + gate/up + SiLU-and-multiply, down + residual; each rounds once, from
-        float32, where forward rounds the norm, the GEMM output and the product too."""
+        leaves it holding the layer's output, updated in place. Five launches (six when
+        attention splits its keys: the merge): norm + QKV + rotary + K/V store
+        (Attention.project_attend), attention, O + residual, norm + gate/up +
+        SiLU-and-multiply, down + residual; each rounds once, from float32, where forward
+        rounds the norm, the GEMM output and the product too."""
         attn, mlp = self.self_attn, self.mlp
         if stream.dim() != 2 or stream.shape[1] != attn.qkv_proj.in_features:
             raise ValueError(

@@ -79,8 +79,7 @@ def launches(v: int, b: int, k: int, dtype: torch.dtype, sampled: bool) -> list[
 def decode_path_compiles() -> list[tuple[str, object]]:
     """The fused decode path's launches with programmatic dependent launch (SmolLM2's
     shapes: every fused_linear flavour at 1 and 4 rows; rotary + store, attention with
-    its splits merged in the launch and by a second one), each made through its own
-    launcher with the JIT's run turned into
+    its split merge), each made through its own launcher with the JIT's run turned into
     a compile-only warmup. Returns (label, compiled kernel) pairs."""
     import importlib
 
@@ -103,8 +102,9 @@ def decode_path_compiles() -> list[tuple[str, object]]:
 
         jit.run = warm
 
-    for jit in (fl._fused_rows_kernel, fl._fused_linear_kernel, rot._rotary_store_kv_kernel,
-                pa._paged_attention_kernel, pa._combine_splits_kernel):  # fmt: skip
+    for jit in (fl._fused_rows_kernel, fl._fused_linear_kernel, fl._fused_qkv_rope_kernel,
+                rot._rotary_store_kv_kernel, pa._paged_attention_kernel,
+                pa._combine_splits_kernel):  # fmt: skip
         compile_only(jit)
     bf = torch.bfloat16
     h, f, hq, hkv, d = 576, 1536, 9, 3, 64
@@ -132,6 +132,11 @@ def decode_path_compiles() -> list[tuple[str, object]]:
         ):
             label[0] = f"decode M {m} {name}"
             fl.fused_linear(x, w.to(bf), pdl=True, **kw)
+        label[0] = f"decode M {m} qkv rope"
+        kc = torch.randn(8, 16, hkv, d).to(bf)
+        fl.fused_qkv_rope(stream, torch.randn((hq + 2 * hkv) * d, h).to(bf), torch.arange(m),
+                          torch.randn(64, d), kc, kc.clone(), torch.arange(m), num_q_heads=hq,
+                          norm_weight=torch.ones(h).to(bf), pdl=True)  # fmt: skip
     fl.ROWS_PER_PROGRAM = None
     label[0] = "decode"
     t, blocks, bs = 4, 8, 16
@@ -143,12 +148,8 @@ def decode_path_compiles() -> list[tuple[str, object]]:
     qsl = torch.arange(t + 1, dtype=torch.int32)
     seq = torch.full((t,), 24, dtype=torch.int32)
     table = torch.arange(t * 2, dtype=torch.int32).view(t, 2) % blocks
-    for merge in (True, False):  # splits merged in the attention launch, or a second one
-        pa.MERGE_IN_KERNEL = merge
-        label[0] = f"decode merge {'in kernel' if merge else 'launch'}"
-        pa.paged_attention(q, kc, vc, qsl, seq, table, 0.125, max_query_len=1, max_seq_len=24,
-                           num_splits=2, pdl=True)  # fmt: skip
-    pa.MERGE_IN_KERNEL = True
+    pa.paged_attention(q, kc, vc, qsl, seq, table, 0.125, max_query_len=1, max_seq_len=24,
+                       num_splits=2, pdl=True)  # fmt: skip
     return got
 
 

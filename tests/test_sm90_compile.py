@@ -47,6 +47,8 @@ def test_decode_path_compiles_for_sm90_with_pdl():
     # 7 projections at 1 and 4 rows: silu=True and K 4096 take the wide kernel
     assert names.count("_fused_rows_kernel") == 10, out[-4000:]
     assert names.count("_fused_linear_kernel") == 4, out[-4000:]
-    assert names.count("_paged_attention_kernel") == 2, names  # merged in it, and not
-    assert {"_rotary_store_kv_kernel", "_combine_splits_kernel"} <= set(names), names
+    assert names.count("_fused_qkv_rope_kernel") == 2, out[-4000:]
+    assert {"_rotary_store_kv_kernel", "_paged_attention_kernel", "_combine_splits_kernel"} <= set(
+        names
+    ), names
     assert all(w == "True" for _, w in lines), lines
