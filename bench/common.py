@@ -187,6 +187,22 @@ def host_us(fn, iters: int, spin: int = 0, cuda: bool = True) -> list[float]:
     return out
 
 
+def host_burst_us(fn, calls: int, spin: int) -> list[float]:
+    """Host µs of each of `calls` calls of fn() made back to back, with no synchronize
+    between them, all enqueued behind one spin kernel of `spin` cycles (long enough to
+    outlast them): the engine's steady state, where each launch follows other launches
+    while the GPU works, rather than the first launch after a synchronize."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(spin)
+    out = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return out
+
+
 def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     """rows: dicts; columns: (key, header). Floats get 3 significant decimals."""
 
