@@ -143,6 +143,22 @@ def _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
 
 
 @triton.jit
+def _epilogue(acc, acc_u, bias, bias_u, res, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
+              RES: tl.constexpr):  # fmt: skip
+    """The float32 output before its one rounding: bias, then silu(gate) * up (GLU),
+    then the residual."""
+    if HAS_BIAS:
+        acc += bias
+        if GLU:
+            acc_u += bias_u
+    if GLU:
+        acc = acc / (1.0 + tl.exp(tl.minimum(-acc, 80.0))) * acc_u
+    if RES:
+        acc += res
+    return acc
+
+
+@triton.jit
 def _fused_rows_kernel(
     x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, out_ptr, M, N, K, eps,
     stride_x, stride_w, stride_r, stride_o,
@@ -162,20 +178,16 @@ def _fused_rows_kernel(
     rows = m0 + tl.arange(0, ROWS)[None, :]
     cols = n0 + tl.arange(0, BLOCK_N)[:, None]
     omask = (rows < M) & (cols < N)
+    bias, bias_u, res = 0.0, 0.0, 0.0
     if HAS_BIAS:  # before the wait, with the weights
         bias = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
         if GLU:
             bias_u = tl.load(b_ptr + N + cols, mask=cols < N, other=0.0).to(tl.float32)
     acc, acc_u = _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
                             KH1, KH2, KL, NORM, GLU, GDC)  # fmt: skip
-    if HAS_BIAS:
-        acc += bias
-        if GLU:
-            acc_u += bias_u
-    if GLU:
-        acc = acc / (1.0 + tl.exp(tl.minimum(-acc, 80.0))) * acc_u
     if RES:
-        acc += tl.load(r_ptr + rows * stride_r + cols, mask=omask, other=0.0).to(tl.float32)
+        res = tl.load(r_ptr + rows * stride_r + cols, mask=omask, other=0.0).to(tl.float32)
+    acc = _epilogue(acc, acc_u, bias, bias_u, res, HAS_BIAS, GLU, RES)
     tl.store(out_ptr + rows * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=omask)
 
 
@@ -272,6 +284,7 @@ def _fused_linear_kernel(
         w = w * g[None, :]
         if GLU:
             wu = wu * g[None, :]
+    bias, bias_u = 0.0, 0.0
     if HAS_BIAS:
         bias = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         if GLU:
@@ -291,6 +304,7 @@ def _fused_linear_kernel(
         if SILU:
             x = a / (1.0 + tl.exp(tl.minimum(-a, 80.0))) * b
         acc = tl.sum(w * x[None, :], axis=1)
+        acc_u = acc
         if GLU:
             acc_u = tl.sum(wu * x[None, :], axis=1)
         if NORM:
@@ -298,14 +312,7 @@ def _fused_linear_kernel(
             acc = acc * rstd
             if GLU:
                 acc_u = acc_u * rstd
-        if HAS_BIAS:
-            acc += bias
-            if GLU:
-                acc_u += bias_u
-        if GLU:
-            acc = acc / (1.0 + tl.exp(tl.minimum(-acc, 80.0))) * acc_u
-        if RES:
-            acc += r
+        acc = _epilogue(acc, acc_u, bias, bias_u, r, HAS_BIAS, GLU, RES)
         tl.store(out_ptr + m * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 

@@ -102,9 +102,10 @@ _fused_decode = os.environ.get("SPECDRAFT_FUSED", "1") != "0"
 # Rows up to which the fused path runs, for every model (None: each model's own limit,
 # kernels.max_fused_rows of its projections' shapes); the decode benchmark sets it.
 _fused_rows: int | None = None
-# Under Triton's interpreter a fused_linear program runs its rows one after another in
-# Python, so there forwards of more than this many rows take the unfused path unless
-# _fused_rows says otherwise (CI: the 8-row limit took the CPU tests 719 -> 1215 s).
+# Under Triton's interpreter forwards of more than this many rows take the unfused path
+# unless _fused_rows says otherwise, to keep the CPU tests short (CI, stop 26: the 8-row
+# limit took them 719 -> 1215 s with the wide kernel's row loop, which ran each row in
+# Python).
 _INTERPRET_FUSED_ROWS = 4
 
 

@@ -128,7 +128,11 @@ def test_gpu_prompt_prefill_replays_a_graph_per_chunk(kind):
     chunk (a 700-token prompt is two chunks of the 512-token budget). The K/V it writes
     equals the eager prefill's up to the bf16 rounding of a differently padded GEMM (a
     few units in the last place; a wrong row, position or state is off by O(1)), and
-    every other block of the cache keeps its bits (padding rows write nothing)."""
+    every other block of the cache keeps its bits (padding rows write nothing). Units
+    are those of each head's largest element: the eager prefill of a short prompt takes
+    the fused path, which rotates k in float32 before its one rounding, the graph's
+    unfused path rounds the projection first, and the rotation's cancellations leave
+    small elements off by a unit of their head's larger ones."""
     s = gpu_setup(kind)
     kw = dict(max_num_reqs=4, k_max_options=(3,), capture_sizes=[1, 4], max_model_len=2048)
     g, e = Drafter(s.model, seed=0, **kw), Drafter(s.model, seed=0, cuda_graphs=False, **kw)
@@ -150,7 +154,7 @@ def test_gpu_prompt_prefill_replays_a_graph_per_chunk(kind):
         length = n - g.loop.shift
         kg, ke = kv_rows(g, rid, length).float(), kv_rows(e, rid, length).float()
         assert torch.isfinite(kg).all()
-        ulp = 2.0**-8 * ke.abs().clamp(min=2.0**-6)
+        ulp = 2.0**-8 * ke.abs().amax(dim=-1, keepdim=True).clamp(min=2.0**-6)
         worst = ((kg - ke).abs() / ulp).max().item()
         assert worst <= 8, f"prompt of {n}: graph K/V off the eager one by {worst:.1f} ulp"
         others = torch.ones(g.cache.data.shape[2], dtype=torch.bool)

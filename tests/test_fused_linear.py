@@ -230,11 +230,14 @@ def _bad(device):
         (lambda x, w: dict(glu=True), ValueError, "residual has shape"),
     ],
 )
-def test_fused_linear_bad_inputs(make, exc, words):
-    """A clear error naming the argument; nothing written (out and residual unchanged)."""
+def test_fused_linear_bad_inputs(make, exc, words, device):
+    """A clear error naming the argument; nothing written (out and residual unchanged).
+    The tensors go to the device the kernels run on (CPU ones on a GPU machine are
+    refused before any argument check)."""
     x, w = _bad("cpu")
     kw = dict(x=x, weight=w, residual=torch.randn(2, 16), out=torch.randn(2, 16))
     kw.update(make(x, w))
+    kw = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     snap = {k: v.clone() for k, v in kw.items() if isinstance(v, torch.Tensor)}
     with pytest.raises(exc, match=words):
         kernels.check_fused_linear_args(**kw)
@@ -245,9 +248,9 @@ def test_fused_linear_bad_inputs(make, exc, words):
         assert torch.equal(now, v), f"{k} changed"
 
 
-def test_fused_linear_refuses_out_overlapping_x():
-    buf = torch.randn(2, 48)
-    x, w = buf[:, :32], torch.randn(16, 32)
+def test_fused_linear_refuses_out_overlapping_x(device):
+    buf = torch.randn(2, 48, device=device)
+    x, w = buf[:, :32], torch.randn(16, 32, device=device)
     before = buf.clone()
     with pytest.raises(ValueError, match="out overlaps x"):
         fused_linear(x, w, out=buf[:, 32:])
@@ -455,3 +458,37 @@ def test_gpu_fused_decode_error_within_the_unfused_bf16_error():
     assert torch.isfinite(fused).all()
     assert err_plain > 0, "the bf16 model must differ from the float32 one"
     assert err_fused <= 1.5 * err_plain, (err_fused, err_plain)
+
+
+def _decode_then_verify(model, cfg, device, tokens, prompt):
+    """Logits of `tokens` decoded one a step after `prompt`, and of the same tokens as
+    one verification step of len(tokens) rows after the same prompt (fresh caches)."""
+    one, block = [], None
+    for verify in (False, True):
+        runner = PagedRunner(cfg, device, dtype=model.dtype, max_model_len=128)
+        meta = runner.step([(0, prompt)])
+        model(meta.input_ids, meta, runner.cache)
+        if verify:
+            meta = runner.step([(0, tokens)])
+            block = model(meta.input_ids, meta, runner.cache, all_logits=True)[1].float()
+        else:
+            for t in tokens:
+                meta = runner.step([(0, [t])])
+                one.append(model(meta.input_ids, meta, runner.cache)[1][0].float())
+    return torch.stack(one), block
+
+
+@pytest.mark.gpu
+def test_gpu_verification_logits_equal_decode_logits():
+    """SmolLM2's shapes, 4 layers, bf16: the logits of 4 tokens verified in one step are
+    the bits the same tokens get decoded one a step (what makes greedy speculative
+    output the target-only output at batch 1): the fused path's per-row arithmetic does
+    not depend on the row count, nor the attention's on the number of query rows."""
+    cfg = smollm2_135m_config(num_layers=4)
+    model = random_causal_lm(cfg, dtype=torch.bfloat16, device="cuda", seed=11)
+    prompt, tokens = list(range(100, 120)), [7, 300, 41, 9]
+    with torch.no_grad():
+        one, block = _decode_then_verify(model, cfg, "cuda", tokens, prompt)
+    assert torch.isfinite(block).all()
+    bad = [i for i in range(len(tokens)) if not torch.equal(one[i], block[i])]
+    assert not bad, (bad, (one - block).abs().max().item())

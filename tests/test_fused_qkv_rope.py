@@ -143,9 +143,10 @@ def _bad_call(kw):
         (dict(g=torch.ones(31)), ValueError, "norm_weight has shape"),
     ],
 )
-def test_fused_qkv_rope_bad_inputs(change, exc, words):
+def test_fused_qkv_rope_bad_inputs(change, exc, words, device):
     """A clear error naming the argument; nothing written (cache and out unchanged)."""
     c = _bad_call(change)
+    c = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in c.items()}
     hq = change.get("num_q_heads", 4)
     snap = {key: c[key].clone() for key in ("kc", "vc", "out")}
     with pytest.raises(exc, match=words):
