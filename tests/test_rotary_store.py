@@ -395,32 +395,41 @@ def test_llama_forward_same_as_unfused(device, monkeypatch, backend):
             assert_model_matches_unfused(big, device, monkeypatch)
 
 
-def test_attention_layer_launches_no_separate_rotary_or_store(device, monkeypatch):
-    """Attention.forward goes through the fused op only: the separate rotary and store
-    calls would raise here."""
+@pytest.mark.parametrize("rows", [4, 12], ids=["fused-path", "unfused-path"])
+def test_attention_layer_launches_no_separate_rotary_or_store(device, monkeypatch, rows):
+    """A layer goes through one fused op a step: rotary_store_kv, or on the fused decode
+    path (a few rows on the Triton backend) the QKV projection with rotary and the store
+    (fused_qkv_rope); the separate rotary and store calls would raise here."""
 
     def refuse(*args, **kwargs):
         raise AssertionError("separate rotary / store launched")
 
     calls = []
-    fused = ops.rotary_store_kv
 
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return fused(*args, **kwargs)
+    def counting(name, fn):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+
+        return call
 
     import specdraft.attention as attention_mod
     import specdraft.layers as layers_mod
 
     monkeypatch.setattr(attention_mod, "store_kv", refuse)
     monkeypatch.setattr(layers_mod, "apply_rotary", refuse)
-    monkeypatch.setattr(layers_mod, "rotary_store_kv", counting)
+    monkeypatch.setattr(
+        layers_mod, "rotary_store_kv", counting("rotary_store_kv", ops.rotary_store_kv)
+    )
+    monkeypatch.setattr(ops, "fused_qkv_rope", counting("fused_qkv_rope", ops.fused_qkv_rope))
     cfg = tiny_config()
     model = random_causal_lm(cfg, seed=1, device=device)
     runner = PagedRunner(cfg, device)
-    meta = runner.step([(0, [1, 2, 3])], pad_tokens=1)
+    meta = runner.step([(0, list(range(1, rows)))], pad_tokens=1)
     model(meta.input_ids, meta, runner.cache)
-    assert len(calls) == cfg.num_layers
+    assert len(calls) == cfg.num_layers, calls
+    fused = ops.fused_decode(torch.zeros(rows, cfg.hidden_size, device=device), model.fused_rows())
+    assert set(calls) == {"fused_qkv_rope" if fused else "rotary_store_kv"}, calls
 
 
 def _layer_case(device):
