@@ -236,8 +236,11 @@ def _fused_qkv_rope_kernel(
         acc += bias
     # Columns n and n + PAIRS are a pair, held by one thread: split them apart.
     x1, x2 = tl.split(tl.permute(tl.reshape(acc, [2, PAIRS, ROWS]), (1, 2, 0)))
-    y1 = x1 * cos - x2 * sin  # v heads: cos 1, sin 0
-    y2 = x2 * cos + x1 * sin
+    # v heads: cos 1, sin 0. Explicit fma: left to the compiler, which product fuses into
+    # the add differed with the row count (a row among 4 got other bits than alone: 2-3
+    # rows in 300 on the H200), and verified tokens then differed from decoded ones.
+    y1 = tl.fma(x1, cos, -(x2 * sin))
+    y2 = tl.fma(x2, cos, x1 * sin)
     dt = q_ptr.dtype.element_ty
     y1, y2 = y1.to(dt), y2.to(dt)
     is_q = live & (head < NUM_Q_HEADS)

@@ -12,7 +12,12 @@ One kernel serves every query shape. Programs tile the batch along three axes:
 - axis 1, KV heads.
 - axis 2, KV splits (flash-decoding). With NUM_SPLITS > 1 every program writes a
   normalised partial output and its log-sum-exp, and `_combine_splits_kernel` merges
-  them. Split boundaries come from seq_lens on the device; the count is a host constant.
+  them. The count is a host constant; the boundaries are each row's own: its context
+  (from seq_lens on the device) in BLOCK_N-key tiles, cut into NUM_SPLITS runs, as a
+  decode step of that token alone cuts it. A token verified among others then sums the
+  same keys in the same order as when decoded one a step, and gets the same bits (for
+  the same key tile width: a verification of up to BLOCK_M / QPK tokens in decode's
+  BLOCK_M).
 
 All lengths are read on the device, so one captured CUDA graph is valid for every
 batch whose num_tokens / num_reqs / max_query_len fit the launch it was captured with.
@@ -78,7 +83,8 @@ def _attend_tile(
     acc,
     kv0,
     kv_hi,
-    q_pos,
+    row_lo,
+    row_hi,
     bt_row,
     num_blocks,
     k_head,
@@ -88,7 +94,6 @@ def _attend_tile(
     scale,
     qk_scale,
     softcap,
-    window,
     stride_kb,
     stride_kt,
     stride_vb,
@@ -97,12 +102,13 @@ def _attend_tile(
     BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     MASK: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
+    LO_MASK: tl.constexpr,
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One key tile of the online softmax. MASK False: every key of the tile is visible
-    to every row (the caller guarantees it), so no causal / length mask is built."""
+    """One key tile of the online softmax. Row r sees keys [row_lo[r], row_hi[r]) below
+    kv_hi (LO_MASK False: row_lo is 0). MASK False: every key of the tile is visible to
+    every row (the caller guarantees it), so no mask is built."""
     offs_n = kv0 + tl.arange(0, BLOCK_N)
     n_valid = offs_n < kv_hi
     if MASK:
@@ -139,9 +145,9 @@ def _attend_tile(
     else:
         s = s * qk_scale
     if MASK:
-        visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
-        if USE_WINDOW:
-            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+        visible = (offs_n[None, :] < row_hi[:, None]) & n_valid[None, :]
+        if LO_MASK:
+            visible = visible & (offs_n[None, :] >= row_lo[:, None])
         s = tl.where(visible, s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -265,15 +271,21 @@ def _paged_attention_kernel(
         other=0.0,
     )
 
-    # Keys this tile can see: causal up to its last query, window from its first.
-    kv_hi = ctx_len + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len)
-    kv_lo = 0
+    # The keys each row sees, [row_lo, row_hi): causal, the window, and with splits this
+    # split's share of the row's own context, cut as a decode step of that row alone
+    # would cut it (its length in key tiles over NUM_SPLITS). A verified token then sums
+    # the same keys in the same order as when decoded one a step: the same bits.
+    row_hi = q_pos + 1
+    row_lo = tl.zeros_like(q_pos)
     if USE_WINDOW:
-        kv_lo = tl.maximum(ctx_len + q_block * BLOCK_Q - window + 1, 0)
+        row_lo = q_pos - window + 1
     if NUM_SPLITS > 1:
-        tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
-        kv_lo = tl.maximum(kv_lo, split * tiles_per_split * BLOCK_N)
-        kv_hi = tl.minimum(kv_hi, (split + 1) * tiles_per_split * BLOCK_N)
+        tiles_per_split = tl.cdiv(tl.cdiv(tl.maximum(row_hi, 0), BLOCK_N), NUM_SPLITS)
+        row_lo = tl.maximum(row_lo, split * tiles_per_split * BLOCK_N)
+        row_hi = tl.minimum(row_hi, (split + 1) * tiles_per_split * BLOCK_N)
+    # This tile's key range: the union of its rows'.
+    kv_lo = tl.maximum(tl.min(tl.where(rows, row_lo, kv_cap), 0), 0)
+    kv_hi = tl.max(tl.where(rows, row_hi, 0), 0)
     kv_start = (kv_lo // BLOCK_N) * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -291,8 +303,11 @@ def _paged_attention_kernel(
     # 348 us, prefill 1079 -> 946 us on the H200; bench/NOTES.md).
     full_end = kv_start
     if not USE_WINDOW and BLOCK_M >= 64:
-        full_hi = tl.minimum(kv_hi, ctx_len + q_block * BLOCK_Q + 1)
+        # Tiles inside every row's range: from kv_start when every row starts there.
+        full_hi = tl.min(tl.where(rows, row_hi, kv_cap), 0)
+        full_lo = tl.max(tl.where(rows, row_lo, 0), 0)
         full_end = tl.maximum(kv_start + ((full_hi - kv_start) // BLOCK_N) * BLOCK_N, kv_start)
+        full_end = tl.where(full_lo <= kv_start, full_end, kv_start)
     for kv0 in range(kv_start, full_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q,
@@ -301,7 +316,8 @@ def _paged_attention_kernel(
             acc,
             kv0,
             kv_hi,
-            q_pos,
+            row_lo,
+            row_hi,
             bt_row,
             num_blocks,
             k_head,
@@ -311,7 +327,6 @@ def _paged_attention_kernel(
             scale,
             qk_scale,
             softcap,
-            window,
             stride_kb,
             stride_kt,
             stride_vb,
@@ -332,7 +347,8 @@ def _paged_attention_kernel(
             acc,
             kv0,
             kv_hi,
-            q_pos,
+            row_lo,
+            row_hi,
             bt_row,
             num_blocks,
             k_head,
@@ -342,7 +358,6 @@ def _paged_attention_kernel(
             scale,
             qk_scale,
             softcap,
-            window,
             stride_kb,
             stride_kt,
             stride_vb,
@@ -351,7 +366,7 @@ def _paged_attention_kernel(
             BLOCK_N,
             USE_SOFTCAP,
             True,
-            USE_WINDOW,
+            USE_WINDOW or NUM_SPLITS > 1,
             HEAD_DIM == HEAD_DIM_P,
             DOT_PRECISION,
         )
