@@ -9,11 +9,6 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-# Under pytest-xdist (-n N) each worker takes its share of the cores for PyTorch's own
-# threads, so N workers do not oversubscribe the machine.
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
-if _WORKERS > 1:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
 if not HAS_CUDA:
     # Must be set before any @triton.jit function is created.
     os.environ.setdefault("TRITON_INTERPRET", "1")
