@@ -166,6 +166,25 @@ def _attend_tile(
 
 
 @triton.jit
+def _key_range(q_pos, window, split, USE_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr,
+               BLOCK_N: tl.constexpr):  # fmt: skip
+    """[lo, hi): the keys a query at q_pos sees in this split. Causal, the window, and
+    with splits this split's share of the query's own context (its length in BLOCK_N
+    tiles over NUM_SPLITS), cut as a decode step of that token alone cuts it, so a token
+    verified among others sums the same keys in the same order: the same bits. Both ends
+    are non-decreasing in q_pos."""
+    hi = q_pos + 1
+    lo = hi * 0
+    if USE_WINDOW:
+        lo = q_pos - window + 1
+    if NUM_SPLITS > 1:
+        tiles_per_split = tl.cdiv(tl.cdiv(tl.maximum(hi, 0), BLOCK_N), NUM_SPLITS)
+        lo = tl.maximum(lo, split * tiles_per_split * BLOCK_N)
+        hi = tl.minimum(hi, (split + 1) * tiles_per_split * BLOCK_N)
+    return lo, hi
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,
     part_out_ptr,
@@ -271,21 +290,16 @@ def _paged_attention_kernel(
         other=0.0,
     )
 
-    # The keys each row sees, [row_lo, row_hi): causal, the window, and with splits this
-    # split's share of the row's own context, cut as a decode step of that row alone
-    # would cut it (its length in key tiles over NUM_SPLITS). A verified token then sums
-    # the same keys in the same order as when decoded one a step: the same bits.
-    row_hi = q_pos + 1
-    row_lo = tl.zeros_like(q_pos)
-    if USE_WINDOW:
-        row_lo = q_pos - window + 1
-    if NUM_SPLITS > 1:
-        tiles_per_split = tl.cdiv(tl.cdiv(tl.maximum(row_hi, 0), BLOCK_N), NUM_SPLITS)
-        row_lo = tl.maximum(row_lo, split * tiles_per_split * BLOCK_N)
-        row_hi = tl.minimum(row_hi, (split + 1) * tiles_per_split * BLOCK_N)
-    # This tile's key range: the union of its rows'.
-    kv_lo = tl.maximum(tl.min(tl.where(rows, row_lo, kv_cap), 0), 0)
-    kv_hi = tl.max(tl.where(rows, row_hi, 0), 0)
+    # The keys each row sees, [row_lo, row_hi) (see _key_range). Both ends grow with the
+    # position, so the tile's range, the union of its rows', runs from its first token's
+    # row_lo to its last token's row_hi.
+    row_lo, row_hi = _key_range(q_pos, window, split, USE_WINDOW, NUM_SPLITS, BLOCK_N)
+    first_pos = ctx_len + q_block * BLOCK_Q
+    last_pos = ctx_len + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
+    first_lo, first_hi = _key_range(first_pos, window, split, USE_WINDOW, NUM_SPLITS, BLOCK_N)
+    last_lo, last_hi = _key_range(last_pos, window, split, USE_WINDOW, NUM_SPLITS, BLOCK_N)
+    kv_lo = tl.maximum(first_lo, 0)
+    kv_hi = last_hi
     kv_start = (kv_lo // BLOCK_N) * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -303,11 +317,10 @@ def _paged_attention_kernel(
     # 348 us, prefill 1079 -> 946 us on the H200; bench/NOTES.md).
     full_end = kv_start
     if not USE_WINDOW and BLOCK_M >= 64:
-        # Tiles inside every row's range: from kv_start when every row starts there.
-        full_hi = tl.min(tl.where(rows, row_hi, kv_cap), 0)
-        full_lo = tl.max(tl.where(rows, row_lo, 0), 0)
-        full_end = tl.maximum(kv_start + ((full_hi - kv_start) // BLOCK_N) * BLOCK_N, kv_start)
-        full_end = tl.where(full_lo <= kv_start, full_end, kv_start)
+        # Tiles inside every row's range [last_lo, first_hi): from kv_start when every
+        # row starts there.
+        full_end = tl.maximum(kv_start + ((first_hi - kv_start) // BLOCK_N) * BLOCK_N, kv_start)
+        full_end = tl.where(last_lo <= kv_start, full_end, kv_start)
     for kv0 in range(kv_start, full_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q,
