@@ -246,9 +246,6 @@ def test_fp32_on_strided_cache_view(device):
     run_and_check(b, torch.float32)
 
 
-# ---- launch configuration is a function of descriptor bounds only ------------------
-
-
 def _verify_vs_decode(device, dtype, heads, head_dim, ctx_lens, q_len, bound, num_splits):
     """Rows of one verification step (each request's q_len tokens after ctx_lens[r]
     committed ones, ragged in one batch) against the same tokens decoded one a step
@@ -308,12 +305,15 @@ def test_verified_rows_equal_decoded_rows_bitwise(device):
 @pytest.mark.parametrize("q_len", [2, 4])
 def test_gpu_verified_rows_equal_decoded_rows_bitwise(heads, head_dim, q_len):
     """bf16 and the default launch configuration at the main job's length bound (1024),
-    contexts across every change of the split cut (8 splits of 64-key tiles: 512 keys);
-    the tiles keep one shape for up to 16 / (q heads per KV head) tokens, so the
-    verification widths here (k 1 and 3)."""
-    ctx = [20, 61, 126, 300, 505, 507, 508, 509, 510, 511, 512, 600, 1000][: None if q_len == 2 else 12]
+    contexts across every change of the split cut (8 splits of 64-key tiles: 512 keys).
+    The widths (k 1 and 3) keep decode's tile, which holds up to 16 / (q heads per KV
+    head) tokens; wider verification takes 128-key tiles and is not bit-equal."""
+    ctx = [20, 61, 126, 300, 505, 507, 508, 509, 510, 511, 512, 600, 1000]
     bad = _verify_vs_decode("cuda", torch.bfloat16, heads, head_dim, ctx, q_len, 1024, None)
     assert not bad, bad
+
+
+# ---- launch configuration is a function of descriptor bounds only ------------------
 
 
 def test_launch_config_depends_only_on_bounds():
