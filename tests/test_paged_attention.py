@@ -248,8 +248,11 @@ def test_fp32_on_strided_cache_view(device):
 
 def _verify_vs_decode(device, dtype, heads, head_dim, ctx_lens, q_len, bound, num_splits):
     """Rows of one verification step (each request's q_len tokens after ctx_lens[r]
-    committed ones, ragged in one batch) against the same tokens decoded one a step
-    over the same cache: the (token, context) pairs whose output differs in any bit."""
+    committed ones, ragged in one batch) against the same tokens decoded one a step,
+    the whole batch in each step, over the same cache: the (token, context) pairs whose
+    output differs in any bit. Decode and verification at one batch size take the same
+    split count; a lone request would take more splits than a batch of 13 and so
+    other bits (not a claim the engine makes: its decode runs the verified batch)."""
     hq, hkv = heads
     bs = 16
     per_req = -(-bound // bs)
@@ -272,15 +275,16 @@ def _verify_vs_decode(device, dtype, heads, head_dim, ctx_lens, q_len, bound, nu
         max_query_len=q_len, **kw,
     )  # fmt: skip
     bad = []
-    for r, ctx in enumerate(ctx_lens):
-        for i in range(q_len):
-            t = r * q_len + i
-            one = paged_attention(
-                q[t : t + 1], k_cache, v_cache, torch.tensor([0, 1], **i32),
-                torch.tensor([ctx + i + 1], **i32), table[r : r + 1], scale, max_query_len=1,
-                **kw,
-            )  # fmt: skip
-            if not torch.equal(one[0], block[t]):
+    for i in range(q_len):
+        # Decode step i of the whole batch: every request's token i alone, as target-only
+        # decoding at this batch size runs it (the same launch bounds but the width).
+        step = paged_attention(
+            q[i::q_len].contiguous(), k_cache, v_cache, torch.arange(n + 1, **i32),
+            torch.tensor([c + i + 1 for c in ctx_lens], **i32), table, scale,
+            max_query_len=1, **kw,
+        )  # fmt: skip
+        for r, ctx in enumerate(ctx_lens):
+            if not torch.equal(step[r], block[r * q_len + i]):
                 bad.append((i, ctx))
     return bad
 
