@@ -103,12 +103,15 @@ def _attend_tile(
     USE_SOFTCAP: tl.constexpr,
     MASK: tl.constexpr,
     LO_MASK: tl.constexpr,
+    LO_TILE: tl.constexpr,
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One key tile of the online softmax. Row r sees keys [row_lo[r], row_hi[r]) below
-    kv_hi (LO_MASK False: row_lo is 0). MASK False: every key of the tile is visible to
-    every row (the caller guarantees it), so no mask is built."""
+    kv_hi: LO_MASK compares each key with row_lo, LO_TILE (row_lo a multiple of BLOCK_N)
+    each row's row_lo with the tile's start; neither: row_lo is 0. MASK False: every key
+    of the tile is visible to every row (the caller guarantees it), so no mask is
+    built."""
     offs_n = kv0 + tl.arange(0, BLOCK_N)
     n_valid = offs_n < kv_hi
     if MASK:
@@ -145,7 +148,15 @@ def _attend_tile(
     else:
         s = s * qk_scale
     if MASK:
-        visible = (offs_n[None, :] < row_hi[:, None]) & n_valid[None, :]
+        # row_hi <= kv_hi (the caller clamps it), so it also masks the ragged end.
+        hi = row_hi
+        if LO_TILE:
+            # Splits without a window: row_lo is a multiple of BLOCK_N, so a row sees
+            # all of this tile from kv0 up or none of it: one select a row, not a
+            # compare a score (SmolLM2's heads, batch 8, context 32768, 4 tokens:
+            # 89.6 -> 87.7 us; 84.6 before rows took their own splits).
+            hi = tl.where(row_lo <= kv0, row_hi, 0)
+        visible = offs_n[None, :] < hi[:, None]
         if LO_MASK:
             visible = visible & (offs_n[None, :] >= row_lo[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -300,6 +311,7 @@ def _paged_attention_kernel(
     last_lo, last_hi = _key_range(last_pos, window, split, USE_WINDOW, NUM_SPLITS, BLOCK_N)
     kv_lo = tl.maximum(first_lo, 0)
     kv_hi = last_hi
+    row_hi = tl.minimum(row_hi, kv_hi)  # rows past the request's last token see none past it
     kv_start = (kv_lo // BLOCK_N) * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -349,6 +361,7 @@ def _paged_attention_kernel(
             USE_SOFTCAP,
             False,
             False,
+            False,
             HEAD_DIM == HEAD_DIM_P,
             DOT_PRECISION,
         )
@@ -379,7 +392,8 @@ def _paged_attention_kernel(
             BLOCK_N,
             USE_SOFTCAP,
             True,
-            USE_WINDOW or NUM_SPLITS > 1,
+            USE_WINDOW,
+            NUM_SPLITS > 1 and not USE_WINDOW,
             HEAD_DIM == HEAD_DIM_P,
             DOT_PRECISION,
         )
