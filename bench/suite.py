@@ -3,7 +3,7 @@ preparation under pytest-benchmark, graph capture and replay, draft models, end 
 the embedded model, attention), then short tables.
 
     python -m bench.suite [--out results] [--quick] [--sweep] [--no-flex] [--only a,b] [--jobs 8]
-                          [--test-budget-s S] [--gpus 0,1]
+                          [--test-budget-s S] [--gpus 0,1] [--files test_a,test_b]
 
 --only picks parts: tests, host, capture, models, decode, e2e, spec, mainjob, hostprof,
 draft, gemv, rejection, attention (default: all). decode: whole-model decode steps, fused
@@ -53,6 +53,7 @@ def run_tests(
     budget_s: float | None = None,
     gpus: list[str] | None = None,
     split_s: float = 90.0,
+    only_files: set[str] | None = None,
 ) -> tuple[int, str]:
     """Every test file in its own pytest process, `jobs` of them at once, the longest
     first (by the last recorded GPU durations, else by file size) and the next one to
@@ -61,7 +62,8 @@ def run_tests(
     robin, about split_s each), so that one long file does not set the wall time. With
     budget_s, nothing starts after that many seconds: the summary then names what did
     not run, so a cut run still reports what it saw. gpus: device indices the processes
-    are dealt over in turn (CUDA_VISIBLE_DEVICES). Returns the exit status and one
+    are dealt over in turn (CUDA_VISIBLE_DEVICES). only_files: test file stems to run
+    (default: every file); a stem that names no file is an error. Returns the exit status and one
     summary line; writes every process's log and gpu_tests/durations.json (seconds per
     file, its parts summed)."""
     import json
@@ -69,10 +71,15 @@ def run_tests(
     import time
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
+    files = sorted(Path("tests").glob("test_*.py"))
+    if only_files is not None:
+        unknown = sorted(only_files - {f.stem for f in files})
+        if unknown:
+            raise ValueError(f"--files: no test file named {', '.join(unknown)} in tests/")
+        files = [f for f in files if f.stem in only_files]
     log_dir = out_dir / "gpu_tests"
     log_dir.mkdir(parents=True, exist_ok=True)
     known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
-    files = sorted(Path("tests").glob("test_*.py"))
     long = [f for f in files if known.get(f.name, 0.0) > split_s]
     nodes = _collect(long)
     units = []  # (name, file, args, estimated seconds)
@@ -209,6 +216,9 @@ def main() -> int:
     )
     ap.add_argument("--gpus", default=None, help="deal the test files over these GPUs, e.g. 0,1")
     ap.add_argument(
+        "--files", default=None, help="run these test files only, e.g. test_gguf,test_rejection"
+    )
+    ap.add_argument(
         "--only",
         default="tests,host,capture,models,decode,e2e,spec,mainjob,hostprof,draft,gemv,"
         "rejection,attention",
@@ -222,7 +232,11 @@ def main() -> int:
         return 2
     rc, summary = (
         run_tests(
-            args.out, args.jobs, args.test_budget_s, args.gpus.split(",") if args.gpus else None
+            args.out,
+            args.jobs,
+            args.test_budget_s,
+            args.gpus.split(",") if args.gpus else None,
+            only_files=set(args.files.split(",")) if args.files else None,
         )
         if "tests" in parts
         else (0, "tests skipped")
