@@ -1,4 +1,5 @@
-"""Test set-up: the Triton interpreter when there is no GPU, fixed seeds, the gpu and
+"""Test set-up: the Triton interpreter when there is no GPU (with exact shortcuts in
+its slowest paths, checked by test_interpreter_shortcuts), fixed seeds, the gpu and
 interpreter markers."""
 
 from __future__ import annotations
