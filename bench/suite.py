@@ -100,7 +100,8 @@ def run_tests(
         if budget_s is not None and time.perf_counter() - start > budget_s:
             return unit, None, "", 0.0
         t0 = time.perf_counter()
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *args]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE"]
+        cmd += ["--durations=5", *args]  # each log names its slowest tests
         env = None
         if gpus:
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]}
