@@ -130,6 +130,30 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def _interpreter_overflow_check(request):
+    """The interpreter checks every int32 add, sub and mul for overflow (an int64 redo
+    and an assert each: ~17% of an engine-level test). The kernels' own unit tests keep
+    the check; modules marked no_overflow_check (engines, models, graphs: the same
+    kernels again, as plumbing) run without it."""
+    if os.environ.get("TRITON_INTERPRET") != "1" or not request.node.get_closest_marker(
+        "no_overflow_check"
+    ):
+        yield
+        return
+    import dataclasses
+
+    from triton.runtime import interpreter as ti
+
+    builder = ti.interpreter_builder
+    options = builder.options
+    builder.options = dataclasses.replace(options, sanitize_overflow=False)
+    try:
+        yield
+    finally:
+        builder.options = options
+
+
+@pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
     yield

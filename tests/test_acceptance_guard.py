@@ -11,6 +11,8 @@ import torch
 
 from specdraft import ops
 
+pytestmark = pytest.mark.no_overflow_check  # see conftest
+
 gguf = pytest.importorskip("gguf", reason="the embedded model needs the gguf package")
 
 # Measured on the CPU (PyTorch path, fp32) with this exact set-up (stop ids off, so every

@@ -25,6 +25,8 @@ from specdraft.input_buffers import InputBuffers
 from specdraft.kv_cache import KVCache
 from specdraft.simple_draft import SimpleDraftModel
 
+pytestmark = pytest.mark.no_overflow_check  # see conftest
+
 D = BatchExecutionDescriptor
 FULL = CUDAGraphMode.FULL
 

@@ -28,6 +28,8 @@ from specdraft.runner import TargetRunner
 from specdraft.train_run import fit_samples, write_model_card
 from tests import test_prompts as prompt_checks
 
+pytestmark = pytest.mark.no_overflow_check  # see conftest
+
 CFG = tiny_config(num_layers=2, vocab_size=64)
 
 

@@ -33,7 +33,8 @@ from tests.drafter_helpers import (  # noqa: F401
 from tests.test_cuda_graph import EagerBackend
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.interpreter  # CPU tensors through the round's Triton kernels
+# CPU tensors through the round's Triton kernels; no overflow check: see conftest
+pytestmark = [pytest.mark.interpreter, pytest.mark.no_overflow_check]
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -20,6 +20,8 @@ from specdraft.models.tiny import (
 )
 from tests.model_helpers import PagedRunner, RefEagle, rel_err
 
+pytestmark = pytest.mark.no_overflow_check  # see conftest
+
 TOL = 1e-4
 
 

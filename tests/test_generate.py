@@ -15,6 +15,8 @@ from specdraft.models.tiny import random_causal_lm, random_weights, tiny_config
 from specdraft.runner import TargetRunner
 from specdraft.sampling import SamplingParams
 
+pytestmark = pytest.mark.no_overflow_check  # see conftest
+
 transformers = pytest.importorskip("transformers")
 
 CFG = tiny_config()

@@ -28,6 +28,8 @@ from specdraft.tokenizer import Tokenizer  # noqa: E402
 from tests.model_helpers import PagedRunner, hf_forward, rel_err  # noqa: E402
 from tests.test_loader import expected_params  # noqa: E402
 
+pytestmark = pytest.mark.no_overflow_check  # see conftest
+
 STRINGS = [
     "Hello, world!",
     "",

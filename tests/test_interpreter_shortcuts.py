@@ -1,6 +1,7 @@
 """conftest's shortcuts in the Triton interpreter (CPU only) give the interpreter's own
-results: tl.xor_sum and tl.sort (whose network reduces with xor_sum) against torch, and
-a helper called inside a launch after another module's launch."""
+results: tl.xor_sum and tl.sort (whose network reduces with xor_sum) against torch, with
+a helper called inside the launch; the int overflow check is off only in tests marked
+no_overflow_check."""
 
 from __future__ import annotations
 
@@ -42,3 +43,16 @@ def test_xor_sum_and_sort_match_torch():
         want = [functools.reduce(operator.xor, row.tolist()) for row in x]
         assert xor.tolist() == want, trial
         assert torch.equal(out, x.sort(dim=1, descending=True).values * 2), trial
+
+
+def test_overflow_check_stays_on_in_unmarked_tests():
+    from triton.runtime import interpreter
+
+    assert interpreter.interpreter_builder.options.sanitize_overflow
+
+
+@pytest.mark.no_overflow_check
+def test_overflow_check_off_only_where_marked():
+    from triton.runtime import interpreter
+
+    assert not interpreter.interpreter_builder.options.sanitize_overflow

@@ -14,6 +14,8 @@ from specdraft.models.config import RopeConfig
 from specdraft.models.tiny import random_causal_lm, random_weights, tiny_config
 from tests.model_helpers import PagedRunner, hf_forward, rel_err
 
+pytestmark = pytest.mark.no_overflow_check  # see conftest
+
 transformers = pytest.importorskip("transformers")
 
 LLAMA3_ROPE = RopeConfig(

@@ -17,6 +17,8 @@ from specdraft.config import CacheConfig, LimitsConfig, ModelConfig
 from specdraft.input_buffers import InputBuffers
 from specdraft.kv_cache import KVCache, num_blocks_for_budget
 
+pytestmark = pytest.mark.no_overflow_check  # see conftest
+
 BS = 16
 
 

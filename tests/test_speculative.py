@@ -20,6 +20,8 @@ from specdraft.runner import TargetRunner
 from specdraft.sampling import SamplingParams
 from specdraft.speculative import SpeculativeEngine
 
+pytestmark = pytest.mark.no_overflow_check  # see conftest
+
 CFG = tiny_config()
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(10, 33))]
 
