@@ -63,9 +63,9 @@ def run_tests(
     budget_s, nothing starts after that many seconds: the summary then names what did
     not run, so a cut run still reports what it saw. gpus: device indices the processes
     are dealt over in turn (CUDA_VISIBLE_DEVICES). only_files: test file stems to run
-    (default: every file); a stem that names no file is an error. Returns the exit status and one
-    summary line; writes every process's log and gpu_tests/durations.json (seconds per
-    file, its parts summed)."""
+    (default: every file); a stem that names no file is an error. Returns the exit
+    status and one summary line; writes every process's log and gpu_tests/durations.json
+    (seconds per file, its parts summed)."""
     import json
     import math
     import time

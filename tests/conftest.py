@@ -15,7 +15,7 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _skip_nested_language_patching() -> None:
+def _skip_nested_language_patching(ti) -> None:
     """The interpreter patches triton.language for a launch (and restores it after the
     grid), then patches it again on every call of a @triton.jit helper inside the
     kernel: inspect.getmembers over the language modules each time, about a quarter of
@@ -26,10 +26,6 @@ def _skip_nested_language_patching() -> None:
 
     import triton.language as tl
 
-    try:
-        from triton.runtime import interpreter as ti
-    except ImportError:
-        return
     original = getattr(ti, "_patch_lang", None)
     if original is None or getattr(original, "_specdraft_shim", False):
         return
@@ -67,7 +63,7 @@ def _skip_nested_language_patching() -> None:
     ti._patch_lang = patch_lang
 
 
-def _faster_interpreter_paths() -> None:
+def _faster_interpreter_paths(ti) -> None:
     """Two more of the interpreter's costs, both exact:
     - tl.sort's bitonic network reduces with xor_sum, which the interpreter runs as a
       Python loop calling the combine function once an element (~20 ms a call on a
@@ -80,10 +76,6 @@ def _faster_interpreter_paths() -> None:
     import numpy as np
     import triton.language as tl
 
-    try:
-        from triton.runtime import interpreter as ti
-    except ImportError:
-        return
     xor = getattr(tl.standard, "_xor_combine", None)
     reduce_ops = getattr(ti, "ReduceOps", None)
     if xor is not None and reduce_ops is not None and hasattr(reduce_ops, "apply_impl"):
@@ -112,8 +104,13 @@ def _faster_interpreter_paths() -> None:
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    _skip_nested_language_patching()
-    _faster_interpreter_paths()
+    try:
+        from triton.runtime import interpreter as _interpreter
+    except ImportError:  # another Triton layout: the interpreter's own paths
+        _interpreter = None
+    if _interpreter is not None:
+        _skip_nested_language_patching(_interpreter)
+        _faster_interpreter_paths(_interpreter)
 
 
 def pytest_collection_modifyitems(config, items):
