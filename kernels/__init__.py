@@ -19,7 +19,6 @@ from .kv_store import check_store_kv_args, store_kv
 from .launch import pdl_supported
 from .paged_attention import (
     AttentionLaunchConfig,
-    SplitPartials,
     check_paged_attention_args,
     choose_launch_config,
     num_sms,
@@ -77,7 +76,6 @@ __all__ = [
     "INTERPRET",
     "RejectionConfig",
     "RejectionWorkspace",
-    "SplitPartials",
     "SampleConfig",
     "SampleWorkspace",
     "apply_rotary",

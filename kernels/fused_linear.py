@@ -44,7 +44,6 @@ import triton.language as tl
 
 from .guard import INTERPRET
 from .launch import CachedLaunch, pdl_launch, specialization_key
-from .paged_attention import SplitPartials, part_max
 from .validation import _check_tensor
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -57,11 +56,6 @@ MAX_K = 16384  # the padded reduction width a program holds in registers
 # kernel, None for the default (bench and tests set it).
 ROWS_MAX_K = 2048
 ROWS_TILE: tuple[int, int] | None = None
-# Rows x attention splits up to which the rows kernel merges SplitPartials as it loads x
-# (past it, the combine launch first): a thread holds all splits' partials of its K
-# runs at once, and in the sm_90 SASS 2 rows x 4 splits already spill a few registers
-# (1 x 8: 1176 instructions, no spill; the plain rows kernel at 1 row: 336).
-MERGE_MAX_PARTS = 8
 
 
 @triton.jit
@@ -83,52 +77,6 @@ def _rows_x(x_ptr, kk, km, rr, nn, M, stride_x):
 
 
 @triton.jit
-def _rows_x_merged(part_ptr, lse_ptr, rr, nn, M, K, row_end, BASE: tl.constexpr,
-                   KH: tl.constexpr, KL: tl.constexpr, VEC: tl.constexpr, HQ: tl.constexpr,
-                   HD: tl.constexpr, HDP: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   PART_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr):  # fmt: skip
-    """x over one K piece (KH runs of KL from BASE) merged from attention's split
-    partials (kernels.SplitPartials: x[r, h HD + d] from part [NUM_SPLITS, M, HQ, HDP]
-    and lse [NUM_SPLITS, M, HQ]) with _combine_splits_kernel's arithmetic in its order,
-    so that valid partials give the combine launch's bits: weights exp2(lse - max lse),
-    a product then one fma a split, times 1 / the weights' sum; rows from row_end on
-    (padded tokens) zero; NaN or past +-PART_MAX as 0 (finite whatever the partials
-    hold); rounded to OUT_DTYPE. Built over
-    [BN, R, KH, KL / VEC, VEC] so that each VEC-run of K (one head: HD % VEC == 0) takes
-    one weight a split, then reshaped to _rows_x's [BN, R, KH, KL] float32."""
-    L: tl.constexpr = KL // VEC
-    run = BASE + tl.arange(0, KH)[None, None, :, None, None] * KL
-    lane = tl.arange(0, L)[None, None, None, :, None] * VEC
-    k0 = run + lane  # [1, 1, KH, L, 1]: the first K of each VEC-run
-    kk = k0 + tl.arange(0, VEC)[None, None, None, None, :]
-    r5 = rr[:, :, :, :, None]
-    n5 = nn[:, :, :, :, None]
-    h = k0 // HD
-    ok = (k0 < K) & (r5 < row_end) & (n5 * 0 == 0)  # [BN, R, KH, L, 1]
-    row = r5 * HQ + h + n5 * 0  # split s adds s * M * HQ
-    lse_max = tl.full(row.shape, float("-inf"), tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        lse = tl.load(lse_ptr + s * M * HQ + row, mask=ok, other=float("-inf"))
-        lse_max = tl.maximum(lse_max, lse)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    pmask = ok & (kk < K)
-    for s in tl.static_range(NUM_SPLITS):
-        srow = s * M * HQ + row
-        w = tl.exp2(tl.load(lse_ptr + srow, mask=ok, other=float("-inf")) - lse_max)
-        part = tl.load(part_ptr + srow.to(tl.int64) * HDP + (kk - h * HD), mask=pmask, other=0.0)
-        if s == 0:
-            num = w * part
-            den = w
-        else:
-            num = tl.fma(w, part, num)
-            den += w
-    x = num * (1.0 / tl.where(den == 0.0, 1.0, den))
-    x = tl.where(tl.abs(x) <= PART_MAX, x, 0.0)  # NaN too: finite whatever the partials hold
-    x = tl.reshape(x, [x.shape[0], x.shape[1], KH, KL])
-    return x.to(OUT_DTYPE).to(tl.float32)
-
-
-@triton.jit
 def _rows_part(w, x):
     """A thread's partial sums of w * x over its K runs: [BN, R, KL]."""
     return tl.sum(w * x, axis=2)
@@ -143,15 +91,11 @@ def _lanes_sum(part):
 @triton.jit
 def _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
                KH1: tl.constexpr, KH2: tl.constexpr, KL: tl.constexpr, NORM: tl.constexpr,
-               GLU: tl.constexpr, GDC: tl.constexpr, lse_ptr, qsl_ptr, num_reqs,
-               MERGE: tl.constexpr, VEC: tl.constexpr, HQ: tl.constexpr, HD: tl.constexpr,
-               HDP: tl.constexpr, NUM_SPLITS: tl.constexpr, PART_MAX: tl.constexpr,
-               OUT_DTYPE: tl.constexpr):  # fmt: skip
+               GLU: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
     """The rows kernel's product over tiles [BN, R, KH, KL]: W (and with GLU the up
     rows, N rows further) loaded, the norm weight folded in, then the wait (GDC), then
     x; returns (acc, acc_up) [BN, R] float32, with RMSNorm's row scale applied (acc_up
-    is acc without GLU). MERGE: x_ptr holds attention's split partials, merged on load
-    (_rows_x_merged; rows from query_start_loc[num_reqs] on are padded tokens)."""
+    is acc without GLU)."""
     k1, km1, w1 = _rows_w(w_ptr, nn, N, K, stride_w, 0, KH1, KL)
     if GLU:
         _, _, u1 = _rows_w(w_ptr + N * stride_w, nn, N, K, stride_w, 0, KH1, KL)
@@ -172,17 +116,9 @@ def _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
     if GDC:  # weights are in flight; now wait for the kernel that wrote x
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if MERGE:
-        row_end = tl.minimum(tl.maximum(tl.load(qsl_ptr + num_reqs), 0), M)
-        x1 = _rows_x_merged(x_ptr, lse_ptr, rr, nn, M, K, row_end, 0, KH1, KL, VEC, HQ,
-                            HD, HDP, NUM_SPLITS, PART_MAX, OUT_DTYPE)  # fmt: skip
-        if KH2 > 0:
-            x2 = _rows_x_merged(x_ptr, lse_ptr, rr, nn, M, K, row_end, KH1 * KL, KH2, KL,
-                                VEC, HQ, HD, HDP, NUM_SPLITS, PART_MAX, OUT_DTYPE)  # fmt: skip
-    else:
-        x1 = _rows_x(x_ptr, k1, km1, rr, nn, M, stride_x)
-        if KH2 > 0:
-            x2 = _rows_x(x_ptr, k2, km2, rr, nn, M, stride_x)
+    x1 = _rows_x(x_ptr, k1, km1, rr, nn, M, stride_x)
+    if KH2 > 0:
+        x2 = _rows_x(x_ptr, k2, km2, rr, nn, M, stride_x)
     part = _rows_part(w1, x1)
     if GLU:
         part_u = _rows_part(u1, x1)
@@ -228,16 +164,13 @@ def _fused_rows_kernel(
     stride_x, stride_w, stride_r, stride_o,
     KH1: tl.constexpr, KH2: tl.constexpr, KL: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, RES: tl.constexpr,
-    GDC: tl.constexpr, ROWS: tl.constexpr, lse_ptr, qsl_ptr, num_reqs,
-    MERGE: tl.constexpr, VEC: tl.constexpr, HQ: tl.constexpr, HD: tl.constexpr,
-    HDP: tl.constexpr, NUM_SPLITS: tl.constexpr, PART_MAX: tl.constexpr,
+    GDC: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     """All ROWS rows of a program at once over tiles [BLOCK_N, ROWS, KH, KL]: K (KH1 +
     KH2 pieces of KL) runs along the lanes of a warp and the columns along the warps, so
     every reduction stays inside a warp, and each row costs its loads and arithmetic
     but no latency step of its own. GLU: W holds [gate; up] (2N rows) and the output
-    is silu(x W_gate^T) * (x W_up^T). MERGE: x is attention's split partials
-    (SplitPartials), merged as they load."""
+    is silu(x W_gate^T) * (x W_up^T)."""
     n0 = tl.program_id(0) * BLOCK_N
     m0 = tl.program_id(1) * ROWS
     rr = m0 + tl.arange(0, ROWS)[None, :, None, None]
@@ -251,9 +184,7 @@ def _fused_rows_kernel(
         if GLU:
             bias_u = tl.load(b_ptr + N + cols, mask=cols < N, other=0.0).to(tl.float32)
     acc, acc_u = _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
-                            KH1, KH2, KL, NORM, GLU, GDC, lse_ptr, qsl_ptr, num_reqs, MERGE,
-                            VEC, HQ, HD, HDP, NUM_SPLITS, PART_MAX,
-                            out_ptr.dtype.element_ty)  # fmt: skip
+                            KH1, KH2, KL, NORM, GLU, GDC)  # fmt: skip
     if RES:
         res = tl.load(r_ptr + rows * stride_r + cols, mask=omask, other=0.0).to(tl.float32)
     acc = _epilogue(acc, acc_u, bias, bias_u, res, HAS_BIAS, GLU, RES)
@@ -300,8 +231,7 @@ def _fused_qkv_rope_kernel(
     if HAS_BIAS:
         bias = tl.load(b_ptr + col[:, None], mask=col[:, None] < N, other=0.0).to(tl.float32)
     acc, _ = _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
-                        KH1, KH2, KL, NORM, False, GDC, x_ptr, x_ptr, 0, False, 1, 1, 1, 1, 1,
-                        0.0, q_ptr.dtype.element_ty)  # fmt: skip
+                        KH1, KH2, KL, NORM, False, GDC)  # fmt: skip
     if HAS_BIAS:
         acc += bias
     # Columns n and n + PAIRS are a pair, held by one thread: split them apart.
@@ -548,34 +478,8 @@ def _rows_tile(k: int, elem: int, *, interpret: bool = INTERPRET):
     return kh1, kh2, kl, block_n, warps
 
 
-def _partials_stand_in(x: SplitPartials, weight, norm_weight, silu: bool, glu: bool):
-    """x's checks where x is attention's SplitPartials; returns a [num_tokens, K] tensor
-    of x's dtype and device (one row, expanded) for check_fused_linear_args."""
-    if norm_weight is not None or silu or glu:
-        raise ValueError(
-            "x is SplitPartials (attention's unmerged output): norm_weight, silu and glu "
-            "take a tensor x"
-        )
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"weight must be a tensor, got {type(weight).__name__}")
-    m, k = x.shape
-    want = (x.num_splits, m, x.num_heads)
-    if tuple(x.part_lse.shape) != want or x.part_out.shape[3] < x.head_dim:
-        raise ValueError(
-            f"x (SplitPartials) has part_out {tuple(x.part_out.shape)} and part_lse "
-            f"{tuple(x.part_lse.shape)}, expected [{', '.join(map(str, want))}, >= "
-            f"{x.head_dim}] and [{', '.join(map(str, want))}]"
-        )
-    for name, t in (("part_out", x.part_out), ("part_lse", x.part_lse)):
-        if t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"x.{name} must be contiguous float32, got {t.dtype}")
-    if x.query_start_loc.dtype != torch.int32 or x.query_start_loc.dim() != 1:
-        raise ValueError("x.query_start_loc must be a 1-D int32 tensor")
-    return x.part_lse.new_empty((1, k), dtype=x.dtype).expand(m, k)
-
-
 def fused_linear(
-    x: torch.Tensor | SplitPartials,
+    x: torch.Tensor,
     weight: torch.Tensor,
     *,
     bias: torch.Tensor | None = None,
@@ -595,17 +499,7 @@ def fused_linear(
     SiLU-and-multiply. The prologue and epilogue run in float32; the output is rounded
     once. out may be residual itself (an in-place residual stream), never overlap x.
     pdl=True launches with programmatic dependent launch (CUDA, compute capability 9
-    or later; see kernels.pdl_supported).
-
-    x may be attention's SplitPartials (paged_attention(..., merge=False)), without
-    norm_weight, silu or glu: the rows kernel then merges the splits as it loads x,
-    as the combine launch would and rounded to x's dtype as it rounds (so the output is
-    the one from the merged tensor), one launch fewer; a projection the rows kernel does
-    not take, a head_dim that is not a multiple of its K vector, or more than
-    MERGE_MAX_PARTS rows x splits get the combine launch first."""
-    partials = x if isinstance(x, SplitPartials) else None
-    if partials is not None:
-        x = _partials_stand_in(partials, weight, norm_weight, silu, glu)
+    or later; see kernels.pdl_supported)."""
     check_fused_linear_args(
         x, weight, bias=bias, norm_weight=norm_weight, silu=silu, glu=glu, residual=residual,
         out=out,
@@ -617,22 +511,7 @@ def fused_linear(
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    rows_kernel = k <= ROWS_MAX_K and not silu  # the wide kernel forms silu(gate) * up once
-    vec = 16 // weight.element_size()  # the rows kernel's K vector (see _rows_tile)
-    if partials is not None and (
-        not rows_kernel or partials.head_dim % vec or m * partials.num_splits > MERGE_MAX_PARTS
-    ):
-        x = partials.merge(pdl=pdl).flatten(1)
-        partials = None
     gdc, options = pdl_launch(pdl)
-    if partials is not None:
-        merge = (partials.part_lse, partials.query_start_loc,
-                 partials.query_start_loc.numel() - 1, True, vec, partials.num_heads,
-                 partials.head_dim, partials.part_out.shape[3], partials.num_splits,
-                 part_max(partials.dtype))  # fmt: skip
-        x = partials.part_out
-    else:
-        merge = (x, x, 0, False, 1, 1, 1, 1, 1, 0.0)
     common = (x, weight, bias if bias is not None else weight,
               norm_weight if norm_weight is not None else weight,
               residual if residual is not None else out, out, m, n, k, float(eps),
@@ -640,10 +519,10 @@ def fused_linear(
               residual.stride(0) if residual is not None else 0, out.stride(0))  # fmt: skip
     bias_norm = (bias is not None, norm_weight is not None)
     tail = (bool(glu), residual is not None, gdc)
-    if rows_kernel:
-        kh1, kh2, kl, block_n, warps = _rows_tile(k, weight.element_size())
+    if k <= ROWS_MAX_K and not silu:  # the wide kernel forms silu(gate) * up once a program
+        kh1, kh2, kl, block_n, warps = _rows_tile(k, x.element_size())
         rows = triton.next_power_of_2(m)  # every row in one program
-        args = common + (kh1, kh2, kl, block_n) + bias_norm + tail + (rows,) + merge
+        args = common + (kh1, kh2, kl, block_n) + bias_norm + tail + (rows,)
         launch = _ROWS_LAUNCH
     else:
         kp, block_n, warps = _wide_tile(k)

@@ -12,13 +12,12 @@ One kernel serves every query shape. Programs tile the batch along three axes:
 - axis 1, KV heads.
 - axis 2, KV splits (flash-decoding). With NUM_SPLITS > 1 every program writes a
   normalised partial output and its log-sum-exp, and `_combine_splits_kernel` merges
-  them (or, with merge=False, the next projection as it loads its input:
-  `SplitPartials`, kernels/fused_linear.py). The count is a host constant; the
-  boundaries are each row's own: its context (from seq_lens on the device) in
-  BLOCK_N-key tiles, cut into NUM_SPLITS runs, as a decode step of that token alone
-  cuts it. A token verified among others then sums the same keys in the same order as
-  when decoded one a step, and gets the same bits (for the same key tile width: a
-  verification of up to BLOCK_M / QPK tokens in decode's BLOCK_M).
+  them. The count is a host constant; the boundaries are each row's own: its context
+  (from seq_lens on the device) in BLOCK_N-key tiles, cut into NUM_SPLITS runs, as a
+  decode step of that token alone cuts it. A token verified among others then sums the
+  same keys in the same order as when decoded one a step, and gets the same bits (for
+  the same key tile width: a verification of up to BLOCK_M / QPK tokens in decode's
+  BLOCK_M).
 
 All lengths are read on the device, so one captured CUDA graph is valid for every
 batch whose num_tokens / num_reqs / max_query_len fit the launch it was captured with.
@@ -419,21 +418,6 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _split_lse(ptr, mask):
-    """A split's log-sum-exp as the merge counts it: NaN or +inf (a partial no program
-    wrote) is an empty split, -inf; so is a masked one."""
-    lse = tl.load(ptr, mask=mask, other=float("-inf"))
-    return tl.where((lse == lse) & (lse < float("inf")), lse, float("-inf"))
-
-
-@triton.jit
-def _bounded(part, PART_MAX: tl.constexpr):
-    """A partial as the merge counts it: NaN as 0, clamped to +-PART_MAX."""
-    part = tl.where(part == part, part, 0.0)
-    return tl.minimum(tl.maximum(part, -PART_MAX), PART_MAX)
-
-
-@triton.jit
 def _combine_splits_kernel(
     out_ptr,
     part_out_ptr,
@@ -464,35 +448,31 @@ def _combine_splits_kernel(
         # Padded token: no request owns it, and no partial was written for it.
         tl.store(o_ptrs, tl.zeros([HEAD_DIM_P], dtype=out_ptr.dtype.element_ty), mask=d_mask)
         return
+    offs_s = tl.arange(0, NUM_SPLITS)
+    row = (offs_s * num_tokens + tok) * NUM_Q_HEADS + head
+    lse = tl.load(part_lse_ptr + row)
     # With consistent metadata every split wrote a finite or -inf lse and a bounded
     # partial for this token. A token no request covers (only with an inconsistent
     # query_start_loc: rows before its first entry, or skipped by a decreasing one) holds
     # whatever the allocator left: NaN / +inf lse count as empty splits, and partials are
     # read only for splits that count, zeroed where NaN and clamped to +-PART_MAX, so the
-    # merged row is finite (garbage, but finite, in the out dtype). The splits are summed
-    # in order (a product, then one fma each) and scaled by 1 / the weights' sum, as
-    # kernels.fused_linear's merge on load does it: valid partials give the same bits.
-    row = tok * NUM_Q_HEADS + head + offs_d * 0  # one lse a split, in every lane
-    every = offs_d >= 0
-    lse_max = tl.full([HEAD_DIM_P], float("-inf"), tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        lse_max = tl.maximum(
-            lse_max, _split_lse(part_lse_ptr + s * num_tokens * NUM_Q_HEADS + row, every)
-        )
+    # merged row is finite (garbage, but finite, in the out dtype). A few selects on a
+    # [NUM_SPLITS, HEAD_DIM] tile the kernel loads anyway.
+    lse = tl.where((lse == lse) & (lse < float("inf")), lse, float("-inf"))
+    lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    for s in tl.static_range(NUM_SPLITS):
-        srow = s * num_tokens * NUM_Q_HEADS + row
-        w = tl.exp2(_split_lse(part_lse_ptr + srow, every) - lse_max)
-        part = tl.load(part_out_ptr + srow * HEAD_DIM_P + offs_d, mask=w > 0.0, other=0.0)
-        part = _bounded(part, PART_MAX)
-        if s == 0:
-            num = w * part
-            den = w
-        else:
-            num = tl.fma(w, part, num)
-            den += w
-    merged = num * (1.0 / tl.where(den == 0.0, 1.0, den))
-    tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
+    w = tl.exp2(lse - lse_max)
+    parts = tl.load(
+        part_out_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :],
+        mask=(w > 0.0)[:, None],
+        other=0.0,
+    )
+    parts = tl.where(parts == parts, parts, 0.0)
+    parts = tl.minimum(tl.maximum(parts, -PART_MAX), PART_MAX)
+    num = tl.sum(w[:, None] * parts, 0)
+    den = tl.sum(w, 0)
+    den = tl.where(den == 0.0, 1.0, den)
+    tl.store(o_ptrs, (num / den).to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @dataclass(frozen=True)
@@ -506,78 +486,6 @@ class AttentionLaunchConfig:
     num_splits: int
     num_warps: int
     num_stages: int
-
-
-@dataclass(frozen=True)
-class SplitPartials:
-    """Attention's output before its split merge (paged_attention(..., merge=False)):
-    part_out [num_splits, num_tokens, num_heads, head_dim_p] and part_lse [num_splits,
-    num_tokens, num_heads] in float32 as the splits left them, and the metadata the
-    merge needs (padded tokens, past query_start_loc[num_reqs], merge to zeros). The
-    merged output, [num_tokens, num_heads x head_dim] in `dtype`, is what merge() or
-    the combine launch writes; kernels.fused_linear takes this in place of x and merges
-    as it loads (one launch fewer)."""
-
-    part_out: torch.Tensor
-    part_lse: torch.Tensor
-    query_start_loc: torch.Tensor
-    num_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    @property
-    def num_splits(self) -> int:
-        return self.part_out.shape[0]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.part_out.shape[1]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.num_tokens, self.num_heads * self.head_dim)
-
-    @property
-    def device(self) -> torch.device:
-        return self.part_out.device
-
-    def merge(self, out: torch.Tensor | None = None, *, pdl: bool = False) -> torch.Tensor:
-        """The merged output [num_tokens, num_heads, head_dim] (into `out` when given):
-        the combine launch."""
-        t, h, d = self.num_tokens, self.num_heads, self.head_dim
-        if out is None:
-            out = torch.empty((t, h, d), dtype=self.dtype, device=self.device)
-        _combine(out, self.part_out, self.part_lse, self.query_start_loc, pdl)
-        return out
-
-
-def part_max(dtype: torch.dtype) -> float:
-    """The bound on partials that no program wrote (see _combine_splits_kernel): the out
-    dtype's range for fp16, a value no real attention output reaches otherwise."""
-    return 65504.0 if dtype == torch.float16 else 1e30
-
-
-def _combine(out, part_out, part_lse, query_start_loc, pdl: bool) -> None:
-    num_splits, num_tokens, num_q_heads, head_dim_p = part_out.shape
-    pdl, launch_pdl = pdl_launch(pdl)
-    _combine_splits_kernel[(num_tokens, num_q_heads)](
-        out,
-        part_out,
-        part_lse,
-        query_start_loc,
-        query_start_loc.numel() - 1,
-        num_tokens,
-        out.stride(0),
-        out.stride(1),
-        NUM_Q_HEADS=num_q_heads,
-        HEAD_DIM=out.shape[2],
-        HEAD_DIM_P=head_dim_p,
-        NUM_SPLITS=num_splits,
-        PART_MAX=part_max(out.dtype),
-        GDC=pdl,
-        num_warps=1 if head_dim_p <= 128 else 2,
-        **launch_pdl,
-    )
 
 
 @cache
@@ -671,8 +579,7 @@ def paged_attention(
     num_splits: int | None = None,
     config: AttentionLaunchConfig | None = None,
     pdl: bool = False,
-    merge: bool = True,
-) -> torch.Tensor | SplitPartials:
+) -> torch.Tensor:
     """Causal attention of a ragged batch of queries over a paged K/V cache.
 
     q: [num_tokens, num_q_heads, head_dim]; k_cache, v_cache:
@@ -698,8 +605,6 @@ def paged_attention(
     With validation mode on (kernels/validation.py; the default for CPU tensors) such
     metadata raises ValueError before anything is launched. pdl: launch with
     programmatic dependent launch (kernels.pdl_supported; ignored by the interpreter).
-    merge=False: where the launch splits the keys, return the SplitPartials instead of
-    merging them (`out` is then not written); without splits the output as usual.
     """
     check_paged_attention_args(
         q,
@@ -800,9 +705,24 @@ def paged_attention(
         **launch_pdl,
     )
     if cfg.num_splits > 1:
-        if not merge:
-            return SplitPartials(
-                part_out, part_lse, query_start_loc, num_q_heads, head_dim, q.dtype
-            )
-        _combine(out, part_out, part_lse, query_start_loc, pdl)
+        _combine_splits_kernel[(num_tokens, num_q_heads)](
+            out,
+            part_out,
+            part_lse,
+            query_start_loc,
+            num_reqs,
+            num_tokens,
+            out.stride(0),
+            out.stride(1),
+            NUM_Q_HEADS=num_q_heads,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_P=head_dim_p,
+            NUM_SPLITS=cfg.num_splits,
+            # Bounds partials that no program wrote (see the kernel): the out dtype's
+            # range for fp16, a value no real attention output reaches otherwise.
+            PART_MAX=65504.0 if q.dtype == torch.float16 else 1e30,
+            GDC=pdl,
+            num_warps=1 if head_dim_p <= 128 else 2,
+            **launch_pdl,
+        )
     return out

@@ -82,7 +82,6 @@ class PagedAttention(torch.nn.Module):
         *,
         stored: bool = False,
         pdl: bool = False,
-        merge: bool = True,
     ) -> torch.Tensor:
         """q [num_tokens, Hq, D], k and v [num_tokens, Hkv, D] with num_tokens equal to
         meta.num_tokens; returns [num_tokens, Hq, D] (zeros on padded tokens).
@@ -90,9 +89,7 @@ class PagedAttention(torch.nn.Module):
         stored=True: the caller has run check() and then written this step's K/V into
         kv_cache at meta.slot_mapping (kernels.rotary_store_kv), so neither the layer's
         checks nor store_kv run again; attention reads K/V from the cache either way.
-        pdl=True (Triton backend only): launch with programmatic dependent launch.
-        merge=False (Triton backend, split keys): the unmerged kernels.SplitPartials
-        instead (not written to `out`), for a projection that merges them as it loads."""
+        pdl=True (Triton backend only): launch with programmatic dependent launch."""
         if not stored:
             self._check(q, k, v, kv_cache, meta, out)
         k_cache, v_cache = kv_cache
@@ -100,7 +97,7 @@ class PagedAttention(torch.nn.Module):
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention(
             q, k_cache, v_cache, *self._metadata(meta), self.scale, out=out, pdl=pdl,
-            merge=merge, **self._options(meta),
+            **self._options(meta),
         )  # fmt: skip
 
     def check(

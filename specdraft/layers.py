@@ -30,10 +30,6 @@ if TYPE_CHECKING:  # specdraft.models imports this module
     from .models.config import DecoderConfig, RopeConfig
 
 KVPair = tuple[torch.Tensor, torch.Tensor]
-# The fused decode path merges attention's key splits in the O projection's load of its
-# input (kernels.SplitPartials) instead of a combine launch of their own; bench and tests
-# switch it.
-MERGE_IN_O_PROJ = True
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device) -> nn.Parameter:
@@ -182,14 +178,11 @@ class Attention(nn.Module):
         norm_weight: torch.Tensor | None,
         eps: float,
         pdl: bool,
-        merge: bool = True,
-    ) -> torch.Tensor | kernels.SplitPartials:
+    ) -> torch.Tensor:
         """The fused decode path's attention half: QKV projection (with the RMSNorm
         before it folded in), rotary, the K/V store and attention; returns [num_tokens,
-        Hq D], or with merge=False, where attention splits its keys, the unmerged
-        kernels.SplitPartials (fused_linear merges them). One launch for the first three
-        where kernels.fused_qkv_rope takes the shapes (whole heads rotated), else
-        fused_linear then rotary_store_kv."""
+        Hq D]. One launch for the first three where kernels.fused_qkv_rope takes the
+        shapes (whole heads rotated), else fused_linear then rotary_store_kv."""
         t = x.shape[0]
         cos_sin = self.rotary.cos_sin_cache
         if not kernels.fused_qkv_rope_supported(x.shape[1], self.head_dim, cos_sin.shape[1]):
@@ -197,7 +190,7 @@ class Attention(nn.Module):
                 x, self.qkv_proj.weight, bias=self.qkv_proj.bias, norm_weight=norm_weight,
                 eps=eps, pdl=pdl,
             )  # fmt: skip
-            return self.attend(qkv, meta, kv_cache, pdl=pdl, merge=merge)
+            return self.attend(qkv, meta, kv_cache, pdl=pdl)
         q_out = torch.empty((t, self.q_size), dtype=x.dtype, device=x.device)
         q = q_out.view(t, self.num_heads, self.head_dim)
         # All checks before the first write (the launch writes the cache); q's heads stand
@@ -210,21 +203,14 @@ class Attention(nn.Module):
             meta.slot_mapping, num_q_heads=self.num_heads, bias=self.qkv_proj.bias,
             norm_weight=norm_weight, eps=eps, out=q_out, pdl=pdl,
         )  # fmt: skip
-        out = self.attn(q, stand_in, stand_in, kv_cache, meta, stored=True, pdl=pdl, merge=merge)
-        return out if isinstance(out, kernels.SplitPartials) else out.view(t, self.q_size)
+        out = self.attn(q, stand_in, stand_in, kv_cache, meta, stored=True, pdl=pdl)
+        return out.view(t, self.q_size)
 
     def attend(
-        self,
-        qkv: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_cache: KVPair,
-        *,
-        pdl: bool = False,
-        merge: bool = True,
-    ) -> torch.Tensor | kernels.SplitPartials:
+        self, qkv: torch.Tensor, meta: AttentionMetadata, kv_cache: KVPair, *, pdl: bool = False
+    ) -> torch.Tensor:
         """Rotary, the K/V store and attention over the QKV projection's output qkv
-        [num_tokens, (Hq + 2 Hkv) D]; returns [num_tokens, Hq D] (q is rotated in place),
-        or the unmerged SplitPartials (merge=False; see project_attend)."""
+        [num_tokens, (Hq + 2 Hkv) D]; returns [num_tokens, Hq D] (q is rotated in place)."""
         t = qkv.shape[0]
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
@@ -239,8 +225,8 @@ class Attention(nn.Module):
             q, k, v, meta.positions, self.rotary.cos_sin_cache, k_cache, v_cache,
             meta.slot_mapping, pdl=pdl,
         )  # fmt: skip
-        out = self.attn(q, k, v, kv_cache, meta, stored=True, pdl=pdl, merge=merge)
-        return out if isinstance(out, kernels.SplitPartials) else out.view(t, self.q_size)
+        out = self.attn(q, k, v, kv_cache, meta, stored=True, pdl=pdl)
+        return out.view(t, self.q_size)
 
 
 class GatedMLP(nn.Module):
@@ -322,9 +308,9 @@ class DecoderLayer(nn.Module):
     ) -> None:
         """The layer on the fused decode path (ops.fused_decode): `stream` [T, H] is the
         residual stream entering the layer (what forward's hidden + residual sums to) and
-        leaves it holding the layer's output, updated in place. Five launches: norm +
-        QKV + rotary + K/V store (Attention.project_attend), attention, O + residual
-        (merging attention's key splits as it loads them, MERGE_IN_O_PROJ), norm + gate/up +
+        leaves it holding the layer's output, updated in place. Five launches (six when
+        attention splits its keys: the merge): norm + QKV + rotary + K/V store
+        (Attention.project_attend), attention, O + residual, norm + gate/up +
         SiLU-and-multiply, down + residual; each rounds once, from float32, where forward
         rounds the norm, the GEMM output and the product too."""
         attn, mlp = self.self_attn, self.mlp
@@ -336,7 +322,7 @@ class DecoderLayer(nn.Module):
         norm = self.input_layernorm
         out = attn.project_attend(
             stream, meta, kv_cache, norm_weight=None if norm is None else norm.weight,
-            eps=1e-6 if norm is None else norm.eps, pdl=pdl, merge=not MERGE_IN_O_PROJ,
+            eps=1e-6 if norm is None else norm.eps, pdl=pdl,
         )  # fmt: skip
         ops.fused_linear(
             out, attn.o_proj.weight, bias=attn.o_proj.bias, residual=stream, out=stream, pdl=pdl

@@ -181,12 +181,10 @@ def argmax(logits: torch.Tensor, *, out=None, tickets=None, offsets=None) -> tor
 
 
 def paged_attention(
-    q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, *, pdl=False,
-    merge=True, **kw,
-):  # fmt: skip
+    q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, *, pdl=False, **kw
+):
     """pdl: programmatic dependent launch on the Triton backend (the PyTorch path has no
-    launches to chain). merge=False: the Triton backend may return the unmerged
-    kernels.SplitPartials (for fused_linear to merge); the PyTorch path always merges."""
+    launches to chain)."""
     impl = _impl("paged_attention", q)
     if impl is torch_ops.paged_attention:
         # Same argument checks as the kernel's launcher, nothing launched.
@@ -194,10 +192,7 @@ def paged_attention(
             q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, **kw
         )
         return impl(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, **kw)
-    return impl(
-        q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, pdl=pdl,
-        merge=merge, **kw,
-    )  # fmt: skip
+    return impl(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, pdl=pdl, **kw)
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
