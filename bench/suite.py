@@ -8,7 +8,8 @@ the embedded model, attention), then short tables.
 --only picks parts: tests, host, capture, models, decode, e2e, spec, mainjob, hostprof,
 draft, gemv, rejection, attention (default: all). decode: whole-model decode steps, fused
 path against unfused (decode_step.md). mainjob: `specdraft generate` with the shipped head
-at batch 1 (greedy and T = 1), 8 and 32, one process each (main_job.md).
+at batch 1 (greedy and T = 1), 8 and 32, one process each (main_job.md; its greedy runs
+also as a goodput table, goodput.json / goodput.md: bench/goodput.py).
 
 Exit status is non-zero when a test or a benchmark fails."""
 
@@ -150,7 +151,9 @@ def run_main_job(out_dir: Path, timeout_s: float = 180.0) -> int:
     1 (greedy and T = 1), 8 and 32, each in its own process (the first run on a fresh
     machine compiles every kernel: give it minutes); writes main_job.md with one row per
     run, taken from the job's own table."""
-    rows, rc = [], 0
+    from bench.goodput import job_table, markdown, table_from_runs
+
+    rows, rc, greedy = [], 0, {}
     for batch, temp in MAIN_JOB_RUNS:
         cmd = [sys.executable, "-m", "specdraft", "generate", "--prompt-set", "heldout",
                "--batch", batch, "--k", "3", "--temperature", temp, "--seed", "0",
@@ -165,12 +168,10 @@ def run_main_job(out_dir: Path, timeout_s: float = 180.0) -> int:
             text, code = (out.decode() if isinstance(out, bytes) else out), 124
         (out_dir / f"main_job_b{batch}_T{temp}.txt").write_text(text)
         rc = rc or code
-        table = {}
-        for line in text.splitlines():
-            parts = [x.strip() for x in line.strip().strip("|").split("|")]
-            if len(parts) == 2:
-                table[parts[0]] = parts[1]
+        table = job_table(text)
         rows.append([batch, temp] + [table.get(k, "-") for k in _MAIN_JOB_KEYS])
+        if temp == "0":
+            greedy[int(batch), 3] = text
     head = ["batch", "T", "target-only tok/s", "speculative tok/s", "AL", "per position",
             "speedup", "greedy identical", "load", "capture"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -179,6 +180,15 @@ def run_main_job(out_dir: Path, timeout_s: float = 180.0) -> int:
         f"`specdraft generate --prompt-set heldout --k 3`, shipped head, "
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n\n" + "\n".join(lines) + "\n"
     )
+    try:  # the greedy runs as a goodput table (specdraft/data/goodput.json's format)
+        table = table_from_runs(greedy, source=(
+            "bench.suite mainjob: specdraft generate --prompt-set heldout --k 3, greedy; "
+            f"torch {torch.__version__}"))  # fmt: skip
+    except ValueError as e:
+        print(f"goodput table: not written ({e})")
+        return rc or 1
+    table.save(out_dir / "goodput.json")
+    (out_dir / "goodput.md").write_text(markdown(table))
     return rc
 
 

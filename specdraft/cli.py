@@ -128,8 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens per prompt (default 128 on a GPU, 32 on a CPU)",
     )
     g.add_argument(
-        "--batch", type=int, default=None, help="requests run together (default: all prompts)"
-    )
+        "--batch", type=int, default=1,
+        help="requests run together (default 1: one at a time, where speculation pays)",
+    )  # fmt: skip
     g.add_argument("--repeat", type=int, default=1, help="run each prompt this many times")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0)
@@ -156,7 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
         "shipped for SmolLM2, when this install has one and --gguf is not given)",
     )
     g.add_argument("--no-draft", action="store_true", help="target-only decoding")
-    g.add_argument("--k", type=int, default=3, help="speculative tokens per step")
+    g.add_argument(
+        "--k", type=int, default=None,
+        help="speculative tokens per step (default: the goodput table's for this GPU and "
+        "batch with the shipped head, 0 where target-only is faster; else 3)",
+    )  # fmt: skip
     g.add_argument("--no-chat", action="store_true", help="send prompts without the template")
     g.add_argument("--quiet", action="store_true", help="print the table only")
     g.set_defaults(func=_generate)

