@@ -8,12 +8,18 @@ last-row indices and the slot mapping. In torch that is about seventeen small ke
 here one program per request writes all of it.
 
 Per request r (row = rows[r], the request's persistent slot; base = committed[row]):
-  ids[r w + j]   = first[r] for j = 0, else max(drafts[r, j - 1], 0) (a -1 draft is fed
-                   as a valid id and writes nothing)
+  ids[r w + j]   = first[r] for j = 0, else max(drafts[r, j - 1], 0) (a -1 draft, past
+                   the request's own k, is fed as token 0)
   pos[r w + j]   = base + j;  seq_lens[r] = base + w
   slots          = table[row, pos // bs] * bs + pos % bs, or -1 for a padded request
-                   (row == null_row), a -1 draft, or a position past the table / on a
-                   missing block
+                   (row == null_row) or a position past the table / on a missing block
+
+A -1 draft's row writes its K/V like any other: the position lies inside the request's
+seq_len, so attention loads that key tile for the request's real rows too, with weight
+0, and 0 x (a value never written, NaN in a fresh cache) would be NaN. The position is
+past what the step can commit (at most base + k + 1), so the next steps overwrite it
+before anything reads it as committed. The blocks are there: they are allocated by the
+bound committed + w.
   qsl[r] = r w (and qsl[num_reqs] = num_reqs w); row_slots[r] = row;
   last[r] = r w + w - 1;  step_table[r, :] = table[row, :]
 """
@@ -56,7 +62,7 @@ def _verify_prepare_kernel(
         m = c0 + cols < max_blocks
         tl.store(step_ptr + r * stride_step + c0 + cols, tl.load(src + c0 + cols, mask=m), mask=m)
     blk_idx = pos // BLOCK_SIZE
-    ok = jm & real & ((j == 0) | (d >= 0)) & (pos >= 0) & (blk_idx < max_blocks)
+    ok = jm & real & (pos >= 0) & (blk_idx < max_blocks)
     blk = tl.load(src + blk_idx, mask=ok, other=-1).to(tl.int64)
     ok = ok & (blk >= 0)
     tl.store(slot_ptr + t, tl.where(ok, blk * BLOCK_SIZE + pos % BLOCK_SIZE, -1), mask=jm)

@@ -511,8 +511,9 @@ class TargetRunner:
 
     def execute_verify(self, num_reqs: int, k: int, *, rows: list[int]) -> torch.Tensor:
         """The target over k + 1 rows per request: row 0 the request's last emitted token
-        (verify_first), rows 1..k its drafts (verify_drafts; -1 drafts become token 0 at
-        slot -1, writing nothing). Positions and lengths come from `committed` on the
+        (verify_first), rows 1..k its drafts (verify_drafts; -1 drafts become token 0,
+        their K/V written past what the step can commit: kernels/verify.py). Positions
+        and lengths come from `committed` on the
         device: row j of request b sits at committed[row_b] + j. `rows`: the requests'
         block-table rows (host ints, uploaded here). Returns logits [num_reqs * (k + 1),
         V]; KV for the rejected rows is dropped later by length alone. Under a captured
@@ -601,11 +602,11 @@ class TargetRunner:
         buf.row_slots[:rp].copy_(vrows)
         buf.last_token_idx[:rp].copy_(last[:rp])
         self.builder._slot_mapping(rp, t)
-        # a padded request (null row) writes nothing, row 0 included; nor does a -1 draft
-        real = (vrows != tables.null_row)[:, None]
-        valid = torch.cat([real, (drafts >= 0) & real], dim=1)
+        # a padded request (null row) writes nothing, row 0 included; a -1 draft writes
+        # its row (finite K/V where the request's real rows load them: kernels/verify.py)
+        real = (vrows != tables.null_row)[:, None].expand(rp, w)
         slots = buf.slot_mapping[:t]
-        slots.copy_(torch.where(valid.view(-1), slots, -1))
+        slots.copy_(torch.where(real.reshape(-1), slots, -1))
 
     def readback(self, num_reqs: int, *, with_logprobs: bool) -> Readback:
         """Start copying this step's tokens to pinned host memory; read them a step

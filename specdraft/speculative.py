@@ -54,6 +54,7 @@ class _Req:
     output: list[int] = field(default_factory=list)
     finished: str | None = None
     capacity: int = 0  # tokens its target KV blocks cover
+    k: int = 0  # speculative tokens a step (0: the target's token only)
 
 
 _MAX_STEP_GRAPHS = 96  # small graphs (the sampler and bookkeeping): cheap to keep
@@ -173,13 +174,18 @@ class SpeculativeEngine:
         max_new_tokens: int = 64,
         stop_token_ids: Sequence[int] | None = None,
         stream: Callable[[int, str], None] | None = None,
+        k: int | Sequence[int] | None = None,
     ) -> list[GenerationOutput]:
-        """Like Engine.generate, speculating k tokens per step. Greedy output equals the
-        target's own greedy decoding; sampled output is distributed as the target's."""
+        """Like Engine.generate, speculating up to the engine's k tokens per step. Greedy
+        output equals the target's own greedy decoding; sampled output is distributed as
+        the target's. k: a request's own number of speculative tokens, one int for all
+        or one per prompt, each in [0, the engine's k] (default the engine's k); a
+        request with k 0 takes the target's token only, in the same steps as the rest."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise TypeError("prompts must be a list of prompts (text or token-id lists)")
         if not prompts:
             raise ValueError("prompts is empty")
+        ks = self._request_ks(k, len(prompts))
         if params is None or isinstance(params, SamplingParams):
             per = [params] * len(prompts)
         else:
@@ -196,7 +202,9 @@ class SpeculativeEngine:
                 stop_token_ids=stop_token_ids,
                 headroom=2 * (self.k + 1),
             )
-            reqs.append(_Req(len(reqs), c.prompt, c.params, c.max_new_tokens, c.stop_ids))
+            reqs.append(
+                _Req(len(reqs), c.prompt, c.params, c.max_new_tokens, c.stop_ids, k=ks[len(reqs)])
+            )
         size = self.runner.limits.max_num_reqs
         for i in range(0, len(reqs), size):
             self._run_group(reqs[i : i + size], stream)
@@ -209,6 +217,24 @@ class SpeculativeEngine:
             )
             out.append(GenerationOutput(r.prompt, r.output, text, r.finished or "length"))
         return out
+
+    def _request_ks(self, k, n: int) -> list[int]:
+        """generate()'s k as one int per prompt, each checked against the engine's k."""
+        if k is None:
+            return [self.k] * n
+        one = isinstance(k, int) and not isinstance(k, bool)
+        ks = [k] * n if one else k
+        if isinstance(ks, (str, bytes)) or not isinstance(ks, Sequence):
+            raise TypeError(f"k must be an int or a list of ints, got {type(k).__name__}")
+        if len(ks) != n:
+            raise ValueError(f"k has {len(ks)} entries for {n} prompts")
+        for i, v in enumerate(ks):
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= self.k:
+                what = "k" if one else f"k[{i}]"
+                raise ValueError(
+                    f"{what} must be an int in [0, {self.k}] (the engine's k), got {v!r}"
+                )
+        return list(ks)
 
     # ---- one group ------------------------------------------------------------------
 
@@ -227,7 +253,7 @@ class SpeculativeEngine:
         feats = self._prefill(group, ids, greedy)
         for i, (req, rid) in enumerate(zip(group, ids)):
             hidden = None if feats is None else torch.cat(feats[i])
-            drafter.add_request(rid, req.prompt, req.params, k, target_hidden=hidden)
+            drafter.add_request(rid, req.prompt, req.params, req.k, target_hidden=hidden)
         hidden_in = None
         if feats is not None:  # the last prompt row predicted the first token
             hidden_in = torch.stack([f[-1][-1:] for f in feats])  # [B, 1, h]
@@ -263,7 +289,7 @@ class SpeculativeEngine:
                     batch = [group[i] for i in active]
                     batch_ids = [ids[i] for i in active]
                     batch_rows = [rows[i] for i in active]
-                    ks = [k] * len(batch)
+                    ks = [r.k for r in batch]
                 if unchecked <= 0:
                     unchecked = self._grow(batch, batch_ids)
                 unchecked -= 1

@@ -77,6 +77,37 @@ def test_greedy_equals_target_only(models, k):
             assert (rate == 1.0) if accepts else (rate < 0.5)
 
 
+def test_greedy_with_per_request_k_equals_target_only(models):
+    """Each request its own k (0 to the engine's 3) in one batch, with the full path and
+    with steady step graphs: the target's greedy tokens; requests with k 0 propose
+    nothing, so the later positions count fewer drafts."""
+    from tests.test_cuda_graph import EagerBackend
+
+    target, same, other = models
+    with ops.use_backend("torch"):
+        ref = Engine(
+            TargetRunner(
+                target, max_num_reqs=4, max_num_tokens=64, max_model_len=128, num_blocks=40
+            )
+        ).generate(PROMPTS, max_new_tokens=12)
+        want = [o.token_ids for o in ref]
+        for draft in (same, other):
+            for graphs in (False, True):
+                kw = dict(step_graphs=True, graph_backend=EagerBackend()) if graphs else {}
+                for ks in ([0, 2, 3], [3, 0, 1], [0, 0, 0]):
+                    se = spec_engine(target, draft, k=3, **kw)
+                    out = se.generate(PROMPTS, max_new_tokens=12, k=ks)
+                    assert [o.token_ids for o in out] == want, (ks, graphs)
+                    se.rejection_counters()
+                    st = se.stats
+                    # no request drafts past its own k
+                    assert sum(st.proposed[max(ks) :]) == 0, (ks, st.proposed)
+                    assert st.proposed[0] >= st.proposed[1] >= st.proposed[2]
+                    assert (st.proposed[0] > 0) == (max(ks) > 0)
+                    if draft is same:
+                        assert st.accepted == st.proposed
+
+
 def test_eagle_heads_greedy_equals_target_only():
     """EAGLE-1 and EAGLE-3 heads fed the target's features (final hidden states;
     auxiliary layers 2, 2, 1 of a 4-layer target) through prefill and verification."""
@@ -384,8 +415,11 @@ def chi_square(counts: dict, probs: dict, n: int) -> tuple[float, int]:
     return stat, df
 
 
-def sample_joint(target, draft, n: int, *, planted_bug: bool = False):
-    se = spec_engine(target, draft, k=1, max_num_reqs=64)
+def sample_joint(target, draft, n: int, *, planted_bug: bool = False, ks=(1,)):
+    """n draws of the first three tokens; request i speculates ks[i % len(ks)] tokens a
+    step (an engine of k max(ks))."""
+    k = max(max(ks), 1)
+    se = spec_engine(target, draft, k=k, max_num_reqs=64, max_num_tokens=64 * (k + 1))
     if planted_bug:  # one KV row too many kept after every verification
         inner = se.rejection
 
@@ -401,7 +435,8 @@ def sample_joint(target, draft, n: int, *, planted_bug: bool = False):
 
         se.rejection = Buggy()
     params = [SamplingParams(temperature=TEMP, seed=1000 + i) for i in range(n)]
-    out = se.generate([PROMPT] * n, params=params, max_new_tokens=3)
+    per = [ks[i % len(ks)] for i in range(n)]
+    out = se.generate([PROMPT] * n, params=params, max_new_tokens=3, k=per)
     counts: dict = {}
     for o in out:
         key = tuple(o.token_ids[:3])
@@ -427,18 +462,24 @@ def small_pair():
 N = 3000
 
 
-def test_sampled_output_is_the_targets_distribution(small_pair):
+# k 1 for every request, and k 0 / 1 / 3 / 5 mixed in one batch (an engine of k 5)
+KS = [(1,), (0, 1, 3, 5)]
+
+
+@pytest.mark.parametrize("ks", KS, ids=["k1", "mixed"])
+def test_sampled_output_is_the_targets_distribution(small_pair, ks):
     target, draft, joint = small_pair
     with ops.use_backend("torch"):
-        counts = sample_joint(target, draft, N)
+        counts = sample_joint(target, draft, N, ks=ks)
     stat, df = chi_square(counts, joint, N)
     assert stat < df + 10 * math.sqrt(2 * df), (stat, df)
 
 
-def test_planted_rollback_bug_is_caught(small_pair):
+@pytest.mark.parametrize("ks", KS, ids=["k1", "mixed"])
+def test_planted_rollback_bug_is_caught(small_pair, ks):
     target, draft, joint = small_pair
     with ops.use_backend("torch"):
-        counts = sample_joint(target, draft, N, planted_bug=True)
+        counts = sample_joint(target, draft, N, planted_bug=True, ks=ks)
     stat, df = chi_square(counts, joint, N)
     assert stat > df + 10 * math.sqrt(2 * df), (stat, df)
 
@@ -457,6 +498,11 @@ def test_planted_rollback_bug_is_caught(small_pair):
         (lambda se: se.generate([[1]], params=[SamplingParams()] * 2), ValueError, "params"),
         (lambda se: se.generate("abc"), TypeError, "prompts"),
         (lambda se: se.generate([[1]], max_new_tokens=0), ValueError, "max_new_tokens"),
+        (lambda se: se.generate([[1]], k=3), ValueError, "k must be an int in [0, 2]"),
+        (lambda se: se.generate([[1], [2]], k=[1]), ValueError, "k has 1 entries for 2"),
+        (lambda se: se.generate([[1], [2]], k=[1, -1]), ValueError, "k[1] must be"),
+        (lambda se: se.generate([[1], [2]], k=[1, True]), ValueError, "k[1] must be"),
+        (lambda se: se.generate([[1]], k="2"), TypeError, "k must be an int or a list"),
     ],
 )
 def test_bad_input_changes_nothing(models, call, exc, words):

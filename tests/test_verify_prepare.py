@@ -68,8 +68,9 @@ def test_verify_prepare_equals_the_torch_ops(device, k):
     for name, a, b in zip(names, *got):
         assert torch.equal(a, b), (name, a, b)
     slots = got[0][6].view(rp, w)
-    assert bool((slots[-1] == -1).all()) and bool((slots[1, 1 + k // 2 :] == -1).all())
-    assert bool((slots[0] >= 0).all())
+    # the padded request writes nothing; a -1 draft's row writes its K/V (finite values
+    # where the request's real rows load them)
+    assert bool((slots[-1] == -1).all()) and bool((slots[:-1] >= 0).all())
 
 
 def test_verify_prepare_bad_inputs(device):
