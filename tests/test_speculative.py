@@ -59,16 +59,19 @@ def models():
     return target, same, other
 
 
+def target_only(target, prompts, max_new_tokens: int) -> list[list[int]]:
+    """The target's own greedy tokens (target-only Engine)."""
+    runner = TargetRunner(
+        target, max_num_reqs=4, max_num_tokens=64, max_model_len=128, num_blocks=40
+    )
+    return [o.token_ids for o in Engine(runner).generate(prompts, max_new_tokens=max_new_tokens)]
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_equals_target_only(models, k):
     target, same, other = models
     with ops.use_backend("torch"):
-        ref = Engine(
-            TargetRunner(
-                target, max_num_reqs=4, max_num_tokens=64, max_model_len=128, num_blocks=40
-            )
-        ).generate(PROMPTS, max_new_tokens=12)
-        want = [o.token_ids for o in ref]
+        want = target_only(target, PROMPTS, 12)
         for draft, accepts in ((same, True), (other, False)):
             se = spec_engine(target, draft, k=k)
             out = se.generate(PROMPTS, max_new_tokens=12)
@@ -85,12 +88,7 @@ def test_greedy_with_per_request_k_equals_target_only(models):
 
     target, same, other = models
     with ops.use_backend("torch"):
-        ref = Engine(
-            TargetRunner(
-                target, max_num_reqs=4, max_num_tokens=64, max_model_len=128, num_blocks=40
-            )
-        ).generate(PROMPTS, max_new_tokens=12)
-        want = [o.token_ids for o in ref]
+        want = target_only(target, PROMPTS, 12)
         for draft in (same, other):
             for graphs in (False, True):
                 kw = dict(step_graphs=True, graph_backend=EagerBackend()) if graphs else {}
