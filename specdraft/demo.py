@@ -63,6 +63,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     draft_path = _draft_path(args)  # checked before anything is loaded
+    _check_k(args.k)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available here")
@@ -162,13 +163,17 @@ def _draft_path(args):
     return shipped_draft_path()
 
 
+def _check_k(k) -> None:
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise SystemExit(f"--k must be a positive integer, got {k!r}")
+
+
 def choose_k(args, batch: int, device: str, draft_path) -> tuple[int, str]:
     """(k, why) for the main job: --k when given; with the shipped head on a GPU that
     the shipped goodput table was measured on, the table's best k at the nearest
     measured batch (0: target-only measured faster there); else 3."""
     if args.k is not None:
-        if isinstance(args.k, bool) or not isinstance(args.k, int) or args.k < 1:
-            raise SystemExit(f"--k must be a positive integer, got {args.k!r}")
+        _check_k(args.k)
         return args.k, f"k {args.k} (--k)"
     from .embedded import shipped_draft_path
     from .goodput import table_for

@@ -125,6 +125,14 @@ def test_main_job_k(monkeypatch):
     assert demo.choose_k(_args(k=5), 8, "cuda", head)[0] == 5
     with pytest.raises(SystemExit, match="--k"):
         demo.choose_k(_args(k=0), 1, "cpu", head)
+    from specdraft.cli import main
+
+    def no_load(*a, **kw):
+        raise AssertionError("loaded the model before refusing --k")
+
+    monkeypatch.setattr(demo, "load_engine", no_load)
+    with pytest.raises(SystemExit, match="--k must be a positive integer, got -2"):
+        main(["generate", "--k", "-2", "--device", "cpu"])
     # the CPU and other drafts: no table, k 3
     assert demo.choose_k(_args(), 8, "cpu", head) == (
         3, "k 3 (no goodput table for this device and draft)",
