@@ -175,10 +175,9 @@ def choose_k(args, batch: int, device: str, draft_path) -> tuple[int, str]:
     if args.k is not None:
         _check_k(args.k)
         return args.k, f"k {args.k} (--k)"
-    from .embedded import shipped_draft_path
     from .goodput import table_for
 
-    shipped = draft_path is not None and Path(draft_path) == (shipped_draft_path() or "")
+    shipped = draft_path is not None and args.draft is None  # _draft_path's default
     table = None
     if shipped and device == "cuda":
         table = table_for(torch.cuda.get_device_name())

@@ -513,11 +513,11 @@ class TargetRunner:
         """The target over k + 1 rows per request: row 0 the request's last emitted token
         (verify_first), rows 1..k its drafts (verify_drafts; -1 drafts become token 0,
         their K/V written past what the step can commit: kernels/verify.py). Positions
-        and lengths come from `committed` on the
-        device: row j of request b sits at committed[row_b] + j. `rows`: the requests'
-        block-table rows (host ints, uploaded here). Returns logits [num_reqs * (k + 1),
-        V]; KV for the rejected rows is dropped later by length alone. Under a captured
-        graph (capture_verify(k)) when one fits, padded requests write nothing."""
+        and lengths come from `committed` on the device: row j of request b sits at
+        committed[row_b] + j. `rows`: the requests' block-table rows (host ints, uploaded
+        here). Returns logits [num_reqs * (k + 1), V]; KV for the rejected rows is dropped
+        later by length alone. Under a captured graph (capture_verify(k)) when one fits,
+        padded requests write nothing."""
         w, r = k + 1, num_reqs
         t = r * w
         if t > self.limits.max_num_tokens:

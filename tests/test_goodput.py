@@ -112,7 +112,7 @@ def test_shipped_table_is_the_recorded_h200_runs():
 
 
 def _args(**kw):
-    return argparse.Namespace(**({"k": None} | kw))
+    return argparse.Namespace(**({"k": None, "draft": None} | kw))
 
 
 def test_main_job_k(monkeypatch):
@@ -137,7 +137,7 @@ def test_main_job_k(monkeypatch):
     assert demo.choose_k(_args(), 8, "cpu", head) == (
         3, "k 3 (no goodput table for this device and draft)",
     )  # fmt: skip
-    assert demo.choose_k(_args(), 8, "cuda", ROOT / "elsewhere")[0] == 3
+    assert demo.choose_k(_args(draft="elsewhere"), 8, "cuda", ROOT / "elsewhere")[0] == 3
     # on an H200 with the shipped head: the table's choice, and why
     monkeypatch.setattr(demo.torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     assert demo.choose_k(_args(), 1, "cuda", head)[0] == 3
