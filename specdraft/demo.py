@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -58,10 +59,30 @@ def _table(rows: list[tuple[str, str]]) -> str:
     return "\n".join(f"| {k:<{width}} | {v} |" for k, v in rows)
 
 
-def run_generate(args: argparse.Namespace) -> int:
+@dataclass
+class Job:
+    """What the main job runs on: the loaded engine, the prompts as token ids, and the
+    settings every timed pass shares (run_generate; bench.goodput reuses one Job for
+    several k)."""
+
+    engine: Engine
+    prompts: list[str]  # as given (before the chat template), for printing
+    ids: list[list[int]]
+    params: SamplingParams
+    batch: int
+    max_new: int
+    device: str
+    dtype_name: str
+    load_s: float
+    capture_s: float
+    draft_path: Path | None
+
+
+def prepare_job(args: argparse.Namespace) -> Job:
+    """Checks the arguments, loads the model and captures its graphs, tokenizes the
+    prompts and runs a short warm-up (compile and first-touch costs are not timed)."""
     from .cli import DEFAULT_PROMPTS
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     draft_path = _draft_path(args)  # checked before anything is loaded
     _check_k(args.k)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -88,57 +109,61 @@ def run_generate(args: argparse.Namespace) -> int:
         graphs=not args.no_graphs,
     )
     tok = engine.tokenizer
+    chat = prompts
     if not args.no_chat:
-        prompts = [
+        chat = [
             tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
             for p in prompts
         ]
     params = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
     )
-    ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
-    # A short warm-up so compile and first-touch costs are not timed.
+    ids = [tok.encode(p, add_special_tokens=False) for p in chat]
     engine.generate(ids[:1], params=params, max_new_tokens=2)
-    runner = engine.runner
+    return Job(engine, prompts, ids, params, batch, max_new, device, dtype_name, load_s,
+               capture_s, draft_path)  # fmt: skip
+
+
+def time_target(job: Job):
+    """Target-only decoding of the job's prompts: (outputs, seconds, steps, graph steps)."""
+    runner = job.engine.runner
     steps0, graph0 = runner.steps, runner.graph_steps
-    outputs, seconds = timed_generate(engine, ids, params=params, max_new_tokens=max_new)
-    steps, graph_steps = runner.steps - steps0, runner.graph_steps - graph0
+    outputs, seconds = timed_generate(
+        job.engine, job.ids, params=job.params, max_new_tokens=job.max_new
+    )
+    return outputs, seconds, runner.steps - steps0, runner.graph_steps - graph0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    job = prepare_job(args)
+    outputs, seconds, steps, graph_steps = time_target(job)
     n_tokens = sum(len(o.token_ids) for o in outputs)
     if not args.quiet:
-        for p, o in zip(base * max(1, args.repeat), outputs):
+        for p, o in zip(job.prompts, outputs):
             print(f"\n>>> {p}\n{o.text.strip()}")
         print()
     spec_rows = []
-    if args.draft_layers or draft_path is not None:
-        k, why = choose_k(args, batch, device, draft_path)
+    if args.draft_layers or job.draft_path is not None:
+        k, why = choose_k(args, job.batch, job.device, job.draft_path)
         if k == 0:
             spec_rows = [("speculative", f"off: {why}; --k 3 speculates anyway")]
         else:
-            spec_rows = _speculate(
-                engine,
-                ids,
-                params,
-                max_new,
-                args,
-                k,
-                why,
-                n_tokens / seconds,
-                [o.token_ids for o in outputs],
-                draft_path,
-            )
-    where = torch.cuda.get_device_name() if device == "cuda" else "CPU (PyTorch path)"
+            spec_rows = speculate(job, args, k, why, n_tokens / seconds,
+                                  [o.token_ids for o in outputs])  # fmt: skip
+    where = torch.cuda.get_device_name() if job.device == "cuda" else "CPU (PyTorch path)"
     rows = [
-        ("model", "SmolLM2-135M-Instruct (GGUF Q4_1 -> " + dtype_name + ")"),
+        ("model", "SmolLM2-135M-Instruct (GGUF Q4_1 -> " + job.dtype_name + ")"),
         ("device", where),
-        ("prompts x max new tokens", f"{len(prompts)} x {max_new}"),
-        ("batch (max requests at once)", str(batch)),
+        ("prompts x max new tokens", f"{len(job.ids)} x {job.max_new}"),
+        ("batch (max requests at once)", str(job.batch)),
         ("tokens generated", str(n_tokens)),
         ("wall time", f"{seconds:.2f} s"),
         ("tokens/s", f"{n_tokens / seconds:.1f}"),
         ("ms per token per request", f"{1000 * seconds / max(1, steps):.2f} (per step)"),
         ("steps (graph replays)", f"{steps} ({graph_steps})"),
-        ("startup: load", f"{load_s:.2f} s"),
-        ("startup: graph capture", f"{capture_s:.2f} s"),
+        ("startup: load", f"{job.load_s:.2f} s"),
+        ("startup: graph capture", f"{job.capture_s:.2f} s"),
     ]
     print(_table(rows + spec_rows))
     return 0
@@ -189,11 +214,13 @@ def choose_k(args, batch: int, device: str, draft_path) -> tuple[int, str]:
     return k, f"k {k} from the goodput table ({table.device}, batch {nb}: {rates} tok/s)"
 
 
-def _speculate(engine, ids, params, max_new, args, k, why, target_tok_s, target_out,
-               draft_path):  # fmt: skip
-    """Speculative decoding on the same prompts in the same run, with a draft checkpoint
+def speculate(job: Job, args: argparse.Namespace, k: int, why: str, target_tok_s: float,
+              target_out: list[list[int]]) -> list[tuple[str, str]]:  # fmt: skip
+    """Speculative decoding on the job's prompts in the same run, with a draft checkpoint
     (the shipped EAGLE head by default) or the target's first N layers, k tokens a step
-    (`why`: where k came from); rows for the table."""
+    (`why`: where k came from); rows for the table. Each call builds its own drafter."""
+    engine, ids, params, max_new = job.engine, job.ids, job.params, job.max_new
+    draft_path = job.draft_path
     from .drafter import Drafter
     from .loader import load_draft
     from .models.llama import layer_truncated

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -189,7 +190,7 @@ def test_main_job_does_not_speculate_where_the_table_says_k_0(monkeypatch, capsy
     def no_draft(*a, **kw):
         raise AssertionError("speculated although k is 0")
 
-    monkeypatch.setattr(demo, "_speculate", no_draft)
+    monkeypatch.setattr(demo, "speculate", no_draft)
     from specdraft import ops
 
     with ops.use_backend("torch"):  # the job's own CPU path, not the interpreter's
@@ -198,3 +199,41 @@ def test_main_job_does_not_speculate_where_the_table_says_k_0(monkeypatch, capsy
     out = job_table(capsys.readouterr().out)
     assert out["speculative"] == "off: k 0 from the goodput table (X); --k 3 speculates anyway"
     assert out["tokens generated"] == "3" and float(out["tokens/s"]) > 0
+
+
+def test_measure_batch_reuses_one_job_for_every_k(monkeypatch):
+    """bench.goodput's in-process run: one prepared job a batch, target-only timed before
+    and after the k runs (k 0 their mean), one speculate() a k with the target's output."""
+    from bench import goodput
+
+    calls = []
+    job = SimpleNamespace(device="cpu", draft_path=Path("head"))
+    rates = iter([100.0, 120.0])  # tokens over 1 s: before, then after
+
+    def prepare(args):
+        calls.append(("prepare", args.batch, args.max_new_tokens, args.temperature))
+        return job
+
+    def time_target(j):
+        assert j is job
+        n = int(next(rates))
+        return [SimpleNamespace(token_ids=[7] * n)], 1.0, 1, 1
+
+    def speculate(j, args, k, why, target_tok_s, target_out):
+        assert j is job and target_tok_s == 100.0 and target_out == [[7] * 100]
+        calls.append(("speculate", k))
+        return [("speculative: tokens/s", f"{150.0 + k:.1f}"),
+                ("speculative: acceptance length", "1.50")]  # fmt: skip
+
+    monkeypatch.setattr(demo, "prepare_job", prepare)
+    monkeypatch.setattr(demo, "time_target", time_target)
+    monkeypatch.setattr(demo, "speculate", speculate)
+    name, points = goodput.measure_batch(4, [1, 3], 16, device="cpu")
+    assert name == "CPU"
+    assert calls == [("prepare", 4, 16, 0.0), ("speculate", 1), ("speculate", 3)]
+    assert [(p.batch, p.k, p.tokens_per_s) for p in points] == [
+        (4, 0, 110.0), (4, 1, 151.0), (4, 3, 153.0),
+    ]  # fmt: skip
+    job.draft_path = None
+    with pytest.raises(ValueError, match="no shipped draft head"):
+        goodput.measure_batch(4, [1], 16, device="cpu")
