@@ -4,12 +4,12 @@ On a GPU: decode, verification and prefill shapes timed under CUDA-graph replay 
 inputs rotated out of L2, next to the floor (bytes over the read-only bandwidth measured
 in the same run, or flops over the matmul rate) and to peers measured in the same run
 (torch SDPA on the same sizes laid out contiguously, torch FlexAttention where it
-compiles). The grid (batch 1 to 256, context 512 to 32768) is followed by shapes no
-launch configuration was tuned for (grid "off": batch 3, 24, 100; context 777, 6000).
-`--geometry smollm2` times the embedded model's heads (Hq 9, Hkv 3, D 64) instead of
-Llama-3-8B's (32, 8, 128). FlashInfer is not a peer yet. Writes JSON, a markdown table
-and a PNG plot. Without a GPU: a small correctness self-check under the Triton
-interpreter.
+compiles, FlashInfer's paged kernels on the same paged cache when `flashinfer` is
+importable; without it the table says so). The grid (batch 1 to 256, context 512 to
+32768) is followed by shapes no launch configuration was tuned for (grid "off": batch 3,
+24, 100; context 777, 6000). `--geometry smollm2` times the embedded model's heads (Hq
+9, Hkv 3, D 64) instead of Llama-3-8B's (32, 8, 128). Writes JSON, a markdown table and
+a PNG plot. Without a GPU: a small correctness self-check under the Triton interpreter.
 
     python -m bench.attention [--out results] [--quick] [--sweep] [--no-flex]
                               [--geometry llama|smollm2]
@@ -148,6 +148,73 @@ def sdpa_launches(shape: Shape, n_sets: int):
     ]
 
 
+FLASHINFER_WORKSPACE = 64 << 20  # bytes of split-k scratch a FlashInfer wrapper gets
+
+
+def flashinfer_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def flashinfer_note() -> str:
+    """The table's line on the FlashInfer peer."""
+    if not flashinfer_available():
+        return "FlashInfer: not importable here, so not measured."
+    import flashinfer
+
+    return (f"FlashInfer {getattr(flashinfer, '__version__', '?')}: paged, on our cache "
+            f"and tables (flashinfer_err: its largest difference from ours, set 0).")  # fmt: skip
+
+
+def flashinfer_paging(table: torch.Tensor, context: int, page_size: int):
+    """FlashInfer's CSR form of a block table [batch, pages] whose requests all hold
+    `context` tokens: (indptr [batch + 1], indices [batch * pages], last_page_len
+    [batch]), int32, on the table's device."""
+    b, n = table.shape
+    if n != math.ceil(context / page_size):
+        raise ValueError(f"table has {n} pages a request, context {context} needs "
+                         f"{math.ceil(context / page_size)}")  # fmt: skip
+    dev = table.device
+    indptr = torch.arange(b + 1, dtype=torch.int32, device=dev) * n
+    indices = table.reshape(-1).to(torch.int32).contiguous()
+    last = torch.full((b,), context - (n - 1) * page_size, dtype=torch.int32, device=dev)
+    return indptr, indices, last
+
+
+def flashinfer_launches(case: PagedCase) -> list:
+    """FlashInfer over `case`'s own paged cache ([blocks, block, Hkv, D] is its NHD
+    layout) and tables, one planned wrapper an input set (graph-capturable buffers):
+    its decode wrapper for one query token, its causal paged prefill otherwise (the
+    queries at the end of the context, as ours). Each launch writes the set's out."""
+    import flashinfer
+
+    s = case.shape
+    launches = []
+    for q, out, table in zip(case.qs, case.outs, case.tables):
+        indptr, indices, last = flashinfer_paging(table, s.context, BLOCK_SIZE)
+        ws = torch.zeros(FLASHINFER_WORKSPACE, dtype=torch.uint8, device=q.device)
+        common = dict(q_data_type=DTYPE, kv_data_type=DTYPE, sm_scale=HEAD_DIM**-0.5)
+        if s.q_len == 1:
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                ws, "NHD", use_cuda_graph=True, use_tensor_cores=HQ // HKV >= 4,
+                paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=last,
+            )  # fmt: skip
+            w.plan(indptr, indices, last, HQ, HKV, HEAD_DIM, BLOCK_SIZE, **common)
+        else:
+            qo = case.qsl.to(torch.int32).clone()
+            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                ws, "NHD", use_cuda_graph=True, qo_indptr_buf=qo, paged_kv_indptr_buf=indptr,
+                paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=last,
+            )  # fmt: skip
+            w.plan(qo, indptr, indices, last, HQ, HKV, HEAD_DIM, BLOCK_SIZE, causal=True,
+                   **common)  # fmt: skip
+        kv = (case.k_cache, case.v_cache)
+        launches.append(lambda w=w, q=q, out=out, kv=kv: w.run(q, kv, out=out))
+    return launches
+
+
 def flex_launches(shape: Shape, n_sets: int):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -185,7 +252,8 @@ def bench_shape(
 
     n_sets = rotations(shape)
     case = PagedCase(shape, n_sets)
-    us = time_graph_us(case.launches())
+    ours = case.launches()
+    us = time_graph_us(ours)
     row = asdict(shape)
     row.update(
         rotations=n_sets,
@@ -196,7 +264,19 @@ def bench_shape(
     row["frac_read_bw"] = row["tbps"] / read_bw
     row["frac_copy_bw"] = row["tbps"] / copy_bw
     row["tflops"] = shape.flops / (us * 1e-6) / 1e12
-    del case
+    row["flashinfer_us"] = None
+    if flashinfer_available():
+        try:  # same cache, same tables: the output of set 0 must match ours
+            fi = flashinfer_launches(case)
+            ours[0]()
+            mine = case.outs[0].float().clone()
+            fi[0]()
+            row["flashinfer_err"] = (case.outs[0].float() - mine).abs().max().item()
+            row["flashinfer_us"] = time_graph_us(fi)
+            del fi
+        except Exception as e:
+            row["flashinfer_error"] = f"{type(e).__name__}: {e}"[:200]
+    del case, ours
     torch.cuda.empty_cache()
     try:
         row["sdpa_us"] = time_graph_us(sdpa_launches(shape, n_sets))
@@ -210,7 +290,7 @@ def bench_shape(
         except Exception as e:
             row["flex_error"] = f"{type(e).__name__}: {e}"[:200]
         torch.cuda.empty_cache()
-    for peer in ("sdpa", "flex"):
+    for peer in ("sdpa", "flex", "flashinfer"):
         t = row.get(f"{peer}_us")
         row[f"{peer}_x"] = t / us if t else None
     return row
@@ -276,6 +356,9 @@ COLUMNS = [
     ("sdpa_x", "SDPA/ours"),
     ("flex_us", "Flex µs"),
     ("flex_x", "Flex/ours"),
+    ("flashinfer_us", "FlashInfer µs"),
+    ("flashinfer_x", "FlashInfer/ours"),
+    ("flashinfer_err", "FlashInfer err"),
 ]
 
 
@@ -411,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{shape.kind:8s} {shape.grid:3s} b={shape.batch:<4d} ctx={shape.context:<6d} "
             f"q={shape.q_len:<5d}"
             f" {row['us']:9.1f} us  {row['tbps']:.2f} TB/s  floor {row['floor_us']:.1f} us"
-            f"  sdpa x{row['sdpa_x'] or 0:.2f}  flex x{row['flex_x'] or 0:.2f}",
+            f"  sdpa x{row['sdpa_x'] or 0:.2f}  flex x{row['flex_x'] or 0:.2f}"
+            f"  flashinfer x{row['flashinfer_x'] or 0:.2f}",
             flush=True,
         )
     payload = {
@@ -446,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{env['date']}; read bandwidth {read_bw:.2f} TB/s (the floor's), copy "
         f"{copy_bw:.2f} TB/s, bf16 matmul {mm_rate:.0f} TFLOP/s. Hq {HQ}, Hkv {HKV}, D "
         f"{HEAD_DIM}, bf16, block {BLOCK_SIZE}; median of CUDA-graph replays, inputs rotated "
-        f"out of L2. Grid off: shapes no launch configuration was tuned for.\n\n"
+        f"out of L2. Grid off: shapes no launch configuration was tuned for. "
+        f"{flashinfer_note()}\n\n"
     )
     table = head + markdown_table(rows, COLUMNS)
     save_results(args.out, "attention", payload, table)
