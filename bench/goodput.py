@@ -9,9 +9,9 @@ goodput.json to specdraft/data/.
 In this process, batch after batch: the model is loaded and its graphs captured once a
 batch size, target-only decoding is timed before and after that batch's k runs (k 0 is
 the mean of the two), and each k builds its own drafter and speculative engine, as the
-main job does. --per-process runs
-`specdraft generate --k K` once per (batch, k) instead: each run's target-only rate
-counts towards k 0 (the median is kept), at ~15 s of start-up a run on an H200.
+main job does. --per-process runs `specdraft generate --k K` once per (batch, k)
+instead: each run's target-only rate counts towards k 0 (the median is kept), at ~15 s
+of start-up a run on an H200.
 bench.suite's mainjob part writes the same table from its greedy runs."""
 
 from __future__ import annotations
@@ -69,11 +69,16 @@ def table_from_runs(runs: dict[tuple[int, int], str], *, source: str) -> Goodput
     return GoodputTable(points, device=device, model=MODEL, source=source)
 
 
+def job_argv(batch: int, max_new: int, k: int | None = None) -> list[str]:
+    """`specdraft generate`'s arguments for one greedy run of the table's prompts."""
+    argv = ["generate", "--prompt-set", "heldout", "--batch", str(batch), "--temperature", "0",
+            "--max-new-tokens", str(max_new), "--quiet"]  # fmt: skip
+    return argv if k is None else argv + ["--k", str(k)]
+
+
 def run_job(batch: int, k: int, max_new: int, timeout_s: float) -> tuple[str, int]:
     """One greedy `specdraft generate` run; (its output, its exit status)."""
-    cmd = [sys.executable, "-m", "specdraft", "generate", "--prompt-set", "heldout",
-           "--batch", str(batch), "--k", str(k), "--temperature", "0",
-           "--max-new-tokens", str(max_new), "--quiet"]  # fmt: skip
+    cmd = [sys.executable, "-m", "specdraft", *job_argv(batch, max_new, k)]
     try:
         proc = subprocess.run(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout_s
@@ -84,22 +89,14 @@ def run_job(batch: int, k: int, max_new: int, timeout_s: float) -> tuple[str, in
         return (out.decode() if isinstance(out, bytes) else out), 124
 
 
-def _job_args(batch: int, max_new: int, device: str | None):
-    from specdraft.cli import build_parser
-
-    argv = ["generate", "--prompt-set", "heldout", "--batch", str(batch), "--temperature", "0",
-            "--max-new-tokens", str(max_new), "--quiet"]  # fmt: skip
-    if device is not None:
-        argv += ["--device", device]
-    return build_parser().parse_args(argv)
-
-
 def measure_batch(batch: int, ks: list[int], max_new: int, device: str | None = None):
     """One batch size in this process: (device name, [GoodputPoint]) with k 0 the mean
     of the target-only rate timed before and after the k runs."""
     from specdraft import demo
+    from specdraft.cli import build_parser
 
-    args = _job_args(batch, max_new, device)
+    argv = job_argv(batch, max_new) + ([] if device is None else ["--device", device])
+    args = build_parser().parse_args(argv)
     job = demo.prepare_job(args)
     if job.draft_path is None:
         raise ValueError("no shipped draft head for the embedded model")
