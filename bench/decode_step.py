@@ -8,10 +8,10 @@ RMSNorm / SiLU-and-multiply launches), fused (kernels.fused_linear's row loop wi
 programmatic dependent launch where the GPU has it) and, with `--rpp 1,2,4`, fused with
 that many rows of x to a program, each with its ratio to the weight-read floor (weight
 bytes / the read bandwidth measured in the same run). The fused columns force the path
-for every row count timed up to fused_linear's 8 (the library takes it up to each
-model's kernels.max_fused_rows: 4 or 8). `--splits` adds columns with the attention
-split count forced; `--chain` also times SmolLM2's projections alone
-(projection_chain.md).
+for every row count timed up to fused_linear's 64 (tensor-core kernels past 8 rows; the
+library takes it up to each model's kernels.max_fused_rows: 4, 8 or 64). `--splits`
+adds columns with the attention split count forced; `--chain` also times SmolLM2's
+projections alone (projection_chain.md), `--mma-tiles` with tensor-core tile variants.
 
 Launches per step come from the profiler, after every timing.
 
@@ -106,19 +106,22 @@ def _forced_splits(choose, splits: int):
     return forced
 
 
-def projection_chain(rows_list, rpp_list, layers: int = 30) -> list[dict]:
+def projection_chain(rows_list, rpp_list, layers: int = 30, mma_tiles=()) -> list[dict]:
     """SmolLM2's four projections a layer x `layers` under one graph, as the fused layer
     launches them (norm + QKV, O + residual, norm + gate/up + SiLU-and-multiply, down +
     residual), through fused_linear (PDL where supported): the library's choice (the
-    rows kernel at SmolLM2's K), the wide kernel for every projection (`wide`, and
-    with rpp_list rows a program), the wide kernel with the SiLU-and-multiply as the
-    down projection's prologue (`wide_silu`, the layer before stop 27), against cuBLAS
-    GEMMs alone. µs per chain."""
+    rows kernel at SmolLM2's K up to 8 rows, the tensor-core kernel past it), the wide
+    kernel for every projection (`wide`, and with rpp_list rows a program), the wide
+    kernel with the SiLU-and-multiply as the down projection's prologue (`wide_silu`,
+    the layer before stop 27), the tensor-core kernel at every row count with the tiles
+    of `mma_tiles` ((BLOCK_M, BLOCK_N, BLOCK_K, stages, warps); `mma_nopf`: its default
+    tile without the L2 prefetch), against cuBLAS GEMMs alone. µs per chain."""
     from bench.common import time_graph_us
     from specdraft import kernels
     from specdraft.models.tiny import smollm2_135m_config
 
     fl = importlib.import_module("specdraft.kernels.fused_linear")
+    fm = importlib.import_module("specdraft.kernels.fused_mma")
     cfg = smollm2_135m_config()
     h, f = cfg.hidden_size, cfg.intermediate_size
     nqkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
@@ -130,10 +133,16 @@ def projection_chain(rows_list, rpp_list, layers: int = 30) -> list[dict]:
 
     w = [(rand(nqkv, h), rand(h, h), rand(2 * f, h), rand(h, f), 1 + rand(h, scale=0.1),
           1 + rand(h, scale=0.1)) for _ in range(layers)]  # fmt: skip
-    out, saved = [], (fl.ROWS_PER_PROGRAM, fl.ROWS_MAX_K)
+    out = []
+    saved = (fl.ROWS_PER_PROGRAM, fl.ROWS_MAX_K, fl.MMA_FROM_ROWS, fm.MMA_TILE, fm.MMA_PREFETCH)
+
+    def restore():
+        fl.ROWS_PER_PROGRAM, fl.ROWS_MAX_K, fl.MMA_FROM_ROWS = saved[:3]
+        fm.MMA_TILE, fm.MMA_PREFETCH = saved[3:]
+
     try:
         for m in rows_list:
-            if m > fl.MAX_ROWS:
+            if m > fm.MMA_MAX_ROWS:
                 continue
             x, qkv, gu = rand(m, h, scale=1.0), rand(m, nqkv), rand(m, 2 * f)
             act = rand(m, f)
@@ -156,23 +165,36 @@ def projection_chain(rows_list, rpp_list, layers: int = 30) -> list[dict]:
                     torch.mm(x, wgu.t(), out=gu)
                     torch.mm(gu[:, :f], wd.t(), out=x)
 
-            variants = [("fused", None, saved[1], False), ("wide", None, 0, False),
-                        ("wide_silu", None, 0, True)]  # fmt: skip
-            variants += [(f"rpp{r}", r, 0, False) for r in rpp_list if r <= m]
+            # (column, rows a program, rows kernel's K bound, SiLU prologue, mma from
+            # rows, mma tile, prefetch)
+            lib = (saved[1], saved[2], None, True)
+            variants = [("fused", None, *lib[:1], False, *lib[1:])]
+            if m <= fl.MAX_ROWS:
+                variants += [("wide", None, 0, False, *lib[1:]),
+                             ("wide_silu", None, 0, True, *lib[1:])]  # fmt: skip
+                variants += [(f"rpp{r}", r, 0, False, *lib[1:]) for r in rpp_list if r <= m]
+            variants += [(f"mma {t}", None, saved[1], False, 1, t, True) for t in mma_tiles]
+            variants.append(("mma_nopf", None, saved[1], False, 1, None, False))
             row = {"rows": m}
-            for name, rpp, max_k, silu in variants:
-                fl.ROWS_PER_PROGRAM, fl.ROWS_MAX_K = rpp, max_k
-                with torch.inference_mode():
-                    row[name] = time_graph_us(
-                        [lambda silu=silu: fused(silu)], min_launches=1, replays=15
-                    )
-            fl.ROWS_PER_PROGRAM, fl.ROWS_MAX_K = saved
+            for name, rpp, max_k, silu, mma_from, tile, prefetch in variants:
+                fl.ROWS_PER_PROGRAM, fl.ROWS_MAX_K, fl.MMA_FROM_ROWS = rpp, max_k, mma_from
+                fm.MMA_TILE, fm.MMA_PREFETCH = tile, prefetch
+                try:
+                    with torch.inference_mode():
+                        row[name] = time_graph_us(
+                            [lambda silu=silu: fused(silu)], min_launches=1, replays=15
+                        )
+                except Exception as e:  # a tile that does not compile: say so, go on
+                    print(f"projection chain {m} rows {name}: {type(e).__name__}: {e}"[:300])
+                    row[name] = None
+                restore()
             with torch.inference_mode():
                 row["cublas"] = time_graph_us([cublas], min_launches=1, replays=15)
-            print("projection chain:", {k: round(v, 1) for k, v in row.items()}, flush=True)
+            print("projection chain:", {k: v if v is None else round(v, 1) for k, v in row.items()},
+                  flush=True)  # fmt: skip
             out.append(row)
     finally:
-        fl.ROWS_PER_PROGRAM, fl.ROWS_MAX_K = saved
+        restore()
     return out
 
 
@@ -192,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--splits", default="", help="also fused with these attention splits")
     ap.add_argument("--chain", action="store_true",
                     help="also SmolLM2's projections alone (projection_chain.md)")  # fmt: skip
+    ap.add_argument("--mma-tiles", default="",
+                    help="chain: also the tensor-core kernel at every row count with these "
+                    "tiles, BLOCK_M/BLOCK_N/BLOCK_K/stages/warps, comma-separated")  # fmt: skip
     args = ap.parse_args(argv)
     max_len = max(args.max_model_len, args.ctx + 64)
     if not torch.cuda.is_available():
@@ -207,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     from specdraft import kernels, ops
 
     fl = importlib.import_module("specdraft.kernels.fused_linear")
+    fm = importlib.import_module("specdraft.kernels.fused_mma")
     env = environment()
     bw = read_bandwidth_tbps()
     pdl = kernels.pdl_supported(DEVICE)
@@ -242,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                 floor = _weight_bytes(model, rows) / (bw * 1e12) * 1e6
                 row = {"model": name, "rows": rows, "floor_us": floor}
                 for mode, fused, rpp, splits, max_k in modes:
-                    if fused and rows > fl.MAX_ROWS:  # past what fused_linear takes
+                    if fused and rows > fm.MMA_MAX_ROWS:  # past what fused_linear takes
                         row[f"{mode}_us"] = row[f"{mode}_x_floor"] = None
                         continue
                     use(fused, rpp, splits, max_k, rows)
@@ -277,11 +303,14 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + text)
     if args.chain:
         rpps = [int(r) for r in args.rpp.split(",") if r]
-        chain = projection_chain([int(x) for x in args.rows.split(",")], rpps)
+        tiles = [tuple(int(v) for v in t.split("/")) for t in args.mma_tiles.split(",") if t]
+        chain = projection_chain([int(x) for x in args.rows.split(",")], rpps, mma_tiles=tiles)
         ccols = [("rows", "rows"), ("fused", "fused_linear µs"), ("wide", "wide kernel µs"),
                  ("wide_silu", "wide kernel, SiLU in the down prologue µs")]  # fmt: skip
         ccols += [(f"rpp{r}", f"wide, rows a program: {r}") for r in rpps]
-        ccols.append(("cublas", "cuBLAS GEMMs alone µs"))
+        ccols += [(f"mma {t}", f"tensor cores {'/'.join(map(str, t))}") for t in tiles]
+        ccols += [("mma_nopf", "tensor cores, no L2 prefetch"),
+                  ("cublas", "cuBLAS GEMMs alone µs")]  # fmt: skip
         ctext = (
             f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; "
             f"SmolLM2-135M's projections x 30 layers (120 launches) under one graph; PDL {pdl}"

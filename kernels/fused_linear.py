@@ -42,12 +42,16 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused_mma import MMA_MAX_ROWS, _epilogue, _rope_meta, _rope_store, mma_linear, mma_qkv_rope
 from .guard import INTERPRET
 from .launch import CachedLaunch, pdl_launch, specialization_key
 from .validation import _check_tensor
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_ROWS = 8  # rows of x a launch takes (past that, tensor-core GEMMs win)
+MAX_ROWS = 8  # rows of x the rows and wide kernels take; past that, kernels/fused_mma.py
+# From this many rows on fused_linear and fused_qkv_rope take the tensor-core kernels of
+# kernels/fused_mma.py (up to MMA_MAX_ROWS); bench and tests set it lower.
+MMA_FROM_ROWS = MAX_ROWS + 1
 # Rows a program takes (None: rows_per_program's table); bench and tests set it.
 ROWS_PER_PROGRAM: int | None = None
 MAX_K = 16384  # the padded reduction width a program holds in registers
@@ -143,22 +147,6 @@ def _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
 
 
 @triton.jit
-def _epilogue(acc, acc_u, bias, bias_u, res, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
-              RES: tl.constexpr):  # fmt: skip
-    """The float32 output before its one rounding: bias, then silu(gate) * up (GLU),
-    then the residual."""
-    if HAS_BIAS:
-        acc += bias
-        if GLU:
-            acc_u += bias_u
-    if GLU:
-        acc = acc / (1.0 + tl.exp(tl.minimum(-acc, 80.0))) * acc_u
-    if RES:
-        acc += res
-    return acc
-
-
-@triton.jit
 def _fused_rows_kernel(
     x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, out_ptr, M, N, K, eps,
     stride_x, stride_w, stride_r, stride_o,
@@ -215,19 +203,13 @@ def _fused_qkv_rope_kernel(
     col = (j // HALF) * (2 * HALF) + j % HALF + (n // PAIRS) * HALF
     nn = col[:, None, None, None]
     rr = m0 + tl.arange(0, ROWS)[None, :, None, None]
-    # A pair's head, its dim and each row's position, slot, cos and sin: the metadata was
-    # written at least two kernels back (see kernels.paged_attention), so before the wait.
+    # A pair's head, its dim and each row's metadata (before the wait: see _rope_meta).
     jp = p0 + tl.arange(0, PAIRS)[:, None]
-    head = jp // HALF
-    d = jp % HALF
     rows = m0 + tl.arange(0, ROWS)[None, :]
-    live = (rows < M) & (head < NUM_Q_HEADS + 2 * NUM_KV_HEADS)
-    pos = tl.load(pos_ptr + rows, mask=rows < M, other=0)
-    pos = tl.minimum(tl.maximum(pos, 0), max_positions - 1)
-    rot = head < NUM_Q_HEADS + NUM_KV_HEADS  # q and k heads
-    cos = tl.load(cs_ptr + pos * stride_cs + d, mask=live & rot, other=1.0)
-    sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=live & rot, other=0.0)
-    slot = tl.load(slot_ptr + rows, mask=rows < M, other=-1)
+    head, d, live, rot, cos, sin, slot = _rope_meta(
+        jp, rows, M, pos_ptr, slot_ptr, cs_ptr, max_positions, stride_cs, HALF, NUM_Q_HEADS,
+        NUM_KV_HEADS,
+    )  # fmt: skip
     if HAS_BIAS:
         bias = tl.load(b_ptr + col[:, None], mask=col[:, None] < N, other=0.0).to(tl.float32)
     acc, _ = _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
@@ -236,29 +218,9 @@ def _fused_qkv_rope_kernel(
         acc += bias
     # Columns n and n + PAIRS are a pair, held by one thread: split them apart.
     x1, x2 = tl.split(tl.permute(tl.reshape(acc, [2, PAIRS, ROWS]), (1, 2, 0)))
-    # v heads: cos 1, sin 0. Explicit fma: left to the compiler, which product fuses into
-    # the add differed with the row count (a row among 4 got other bits than alone: 2-3
-    # rows in 300 on the H200), and verified tokens then differed from decoded ones.
-    y1 = tl.fma(x1, cos, -(x2 * sin))
-    y2 = tl.fma(x2, cos, x1 * sin)
-    dt = q_ptr.dtype.element_ty
-    y1, y2 = y1.to(dt), y2.to(dt)
-    is_q = live & (head < NUM_Q_HEADS)
-    q_off = rows * stride_q + head * (2 * HALF) + d
-    tl.store(q_ptr + q_off, y1, mask=is_q)
-    tl.store(q_ptr + q_off + HALF, y2, mask=is_q)
-    ok = live & (slot >= 0) & (slot < num_slots) & (head >= NUM_Q_HEADS)
-    blk = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
-    is_k = ok & rot
-    k_off = blk * stride_kcb + off * stride_kct + (head - NUM_Q_HEADS) * stride_kch + d
-    tl.store(kc_ptr + k_off, y1, mask=is_k)
-    tl.store(kc_ptr + k_off + HALF, y2, mask=is_k)
-    is_v = ok & (head >= NUM_Q_HEADS + NUM_KV_HEADS)
-    v_off = (blk * stride_vcb + off * stride_vct
-             + (head - NUM_Q_HEADS - NUM_KV_HEADS) * stride_vch + d)  # fmt: skip
-    tl.store(vc_ptr + v_off, y1, mask=is_v)
-    tl.store(vc_ptr + v_off + HALF, y2, mask=is_v)
+    _rope_store(x1, x2, cos, sin, rows, head, d, live, rot, slot, q_ptr, kc_ptr, vc_ptr,
+                num_slots, stride_q, stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct,
+                stride_vch, HALF, NUM_Q_HEADS, NUM_KV_HEADS, BLOCK_SIZE)  # fmt: skip
 
 
 @triton.jit
@@ -349,8 +311,10 @@ def check_fused_linear_args(
     _check_tensor("x", x, 2, _DTYPES)
     _check_tensor("weight", weight, 2, (x.dtype,))
     m, width = x.shape
-    if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"x has {m} rows: fused_linear takes 1 to {MAX_ROWS}")
+    if not 1 <= m <= MMA_MAX_ROWS:
+        raise ValueError(f"x has {m} rows: fused_linear takes 1 to {MMA_MAX_ROWS}")
+    if silu and m >= MMA_FROM_ROWS:
+        raise ValueError(f"silu=True takes at most {MMA_FROM_ROWS - 1} rows, x has {m}")
     if silu and glu:
         raise ValueError("silu=True and glu=True cannot be combined")
     k = weight.shape[1]
@@ -425,13 +389,14 @@ MIN_FUSED_ROWS = 4  # rows every model takes on the fused path
 
 def max_fused_rows(shapes) -> int:
     """Rows up to which a model whose projections have these weight shapes ([N, K]
-    pairs) takes the fused decode path: MAX_ROWS when the rows kernel takes every
-    projection (K <= ROWS_MAX_K); else MIN_FUSED_ROWS, and more while no wide-kernel
-    launch needs more than PROGRAM_BUDGET programs (GPU tiles, also under the
-    interpreter, so the choice is the same on every machine)."""
+    pairs) takes the fused decode path: MMA_MAX_ROWS when the rows kernel takes every
+    projection (K <= ROWS_MAX_K; past MAX_ROWS rows the tensor-core kernels); else
+    MIN_FUSED_ROWS, and more while no wide-kernel launch needs more than PROGRAM_BUDGET
+    programs (GPU tiles, also under the interpreter, so the choice is the same on every
+    machine)."""
     wide = [(int(n), int(k)) for n, k in shapes if int(k) > ROWS_MAX_K]
     if not wide:
-        return MAX_ROWS
+        return MMA_MAX_ROWS
     limit = MIN_FUSED_ROWS
     for m in range(MIN_FUSED_ROWS + 1, MAX_ROWS + 1):
         rows = rows_per_program(m, interpret=False)
@@ -519,6 +484,9 @@ def fused_linear(
               residual.stride(0) if residual is not None else 0, out.stride(0))  # fmt: skip
     bias_norm = (bias is not None, norm_weight is not None)
     tail = (bool(glu), residual is not None, gdc)
+    if m >= MMA_FROM_ROWS:
+        mma_linear(common, m, n, k, x, bias_norm + tail, options)
+        return out
     if k <= ROWS_MAX_K and not silu:  # the wide kernel forms silu(gate) * up once a program
         kh1, kh2, kl, block_n, warps = _rows_tile(k, x.element_size())
         rows = triton.next_power_of_2(m)  # every row in one program
@@ -630,17 +598,23 @@ def fused_qkv_rope(
     if m == 0:
         return q
     gdc, options = pdl_launch(pdl)
-    kh1, kh2, kl, _, warps = _rows_tile(k, x.element_size())
-    pairs = 64 if INTERPRET else ROPE_PAIRS  # the interpreter pays per program
-    rows = triton.next_power_of_2(m)
-    args = (x, weight, bias if bias is not None else weight,
+    head = (x, weight, bias if bias is not None else weight,
             norm_weight if norm_weight is not None else weight, out, k_cache, v_cache,
             positions, slot_mapping, cos_sin_cache, m, n, k, float(eps),
             cos_sin_cache.shape[0], k_cache.shape[0] * block_size, x.stride(0),
             weight.stride(0), out.stride(0), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            cos_sin_cache.stride(0), kh1, kh2, kl, pairs, d // 2, num_q_heads, hkv,
-            block_size, bias is not None, norm_weight is not None, gdc, rows)  # fmt: skip
+            cos_sin_cache.stride(0))  # fmt: skip
+    if m >= MMA_FROM_ROWS:
+        tail = (d // 2, num_q_heads, hkv, block_size, bias is not None,
+                norm_weight is not None, gdc)  # fmt: skip
+        mma_qkv_rope(head, m, n // 2, k, x, tail, options)
+        return q
+    kh1, kh2, kl, _, warps = _rows_tile(k, x.element_size())
+    pairs = 64 if INTERPRET else ROPE_PAIRS  # the interpreter pays per program
+    rows = triton.next_power_of_2(m)
+    args = head + (kh1, kh2, kl, pairs, d // 2, num_q_heads, hkv, block_size,
+                   bias is not None, norm_weight is not None, gdc, rows)  # fmt: skip
     key = specialization_key(args) + (x.device.index, warps)
     grid = (triton.cdiv(n // 2, pairs), triton.cdiv(m, rows))
     _ROPE_LAUNCH(key, grid, args, {"num_warps": warps, **options})

@@ -78,13 +78,14 @@ def launches(v: int, b: int, k: int, dtype: torch.dtype, sampled: bool) -> list[
 
 def decode_path_compiles() -> list[tuple[str, object]]:
     """The fused decode path's launches with programmatic dependent launch (SmolLM2's
-    shapes: every fused_linear flavour at 1 and 4 rows; rotary + store, attention with
+    shapes: every fused_linear flavour at 1, 4, 16 and 32 rows; rotary + store, attention with
     its split merge), each made through its own launcher with the JIT's run turned into
     a compile-only warmup. Returns (label, compiled kernel) pairs."""
     import importlib
 
     # import_module: the package's names fused_linear / paged_attention are functions
     fl = importlib.import_module("kernels.fused_linear")
+    fm = importlib.import_module("kernels.fused_mma")
     pa = importlib.import_module("kernels.paged_attention")
     rot = importlib.import_module("kernels.rotary")
 
@@ -103,12 +104,13 @@ def decode_path_compiles() -> list[tuple[str, object]]:
         jit.run = warm
 
     for jit in (fl._fused_rows_kernel, fl._fused_linear_kernel, fl._fused_qkv_rope_kernel,
-                rot._rotary_store_kv_kernel, pa._paged_attention_kernel,
-                pa._combine_splits_kernel):  # fmt: skip
+                fm._mma_linear_kernel, fm._mma_qkv_rope_kernel, rot._rotary_store_kv_kernel,
+                pa._paged_attention_kernel, pa._combine_splits_kernel):  # fmt: skip
         compile_only(jit)
     bf = torch.bfloat16
     h, f, hq, hkv, d = 576, 1536, 9, 3, 64
-    for m, rows in ((1, 1), (4, 2)):
+    # 1 and 4 rows: the rows and wide kernels; 16 and 32: the tensor-core kernels
+    for m, rows in ((1, 1), (4, 2), (16, None), (32, None)):
         fl.ROWS_PER_PROGRAM = rows
         stream = torch.randn(m, h).to(bf)
         for name, x, w, kw in (
@@ -130,6 +132,8 @@ def decode_path_compiles() -> list[tuple[str, object]]:
             ),
             ("bias", stream, torch.randn(960, h), dict(bias=torch.randn(960).to(bf))),
         ):
+            if kw.get("silu") and m > fl.MAX_ROWS:
+                continue  # the wide kernel's prologue only
             label[0] = f"decode M {m} {name}"
             fl.fused_linear(x, w.to(bf), pdl=True, **kw)
         label[0] = f"decode M {m} qkv rope"

@@ -13,6 +13,7 @@ import torch
 from specdraft import kernels, ops
 from specdraft.kernels import fused_linear
 from specdraft.kernels.fused_linear import MAX_ROWS
+from specdraft.kernels.fused_mma import MMA_MAX_ROWS
 from specdraft.models.tiny import (
     eagle_config,
     random_causal_lm,
@@ -104,6 +105,71 @@ def test_fused_linear_matches_float64(dtype, flags):
         check_case("cpu", dtype, m, k, n, **flags)
 
 
+# Past MAX_ROWS rows the tensor-core kernels (kernels/fused_mma.py) take a projection; no
+# SiLU prologue there.
+MMA_FLAGS = [f for f in FLAGS if not f["silu"]]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("flags", MMA_FLAGS, ids=_flag_id)
+def test_fused_linear_tensor_cores_match_float64(dtype, flags):
+    # tiles of 16 to 64 rows, a ragged last one; K in one and in several chunks
+    for m, k, n in ((MAX_ROWS + 1, 48, 40), (20, 96, 72), (33, 300, 24), (MMA_MAX_ROWS, 64, 130)):
+        check_case("cpu", dtype, m, k, n, **flags)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("flags", MMA_FLAGS[2:4] + MMA_FLAGS[-2:], ids=_flag_id)
+def test_fused_linear_tensor_cores_at_few_rows(flags, monkeypatch):
+    """The tensor-core kernel forced down to one row (the benchmark's crossover runs)."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("specdraft.kernels.fused_linear"),
+                        "MMA_FROM_ROWS", 1)  # fmt: skip
+    for m, k, n in ((1, 48, 40), (3, 300, 24)):
+        check_case("cpu", torch.float16, m, k, n, **flags)
+
+
+def _mma_rows_independent(device, dtype, k, n):
+    """A row's output is the same bits at any place in any tile of the tensor-core
+    kernel (a verification batch and a decode batch of the same rows agree)."""
+    x = torch.randn(24, k, device=device).to(dtype)
+    pad = torch.randn(13, k, device=device).to(dtype)
+    w = (torch.randn(2 * n, k, device=device) / k**0.5).to(dtype)
+    g = (torch.rand(k, device=device) + 0.5).to(dtype)
+    r = torch.randn(24, n, device=device).to(dtype)
+    r_pad = torch.cat([torch.randn(13, n, device=device).to(dtype), r])
+    for wt, kw, kw_pad in ((w, dict(norm_weight=g), None),
+                           (w, dict(norm_weight=g, glu=True), None),
+                           (w[:n], dict(residual=r), dict(residual=r_pad))):  # fmt: skip
+        a = fused_linear(x, wt, **kw)
+        b = fused_linear(torch.cat([pad, x]), wt, **(kw_pad or kw))
+        assert torch.equal(a, b[13:]), list(kw)
+
+
+@pytest.mark.interpreter
+def test_fused_linear_tensor_core_rows_independent():
+    _mma_rows_independent("cpu", torch.float16, 300, 24)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_linear_tensor_core_rows_independent():
+    for k, n in ((576, 960), (1536, 576)):
+        _mma_rows_independent("cuda", torch.bfloat16, k, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("flags", MMA_FLAGS, ids=_flag_id)
+def test_gpu_fused_linear_tensor_cores_bf16(flags, pdl):
+    pdl = pdl and kernels.pdl_supported("cuda")
+    # SmolLM2's projections (K 576 / 1536), Llama-3-8B's (4096), ragged K and N
+    for m, k, n in ((MAX_ROWS + 1, 576, 960), (24, 576, 3072), (32, 1536, 576),
+                    (MMA_MAX_ROWS, 4096, 1000), (17, 300, 77)):  # fmt: skip
+        check_case("cuda", torch.bfloat16, m, k, n, pdl=pdl, **flags)
+
+
 def _rows_alone_equal_rows_together(device, dtype, k, n):
     """Each row's output is the same bits whether it comes alone or with MAX_ROWS - 1
     others (the per-row arithmetic does not depend on the row count), so a decode step
@@ -140,23 +206,24 @@ def test_fused_linear_rows_per_program(rows, flags, monkeypatch):
 
 
 def test_max_fused_rows_follows_the_program_budget():
-    """Projections the rows kernel takes (K <= ROWS_MAX_K) take up to MAX_ROWS rows:
-    SmolLM2's; the llama-68m draft's widest ([768, 3072], the wide kernel) needs 1536
-    programs at 8 rows, within the budget; Llama-3-8B's (K 4096 and 14336) stay at the
-    floor of 4; the same answer under the interpreter as on the GPU."""
+    """Projections the rows kernel takes (K <= ROWS_MAX_K) take up to MMA_MAX_ROWS rows
+    (the tensor-core kernels past MAX_ROWS): SmolLM2's; the llama-68m draft's widest
+    ([768, 3072], the wide kernel) needs 1536 programs at 8 rows, within the budget;
+    Llama-3-8B's (K 4096 and 14336) stay at the floor of 4; the same answer under the
+    interpreter as on the GPU."""
     from specdraft.kernels import max_fused_rows
     from specdraft.models.tiny import llama_68m_config
 
     smol = random_causal_lm(smollm2_135m_config(), seed=0, device="cpu", max_positions=32)
-    assert max_fused_rows([(960, 576), (576, 576), (3072, 576), (576, 1536)]) == MAX_ROWS
-    assert smol.fused_rows() == 8
+    assert max_fused_rows([(960, 576), (576, 576), (3072, 576), (576, 1536)]) == MMA_MAX_ROWS
+    assert smol.fused_rows() == MMA_MAX_ROWS
     assert max_fused_rows([(6144, 768), (768, 3072)]) == 8
     assert max_fused_rows([(6144, 768), (1536, 3072)]) == 4  # past the budget at 5 rows
     assert max_fused_rows([(28672, 4096), (4096, 14336)]) == 4
     llama = random_causal_lm(llama_68m_config(), seed=0, device="cpu", max_positions=32)
     assert llama.fused_rows() == 8
     head = random_eagle_head(eagle_config(smollm2_135m_config()), smol, seed=1, max_positions=32)
-    assert head.fused_rows() == 8
+    assert head.fused_rows() == MMA_MAX_ROWS
 
 
 @pytest.mark.gpu
@@ -202,7 +269,12 @@ def _bad(device):
     "make, exc, words",
     [
         (lambda x, w: dict(x=x[None]), ValueError, "x must have 2 dimensions"),
-        (lambda x, w: dict(x=torch.randn(MAX_ROWS + 1, 32)), ValueError, "rows"),
+        (lambda x, w: dict(x=torch.randn(MMA_MAX_ROWS + 1, 32)), ValueError, "rows"),
+        (
+            lambda x, w: dict(x=torch.randn(MAX_ROWS + 1, 64), silu=True, residual=None, out=None),
+            ValueError,
+            "silu=True takes at most",
+        ),
         (lambda x, w: dict(weight=w.half()), TypeError, "weight must have dtype"),
         (lambda x, w: dict(weight=w[:, :16]), ValueError, "x has 32 columns"),
         (lambda x, w: dict(silu=True), ValueError, "silu=True"),
@@ -318,18 +390,21 @@ def test_fused_decode_path_matches_unfused_model():
     assert calls.count(1) == 3 * 2 and calls.count(0) == 3 * 2 * 3, calls
 
 
-def _verify_rows(model, cfg, device, fused: bool):
-    """A verification-shaped step of 8 rows (2 requests x 4 tokens) after a prefill,
-    with the fused path forced up to 8 rows or off; its hidden states and logits."""
+def _verify_rows(model, cfg, device, fused: bool, reqs: int = 2):
+    """A verification-shaped step of 4 x reqs rows (reqs requests x 4 tokens) after a
+    prefill, with the fused path forced up to those rows or off; its hidden states and
+    logits."""
+    rows = 4 * reqs
     before = (ops._fused_decode, ops._fused_rows)
     ops.set_fused_decode(fused)
-    ops._fused_rows = 8 if fused else None
+    ops._fused_rows = rows if fused else None
     try:
-        runner = PagedRunner(cfg, device, dtype=model.dtype)
-        meta = runner.step([(0, [3, 5, 7, 11, 13, 6]), (1, [2, 4, 9, 10])], pad_tokens=2)
+        runner = PagedRunner(cfg, device, dtype=model.dtype, max_num_reqs=max(4, reqs))
+        prompts = [[3, 5, 7, 11, 13, 6], [2, 4, 9, 10], [8, 1, 12]][:reqs]
+        meta = runner.step(list(enumerate(prompts)), pad_tokens=2)
         model(meta.input_ids, meta, runner.cache)
-        meta = runner.step([(0, [1, 2, 3, 4]), (1, [5, 6, 7, 8])])
-        assert meta.num_tokens == 8
+        meta = runner.step([(r, [1 + r, 2, 3 + r, 4]) for r in range(reqs)])
+        assert meta.num_tokens == rows
         hidden, logits = model(meta.input_ids, meta, runner.cache, all_logits=True)
     finally:
         ops.set_fused_decode(before[0])
@@ -338,30 +413,36 @@ def _verify_rows(model, cfg, device, fused: bool):
 
 
 @pytest.mark.interpreter
-def test_fused_decode_path_at_8_rows_matches_unfused_model():
-    """8 rows: what a SmolLM2-sized model takes fused on the GPU (kernels.max_fused_rows);
-    under the interpreter only when forced (ops._INTERPRET_FUSED_ROWS)."""
+@pytest.mark.parametrize("reqs", [2, 3])
+def test_fused_decode_path_at_8_and_12_rows_matches_unfused_model(reqs):
+    """8 rows (the rows kernel) and 12 (the tensor-core kernels): what a SmolLM2-sized
+    model takes fused on the GPU (kernels.max_fused_rows); under the interpreter only
+    when forced (ops._INTERPRET_FUSED_ROWS)."""
     cfg = tiny_config("llama", num_layers=2)
     model = random_causal_lm(cfg, dtype=torch.float32, device="cpu", seed=3)
-    assert model.fused_rows() == 8
-    x = torch.zeros(8, cfg.hidden_size)
+    assert model.fused_rows() == MMA_MAX_ROWS
+    x = torch.zeros(4 * reqs, cfg.hidden_size)
     assert not ops.fused_decode(x, model.fused_rows()), "the interpreter's cap"
     calls = []
-    real = kernels.fused_linear
+    real = kernels.fused_linear, kernels.fused_qkv_rope
 
-    def spy(*a, **kw):
-        calls.append(a[0].shape[0])
-        return real(*a, **kw)
+    def spy(i):
+        def call(*a, **kw):
+            calls.append((i, a[0].shape[0]))
+            return real[i](*a, **kw)
 
-    kernels.fused_linear = spy
+        return call
+
+    kernels.fused_linear, kernels.fused_qkv_rope = spy(0), spy(1)
     try:
         with torch.no_grad():
-            fused = _verify_rows(model, cfg, "cpu", True)
+            fused = _verify_rows(model, cfg, "cpu", True, reqs)
     finally:
-        kernels.fused_linear = real
-    assert calls.count(8) == 2 * 3, calls  # the verification step: 2 layers x 3 launches
+        kernels.fused_linear, kernels.fused_qkv_rope = real
+    # the verification step: 2 layers x (QKV + rotary + store, then 3 projections)
+    assert calls.count((0, 4 * reqs)) == 2 * 3 and calls.count((1, 4 * reqs)) == 2, calls
     with torch.no_grad():
-        plain = _verify_rows(model, cfg, "cpu", False)
+        plain = _verify_rows(model, cfg, "cpu", False, reqs)
     for a, b in zip(fused, plain):
         assert torch.isfinite(a).all()
         err = (a - b).abs().max().item()

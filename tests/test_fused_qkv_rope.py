@@ -15,6 +15,7 @@ import torch
 from specdraft import kernels
 from specdraft.kernels import fused_qkv_rope
 from specdraft.kernels.fused_linear import MAX_ROWS
+from specdraft.kernels.fused_mma import MMA_MAX_ROWS
 
 
 def _table(max_positions: int, d: int, device) -> torch.Tensor:
@@ -30,7 +31,7 @@ def _case(device, dtype, m, hq, hkv, d, k, *, bias, norm, seed):
         return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
 
     n = (hq + 2 * hkv) * d
-    num_blocks, block_size, max_pos = 6, 4, 40
+    num_blocks, block_size, max_pos = max(6, m // 2), 4, 40
     c = dict(
         x=rnd(m, k),
         w=rnd(n, k, scale=k**-0.5),
@@ -122,6 +123,16 @@ def test_fused_qkv_rope_matches_float64(dtype, flags):
         _check("cpu", dtype, m, hq, hkv, d, k, **flags)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("flags", FLAGS, ids=["norm", "bias", "bias-norm"])
+def test_fused_qkv_rope_tensor_cores_match_float64(dtype, flags):
+    """Past MAX_ROWS rows: the tensor-core kernel, pair partners in two accumulators."""
+    for m, hq, hkv, d, k in ((MAX_ROWS + 1, 4, 2, 16, 48), (20, 9, 3, 64, 96),
+                             (MMA_MAX_ROWS, 6, 2, 32, 600)):  # fmt: skip
+        _check("cpu", dtype, m, hq, hkv, d, k, **flags)
+
+
 def _bad_call(kw):
     c = _case("cpu", torch.float32, 2, 4, 2, 16, 32, bias=False, norm=True, seed=1)
     c["out"] = torch.full((2, 64), 5.0)
@@ -139,7 +150,7 @@ def _bad_call(kw):
         (dict(num_q_heads=0), ValueError, "num_q_heads must be a positive int"),
         (dict(pos=torch.zeros(2, dtype=torch.int32)), TypeError, "positions"),
         (dict(slots=torch.zeros(1, dtype=torch.int64)), ValueError, "slot_mapping has 1"),
-        (dict(x=torch.randn(MAX_ROWS + 1, 32)), ValueError, "rows"),
+        (dict(x=torch.randn(MMA_MAX_ROWS + 1, 32)), ValueError, "rows"),
         (dict(g=torch.ones(31)), ValueError, "norm_weight has shape"),
     ],
 )
@@ -171,7 +182,8 @@ def test_fused_qkv_rope_supported():
 @pytest.mark.parametrize("flags", FLAGS, ids=["norm", "bias", "bias-norm"])
 def test_gpu_fused_qkv_rope_bf16(flags, pdl):
     pdl = pdl and kernels.pdl_supported("cuda")
-    for m in (1, 4, MAX_ROWS):  # SmolLM2's heads; 32 / 8 heads of 128 at K 2048
+    # SmolLM2's heads; 32 / 8 heads of 128 at K 2048; past MAX_ROWS the tensor cores
+    for m in (1, 4, MAX_ROWS, MAX_ROWS + 1, 24, MMA_MAX_ROWS):
         _check("cuda", torch.bfloat16, m, 9, 3, 64, 576, seed=m, pdl=pdl, **flags)
         _check("cuda", torch.bfloat16, m, 32, 8, 128, 2048, seed=m, pdl=pdl, **flags)
 
