@@ -385,18 +385,23 @@ def rows_per_program(m: int, *, interpret: bool = INTERPRET) -> int:
 # (1536), llama-68m 136 vs 109 (3072); llama-68m at 4 rows 94.9 vs 103 (1536).
 PROGRAM_BUDGET = 1536
 MIN_FUSED_ROWS = 4  # rows every model takes on the fused path
+# Rows up to which models whose projections the rows kernel takes stay on the fused path
+# (the tensor-core kernels past MAX_ROWS). H200, SmolLM2's projection chain (stop 33):
+# 614 / 650 µs at 16 / 32 rows against the rows kernel's 539 at 8, 839 at 64 rows,
+# where the unfused step (cuBLAS) overtakes the fused one.
+MMA_FUSED_ROWS = 32
 
 
 def max_fused_rows(shapes) -> int:
     """Rows up to which a model whose projections have these weight shapes ([N, K]
-    pairs) takes the fused decode path: MMA_MAX_ROWS when the rows kernel takes every
+    pairs) takes the fused decode path: MMA_FUSED_ROWS when the rows kernel takes every
     projection (K <= ROWS_MAX_K; past MAX_ROWS rows the tensor-core kernels); else
     MIN_FUSED_ROWS, and more while no wide-kernel launch needs more than PROGRAM_BUDGET
     programs (GPU tiles, also under the interpreter, so the choice is the same on every
     machine)."""
     wide = [(int(n), int(k)) for n, k in shapes if int(k) > ROWS_MAX_K]
     if not wide:
-        return MMA_MAX_ROWS
+        return MMA_FUSED_ROWS
     limit = MIN_FUSED_ROWS
     for m in range(MIN_FUSED_ROWS + 1, MAX_ROWS + 1):
         rows = rows_per_program(m, interpret=False)

@@ -12,7 +12,7 @@ import torch
 
 from specdraft import kernels, ops
 from specdraft.kernels import fused_linear
-from specdraft.kernels.fused_linear import MAX_ROWS
+from specdraft.kernels.fused_linear import MAX_ROWS, MMA_FUSED_ROWS
 from specdraft.kernels.fused_mma import MMA_MAX_ROWS
 from specdraft.models.tiny import (
     eagle_config,
@@ -206,7 +206,7 @@ def test_fused_linear_rows_per_program(rows, flags, monkeypatch):
 
 
 def test_max_fused_rows_follows_the_program_budget():
-    """Projections the rows kernel takes (K <= ROWS_MAX_K) take up to MMA_MAX_ROWS rows
+    """Projections the rows kernel takes (K <= ROWS_MAX_K) take up to MMA_FUSED_ROWS rows
     (the tensor-core kernels past MAX_ROWS): SmolLM2's; the llama-68m draft's widest
     ([768, 3072], the wide kernel) needs 1536 programs at 8 rows, within the budget;
     Llama-3-8B's (K 4096 and 14336) stay at the floor of 4; the same answer under the
@@ -215,15 +215,15 @@ def test_max_fused_rows_follows_the_program_budget():
     from specdraft.models.tiny import llama_68m_config
 
     smol = random_causal_lm(smollm2_135m_config(), seed=0, device="cpu", max_positions=32)
-    assert max_fused_rows([(960, 576), (576, 576), (3072, 576), (576, 1536)]) == MMA_MAX_ROWS
-    assert smol.fused_rows() == MMA_MAX_ROWS
+    assert max_fused_rows([(960, 576), (576, 576), (3072, 576), (576, 1536)]) == MMA_FUSED_ROWS
+    assert smol.fused_rows() == MMA_FUSED_ROWS
     assert max_fused_rows([(6144, 768), (768, 3072)]) == 8
     assert max_fused_rows([(6144, 768), (1536, 3072)]) == 4  # past the budget at 5 rows
     assert max_fused_rows([(28672, 4096), (4096, 14336)]) == 4
     llama = random_causal_lm(llama_68m_config(), seed=0, device="cpu", max_positions=32)
     assert llama.fused_rows() == 8
     head = random_eagle_head(eagle_config(smollm2_135m_config()), smol, seed=1, max_positions=32)
-    assert head.fused_rows() == MMA_MAX_ROWS
+    assert head.fused_rows() == MMA_FUSED_ROWS
 
 
 @pytest.mark.gpu
@@ -420,7 +420,7 @@ def test_fused_decode_path_at_8_and_12_rows_matches_unfused_model(reqs):
     when forced (ops._INTERPRET_FUSED_ROWS)."""
     cfg = tiny_config("llama", num_layers=2)
     model = random_causal_lm(cfg, dtype=torch.float32, device="cpu", seed=3)
-    assert model.fused_rows() == MMA_MAX_ROWS
+    assert model.fused_rows() == MMA_FUSED_ROWS
     x = torch.zeros(4 * reqs, cfg.hidden_size)
     assert not ops.fused_decode(x, model.fused_rows()), "the interpreter's cap"
     calls = []
