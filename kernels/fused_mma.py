@@ -148,7 +148,12 @@ def _mma_product(x_ptr, w_ptr, g_ptr, rows, cols_a, cols_b, ma, mb, M, K, eps, s
     mr = (rows < M)[:, None]
     acc_a = tl.zeros([rows.shape[0], cols_a.shape[0]], tl.float32)
     acc_b = tl.zeros([rows.shape[0], cols_a.shape[0]], tl.float32)
-    ss = tl.zeros([rows.shape[0]], tl.float32)
+    # NORM's low halves go to accumulators of their own: two independent mma chains
+    # where one would run twice as long (an mma waits for the one before it).
+    lo_a = tl.zeros([rows.shape[0], cols_a.shape[0]], tl.float32)
+    lo_b = tl.zeros([rows.shape[0], cols_a.shape[0]], tl.float32)
+    # x^2 summed element-wise across the chunks, reduced across K once after the loop
+    sq = tl.zeros([rows.shape[0], BLOCK_K], tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)[None, :]
         km = ks < K
@@ -158,21 +163,24 @@ def _mma_product(x_ptr, w_ptr, g_ptr, rows, cols_a, cols_b, ma, mb, M, K, eps, s
             w_b = tl.load(wb + ks, mask=mb & km, other=0.0)
         if NORM:
             xf = x.to(tl.float32)
-            ss += tl.sum(xf * xf, axis=1)
+            sq += xf * xf
             xg = xf * tl.load(g_ptr + ks, mask=km, other=0.0).to(tl.float32)
             a = xg.to(x.dtype)
             if not IEEE:  # x * g in two 16-bit halves: the product is not rounded
                 lo = (xg - a.to(tl.float32)).to(x.dtype)
-                acc_a = _mma(lo, w_a, acc_a, IEEE)
+                lo_a = _mma(lo, w_a, lo_a, IEEE)
                 if TWO:
-                    acc_b = _mma(lo, w_b, acc_b, IEEE)
+                    lo_b = _mma(lo, w_b, lo_b, IEEE)
         else:
             a = x
         acc_a = _mma(a, w_a, acc_a, IEEE)
         if TWO:
             acc_b = _mma(a, w_b, acc_b, IEEE)
+    if NORM and not IEEE:
+        acc_a += lo_a
+        acc_b += lo_b
     if NORM:
-        rstd = tl.rsqrt(ss / K + eps)[:, None]
+        rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
         acc_a = acc_a * rstd
         acc_b = acc_b * rstd
     if not TWO:
