@@ -127,6 +127,35 @@ def _rope_store(x1, x2, cos, sin, rows, head, d, live, rot, slot, q_ptr, kc_ptr,
 
 
 @triton.jit
+def _chunk(xr, wa, wb, g_ptr, ks, mr, ma, mb, K, acc_a, acc_b, lo_a, lo_b, sq,
+           NORM: tl.constexpr, TWO: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """One piece of K (offsets ks [1, KB]) into the accumulators: x's rows against W's
+    at wa (and wb with TWO); with NORM, x times the norm weight in two 16-bit halves
+    (high into acc, low into lo: the product is not rounded) and x^2 into sq."""
+    km = ks < K
+    x = tl.load(xr + ks, mask=mr & km, other=0.0)
+    w_a = tl.load(wa + ks, mask=ma & km, other=0.0)
+    if TWO:
+        w_b = tl.load(wb + ks, mask=mb & km, other=0.0)
+    if NORM:
+        xf = x.to(tl.float32)
+        sq += xf * xf
+        xg = xf * tl.load(g_ptr + ks, mask=km, other=0.0).to(tl.float32)
+        a = xg.to(x.dtype)
+        if not IEEE:
+            lo = (xg - a.to(tl.float32)).to(x.dtype)
+            lo_a = _mma(lo, w_a, lo_a, IEEE)
+            if TWO:
+                lo_b = _mma(lo, w_b, lo_b, IEEE)
+    else:
+        a = x
+    acc_a = _mma(a, w_a, acc_a, IEEE)
+    if TWO:
+        acc_b = _mma(a, w_b, acc_b, IEEE)
+    return acc_a, acc_b, lo_a, lo_b, sq
+
+
+@triton.jit
 def _mma_product(x_ptr, w_ptr, g_ptr, rows, cols_a, cols_b, ma, mb, M, K, eps, stride_x,
                  stride_w, BLOCK_K: tl.constexpr, LINES: tl.constexpr, NORM: tl.constexpr,
                  TWO: tl.constexpr, GDC: tl.constexpr, PREFETCH: tl.constexpr,
@@ -146,39 +175,28 @@ def _mma_product(x_ptr, w_ptr, g_ptr, rows, cols_a, cols_b, ma, mb, M, K, eps, s
     wb = w_ptr + cols_b.to(tl.int64)[:, None] * stride_w
     xr = x_ptr + rows[:, None] * stride_x
     mr = (rows < M)[:, None]
-    acc_a = tl.zeros([rows.shape[0], cols_a.shape[0]], tl.float32)
-    acc_b = tl.zeros([rows.shape[0], cols_a.shape[0]], tl.float32)
-    # NORM's low halves go to accumulators of their own: two independent mma chains
-    # where one would run twice as long (an mma waits for the one before it).
-    lo_a = tl.zeros([rows.shape[0], cols_a.shape[0]], tl.float32)
-    lo_b = tl.zeros([rows.shape[0], cols_a.shape[0]], tl.float32)
+    # Each chunk of K in two halves with accumulators of their own, and NORM's low
+    # halves in theirs: independent mma chains where one would run several times as long
+    # (an mma waits for the one before it into the same accumulator).
+    z = tl.zeros([rows.shape[0], cols_a.shape[0]], tl.float32)
+    acc_a0, acc_a1, acc_b0, acc_b1, lo_a0, lo_a1, lo_b0, lo_b1 = z, z, z, z, z, z, z, z
     # x^2 summed element-wise across the chunks, reduced across K once after the loop
-    sq = tl.zeros([rows.shape[0], BLOCK_K], tl.float32)
+    sq = tl.zeros([rows.shape[0], BLOCK_K // 2], tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        ks = k0 + tl.arange(0, BLOCK_K)[None, :]
-        km = ks < K
-        x = tl.load(xr + ks, mask=mr & km, other=0.0)
-        w_a = tl.load(wa + ks, mask=ma & km, other=0.0)
-        if TWO:
-            w_b = tl.load(wb + ks, mask=mb & km, other=0.0)
-        if NORM:
-            xf = x.to(tl.float32)
-            sq += xf * xf
-            xg = xf * tl.load(g_ptr + ks, mask=km, other=0.0).to(tl.float32)
-            a = xg.to(x.dtype)
-            if not IEEE:  # x * g in two 16-bit halves: the product is not rounded
-                lo = (xg - a.to(tl.float32)).to(x.dtype)
-                lo_a = _mma(lo, w_a, lo_a, IEEE)
-                if TWO:
-                    lo_b = _mma(lo, w_b, lo_b, IEEE)
-        else:
-            a = x
-        acc_a = _mma(a, w_a, acc_a, IEEE)
-        if TWO:
-            acc_b = _mma(a, w_b, acc_b, IEEE)
+        ks = k0 + tl.arange(0, BLOCK_K // 2)[None, :]
+        acc_a0, acc_b0, lo_a0, lo_b0, sq = _chunk(
+            xr, wa, wb, g_ptr, ks, mr, ma, mb, K, acc_a0, acc_b0, lo_a0, lo_b0, sq, NORM, TWO,
+            IEEE,
+        )  # fmt: skip
+        acc_a1, acc_b1, lo_a1, lo_b1, sq = _chunk(
+            xr, wa, wb, g_ptr, ks + BLOCK_K // 2, mr, ma, mb, K, acc_a1, acc_b1, lo_a1, lo_b1,
+            sq, NORM, TWO, IEEE,
+        )  # fmt: skip
+    acc_a = acc_a0 + acc_a1
+    acc_b = acc_b0 + acc_b1
     if NORM and not IEEE:
-        acc_a += lo_a
-        acc_b += lo_b
+        acc_a += lo_a0 + lo_a1
+        acc_b += lo_b0 + lo_b1
     if NORM:
         rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
         acc_a = acc_a * rstd
