@@ -293,7 +293,11 @@ def mma_tile(m: int, n: int, k: int, *, interpret: bool = INTERPRET):
     for the rope kernel, a GLU's gate columns) and reduction width k.
 
     H200, SmolLM2's four projections x 30 layers under a graph with PDL (stop 33,
-    bench.decode_step --chain), µs at 16 / 32 / 64 rows: 16/32/128/5/4 614 / 650 / 839;
+    bench.decode_step --chain). With each chunk's K halves in accumulators of their own
+    (call 2), µs at 16 / 24 / 32 rows: 16/32/256/3/4 608 / 624 / 602; 16/32/128/5/4 712 /
+    731 / 697; 128 of K with 8 stages 754 / 763 / 726; 16 columns 734 / 982 / 937; the
+    rows kernel at 8 rows 508; cuBLAS GEMMs alone 553 / 558 / 527. Before the halves
+    (call 1), at 16 / 32 / 64 rows: 16/32/128/5/4 614 / 650 / 839;
     16/32/64 with 3 stages 747 / 753 / 872, 6 stages 747 / 753 / 872, 10 stages 751 /
     756 / 885; 16 columns 716 / 907 / 1468; 64 columns 819 / 820 / 832; 32 rows a tile
     810 / 829 / 843; 8 warps 1058 / 1055 / 1396; without the L2 prefetch 965 / 955 /
@@ -305,7 +309,7 @@ def mma_tile(m: int, n: int, k: int, *, interpret: bool = INTERPRET):
         return (min(64, triton.next_power_of_2(max(m, 16))),
                 min(64, max(16, triton.next_power_of_2(n))),
                 min(256, max(16, triton.next_power_of_2(k))), 1, 4)  # fmt: skip
-    return 16, 32, 128, 5, 4
+    return 16, 32, 256, 3, 4
 
 
 def _lines(k: int, elem: int) -> int:
