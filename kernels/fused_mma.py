@@ -320,26 +320,26 @@ _MMA_LINEAR = CachedLaunch(_mma_linear_kernel)
 _MMA_ROPE = CachedLaunch(_mma_qkv_rope_kernel)
 
 
+def _launch(launch: CachedLaunch, head: tuple, m: int, n: int, k: int, x, tail: tuple,
+            options: dict) -> None:  # fmt: skip
+    """One tensor-core launch: `head` the arguments before the tile constexprs, `tail`
+    the flags after them (the last one GDC); n columns (pairs for the rope kernel)."""
+    block_m, block_n, block_k, stages, warps = mma_tile(m, n, k)
+    args = head + (block_m, block_n, block_k, _lines(k, x.element_size())) + tail + (
+        tail[-1] and MMA_PREFETCH, stages, x.dtype == torch.float32)  # fmt: skip
+    key = specialization_key(args) + (x.device.index, warps)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    launch(key, grid, args, {"num_warps": warps, **options})
+
+
 def mma_linear(common: tuple, m: int, n: int, k: int, x, flags: tuple, options: dict) -> None:
     """fused_linear's launch past MAX_ROWS rows; `common` and `flags` as fused_linear
     builds them (its checks done): (has_bias, norm, glu, res, gdc)."""
-    block_m, block_n, block_k, stages, warps = mma_tile(m, n, k)
-    gdc = flags[-1]
-    args = common + (block_m, block_n, block_k, _lines(k, x.element_size())) + flags + (
-        gdc and MMA_PREFETCH, stages, x.dtype == torch.float32)  # fmt: skip
-    key = specialization_key(args) + (x.device.index, warps)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-    _MMA_LINEAR(key, grid, args, {"num_warps": warps, **options})
+    _launch(_MMA_LINEAR, common, m, n, k, x, flags, options)
 
 
 def mma_qkv_rope(head: tuple, m: int, pairs: int, k: int, x, tail: tuple, options: dict) -> None:
     """fused_qkv_rope's launch past MAX_ROWS rows: `head` its arguments up to the
     strides, `tail` (half, num_q_heads, num_kv_heads, block_size, has_bias, norm,
     gdc)."""
-    block_m, block_p, block_k, stages, warps = mma_tile(m, pairs, k)
-    gdc = tail[-1]
-    args = head + (block_m, block_p, block_k, _lines(k, x.element_size())) + tail + (
-        gdc and MMA_PREFETCH, stages, x.dtype == torch.float32)  # fmt: skip
-    key = specialization_key(args) + (x.device.index, warps)
-    grid = (triton.cdiv(pairs, block_p), triton.cdiv(m, block_m))
-    _MMA_ROPE(key, grid, args, {"num_warps": warps, **options})
+    _launch(_MMA_ROPE, head, m, pairs, k, x, tail, options)
