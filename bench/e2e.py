@@ -303,6 +303,9 @@ def spec_comparison(path: str, n_prompts: int, new_tokens: int, k: int, layers: 
 
 
 def main(argv=None) -> int:
+    from tests.hf_compat import hide_repo_kernels_from_transformers
+
+    hide_repo_kernels_from_transformers()  # transformers >= 5.25 would import our kernels/
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("results"))
     ap.add_argument("--gguf", default=None)

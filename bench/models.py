@@ -177,6 +177,9 @@ COLUMNS = [
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tests.hf_compat import hide_repo_kernels_from_transformers
+
+    hide_repo_kernels_from_transformers()  # transformers >= 5.25 would import our kernels/
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("results"))
     ap.add_argument("--ctx", type=int, default=256, help="cached tokens per request")

@@ -170,6 +170,9 @@ def gpu_busy_fraction(se, prompts, new_tokens: int) -> float | None:
 
 
 def main(argv=None) -> int:
+    from tests.hf_compat import hide_repo_kernels_from_transformers
+
+    hide_repo_kernels_from_transformers()  # transformers >= 5.25 would import our kernels/
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("results"))
     ap.add_argument("--batch", type=int, default=1)

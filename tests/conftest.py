@@ -113,6 +113,12 @@ if os.environ.get("TRITON_INTERPRET") == "1":
         _faster_interpreter_paths(_interpreter)
 
 
+def pytest_configure(config):
+    from tests.hf_compat import hide_repo_kernels_from_transformers
+
+    hide_repo_kernels_from_transformers()
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         # Kernels on CPU tensors need the interpreter, which is off where CUDA is present;
