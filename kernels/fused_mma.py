@@ -6,7 +6,10 @@ fused_linear's rows kernel runs each row through FMA lanes: past 8 rows its arit
 grows with the rows, and the fused decode path stopped there (verification of 3 tokens
 for 8 requests, 24 rows, then took cuBLAS and separate norm / rotary / SiLU launches, 1.4x
 a decode step on the H200). Here a program takes BLOCK_M rows x BLOCK_N output columns
-and runs K in BLOCK_K chunks through tl.dot (mma), so 16 rows cost what 1 does.
+and runs K in BLOCK_K chunks through tl.dot (mma), so 32 rows cost about what 1 does:
+~5 µs a launch on the H200 (SmolLM2's projections; the rows kernel takes 2.4 at 1 row
+and 4.2 at 8, cuBLAS 4.4 without the fused prologue and epilogue). The SmolLM2 decode
+step at 16 / 32 rows is 0.78 / 0.81 of the unfused one (stop 33).
 
 Latency is what a decode-sized projection costs, so the program's weight slice is
 prefetched into L2 before the programmatic-dependent-launch wait (the weights no kernel
