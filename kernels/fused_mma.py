@@ -20,8 +20,9 @@ product split into a 16-bit operand and its 16-bit remainder, two products, so n
 is rounded that the rows kernel keeps), and the row's 1 / rms scales the float32
 product at the end.
 
-Rows are independent: a row's outputs do not depend on which other rows share its tile,
-so a request verified among others gets the bits it would get alone at that row count.
+Rows are independent: a row's outputs do not depend on which other rows share its tile
+or the step, so past MAX_ROWS a request gets the same bits whatever batch it is verified
+or decoded in (they differ from the rows kernel's, which takes 1 to MAX_ROWS rows).
 """
 
 from __future__ import annotations
