@@ -69,7 +69,7 @@ import triton
 import triton.language as tl
 
 from .guard import INTERPRET, validation_enabled
-from .launch import CachedLaunch, specialization_key
+from .launch import CachedLaunch, pdl_launch, specialization_key
 
 # specdraft.sampling.Stream values; the runtime passes its own (the kernels never import
 # the runtime) and the wrapper checks they agree.
@@ -150,7 +150,11 @@ def _partials_kernel(
     pmax_ptr, parg_ptr, psum_ptr, pmin_ptr,
     num_rows, V, K1, NB,
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SAMPLED: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):  # fmt: skip
+    if GDC:  # everything read below comes from earlier launches
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     blk = tl.program_id(1)
     offs = blk * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -184,9 +188,13 @@ def _partials_kernel(
 def _init_kernel(
     pmax_ptr, psum_ptr, rmax_ptr, rthr_ptr, rsum_ptr, num_rows, NB,
     ROWS: tl.constexpr, NBP: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Row max and mass (relative to the max) from the block partials; thresholds reset
     to -inf (kept: every token), which the cut kernel overwrites for filtered rows."""
+    if GDC:  # everything read below comes from earlier launches
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rmask = rows < num_rows
     blocks = tl.arange(0, NBP)
@@ -774,12 +782,16 @@ def _cut_kernel(
     NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
     CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr, LANES: tl.constexpr,
     STAGES: tl.constexpr, FAST_ONLY: tl.constexpr, TODO: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):  # fmt: skip
     """A tile of ROWS rows per program; a filtered row gets the top-k cut (the k-th
     largest value), then the top-p cut over the top-k survivors, and its threshold and
     kept mass are written. Other rows are left as the init kernel wrote them.
     FAST_ONLY: _cut_fast's passes only; a row either cut misses is marked in todo, not
     written. TODO: only the rows marked in todo (the launch after a FAST_ONLY one)."""
+    if GDC:  # everything read below comes from earlier launches
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rmask = rows < num_rows
     missed = tl.zeros([ROWS], tl.int32)
@@ -921,9 +933,13 @@ def _walk_kernel(
     greedy_ptr, temp_ptr, seed_ptr, pos_ptr, rmax_ptr, rthr_ptr, rsum_ptr, pmax_ptr, parg_ptr,
     walk_ptr, B, K, V, NB,
     ROWS: tl.constexpr, KP: tl.constexpr, NBP: tl.constexpr, ACCEPT_MUL: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Each request's walk, once: k (drafts proposed) and r (first rejected position, k
     if none) into walk [B, 2]; a padded request gets 0 and 0."""
+    if GDC:  # everything read below comes from earlier launches
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     req = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rmask = req < B
     greedy, t, seed, pos = _load_request(req, rmask, greedy_ptr, temp_ptr, seed_ptr, pos_ptr,
@@ -951,6 +967,7 @@ def _resample_kernel(
     ROWS: tl.constexpr, KP: tl.constexpr, NBP: tl.constexpr, NB2P: tl.constexpr,
     BLOCK_V: tl.constexpr, SUB: tl.constexpr, RESIDUAL_MUL: tl.constexpr,
     BONUS_MUL: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Program (i, blk): the exponential races of a tile of ROWS requests over
     vocabulary block blk of each one's residual max(p_r - q_r, 0) (or of p_k for the
@@ -959,6 +976,9 @@ def _resample_kernel(
     whole tile is skipped. Each request has its own ticket (as in the greedy kernel):
     the last of its NB2 programs writes its tokens, counts and counters, for every
     request of the tile it was last for."""
+    if GDC:  # everything read below comes from earlier launches
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     req = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     blk = tl.program_id(1)
     rmask = req < B
@@ -1099,6 +1119,7 @@ def _greedy_kernel(
     K, V, NB,
     KP: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr, NBP: tl.constexpr,
     STAGES: tl.constexpr, PER_ROW: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Every request greedy, in one launch. A program takes the argmax over vocabulary
     block blk of one target row (PER_ROW: program (blk, row)) or of request b's K + 1
@@ -1110,6 +1131,9 @@ def _greedy_kernel(
     smallest index holding it. The partials are laid out [rows, NB] in the workspace
     (NB <= its columns). One row per program keeps a row's programs adjacent in launch
     order and loads no padding rows (KP > K + 1)."""
+    if GDC:  # everything read below comes from earlier launches
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if PER_ROW:
         blk = tl.program_id(0)
         rows = tl.program_id(1).to(tl.int64) + tl.arange(0, 1)
@@ -1389,10 +1413,13 @@ class _Launcher:
     def __init__(self, fn):
         self._cached = CachedLaunch(fn)
 
-    def add(self, launches: list, grid, args, num_warps) -> None:
-        """Append this kernel's launch (cached launcher, key, grid, args, options)."""
+    def add(self, launches: list, grid, args, num_warps, pdl: bool = False) -> None:
+        """Append this kernel's launch (cached launcher, key, grid, args, options); pdl:
+        with programmatic dependent launch (the kernel's GDC, its last argument)."""
+        gdc, options = pdl_launch(pdl)
+        args = (*args, gdc)
         key = specialization_key(args) + (num_warps,)
-        launches.append((self._cached, key, grid, args, {"num_warps": num_warps}))
+        launches.append((self._cached, key, grid, args, {"num_warps": num_warps, **options}))
 
 
 _PARTIALS = _Launcher(_partials_kernel)
@@ -1422,6 +1449,7 @@ def rejection_sample(
     *,
     any_filter: bool = True,
     streams: tuple[int, int, int] = (ACCEPT, RESIDUAL, BONUS),
+    pdl: bool = False,
 ) -> None:
     """Verify B requests' drafts against the target (module docstring).
 
@@ -1433,7 +1461,8 @@ def rejection_sample(
     [B, K + 1] int64 (accepted drafts, then the correction or bonus token, then -1),
     out_num_accepted / out_num_emitted [B] int32 and adds to proposed_counts /
     accepted_counts [K] int64 (drafts proposed / accepted per position). any_filter=False
-    is the caller's host-side promise that no request uses top-k or top-p.
+    is the caller's host-side promise that no request uses top-k or top-p. pdl: launch
+    with programmatic dependent launch (kernels.pdl_supported); timing only.
 
     No host read (draft-id values are checked only in validation mode, never during
     capture), fixed grids: capturable in a CUDA graph per (B, K, V)."""
@@ -1443,10 +1472,11 @@ def rejection_sample(
     # The same buffers step after step: the checks and the launch arguments are made once
     # per buffer set. A plan holds its tensors, so their memory (hence a matching
     # signature) cannot belong to other tensors while it is cached.
-    sig = (*(_geometry(t) for t in tensors), id(workspace), bool(any_filter), tuple(streams))
+    sig = (*(_geometry(t) for t in tensors), id(workspace), bool(any_filter), tuple(streams),
+           bool(pdl))  # fmt: skip
     plan = _PLANS.get(sig)
     if plan is None or plan[0] is not workspace:
-        plan = _plan(*tensors, workspace, any_filter, streams)
+        plan = _plan(*tensors, workspace, any_filter, streams, pdl)
         if len(_PLANS) >= 4:
             _PLANS.clear()
         _PLANS[sig] = plan
@@ -1468,7 +1498,7 @@ def _geometry(t: torch.Tensor | None) -> tuple | None:
 def _plan(
     target_logits, draft_tokens, draft_probs, greedy, temperature, top_k, top_p, seed,
     positions, out_tokens, out_num_accepted, out_num_emitted, proposed_counts,
-    accepted_counts, workspace, any_filter, streams,
+    accepted_counts, workspace, any_filter, streams, pdl=False,
 ) -> tuple:  # fmt: skip
     """Check one buffer set and build its launches: (workspace, B, V, [(cached launch,
     key, grid, args, options)])."""
@@ -1504,6 +1534,7 @@ def _plan(
              out_num_emitted, proposed_counts, accepted_counts, k, v, nbg, kp, bg, sub,
              _p2(nbg), cfg.stages_g, per_row),
             warps,
+            pdl,
         )  # fmt: skip
         return workspace, b, v, launches
     _PARTIALS.add(
@@ -1512,6 +1543,7 @@ def _plan(
         (target_logits, lm, greedy, temperature, ws.part_max, ws.part_arg, ws.part_sum,
          ws.part_min, rows, v, k + 1, nb, cfg.rows_p, cfg.block_v, sampled),
         4,
+        pdl,
     )  # fmt: skip
     nbp = _p2(nb)
     rows_i = max(1, min((1 << 16 if INTERPRET else 2048) // nbp, _p2(rows)))
@@ -1520,6 +1552,7 @@ def _plan(
         (triton.cdiv(rows, rows_i),),
         (ws.part_max, ws.part_sum, ws.row_max, ws.row_thr, ws.row_sum, rows, nb, rows_i, nbp),
         4,
+        pdl,
     )  # fmt: skip
     if any_filter:
         fxs = float(2 ** (62 - (v - 1).bit_length()))  # v * 2^S <= 2^62: int64 sums fit
@@ -1538,6 +1571,7 @@ def _plan(
                  min(cfg.cap, cfg.chunk_t), fxs, cap_f, cfg.sample_f, cfg.tries_f, cfg.lanes_f,
                  cfg.stages_f, fast_only, todo),
                 cfg.warps_f if fast_only else 8 if cfg.rows_t * cfg.block_t >= 2048 else 4,
+                pdl,
             )  # fmt: skip
     _WALK.add(
         launches,
@@ -1546,6 +1580,7 @@ def _plan(
          seed, positions, ws.row_max, ws.row_thr, ws.row_sum, ws.part_max, ws.part_arg, ws.walk,
          b, k, v, nb, cfg.rows_w, kp, nbp, mul_a),
         4,
+        pdl,
     )  # fmt: skip
     sub_r = min(cfg.sub_r, cfg.block_r)
     race_tile = cfg.rows_r * sub_r
@@ -1559,5 +1594,6 @@ def _plan(
          accepted_counts, b, k, v, nb, nb2, cfg.rows_r, kp, nbp, _p2(nb2), cfg.block_r, sub_r,
          mul_r, mul_b),
         8 if race_tile >= 2048 else 4 if race_tile >= 512 else 2 if race_tile >= 128 else 1,
+        pdl,
     )  # fmt: skip
     return workspace, b, v, launches

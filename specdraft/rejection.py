@@ -92,6 +92,9 @@ class RejectionSampler:
         self.accepted_counts = torch.zeros(k, dtype=torch.int64, **kw)
         self.workspace = _kr.RejectionWorkspace.allocate(b, k, vocab_size, self.device, config)
         self._host_counters: torch.Tensor | None = None
+        # Each launch overlaps its start with the previous kernel's tail (H200: greedy
+        # B 64, K 5, V 49152 in a graph, bench/NOTES.md stop 34).
+        self._pdl = kernels.pdl_supported(self.device)
 
     def __call__(
         self,
@@ -132,8 +135,9 @@ class RejectionSampler:
                 self.proposed_counts[:k], self.accepted_counts[:k])  # fmt: skip
         if ops.backend_for(draft_tokens) == "triton":
             kernels.rejection_sample(
-                *args, self.workspace, any_filter=rows.any_filter, streams=_STREAMS
-            )
+                *args, self.workspace, any_filter=rows.any_filter, streams=_STREAMS,
+                pdl=self._pdl,
+            )  # fmt: skip
         else:
             rejection_sample_torch(*args, any_filter=rows.any_filter)
         return out
