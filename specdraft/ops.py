@@ -83,9 +83,32 @@ def set_small_m_linear(enabled: bool) -> None:
     _small_m_linear = enabled
 
 
+# One row of input with K past this goes through kernels.fused_linear's wide kernel
+# instead of cuBLAS. H200 (stop 34, one row, bf16, weights rotated out of L2, µs against
+# cuBLAS): 128256 x 4096 (a Llama-3 lm_head) 231.3 / 248.6 (the read floor 233.0),
+# 28672 x 4096 53.9 / 56.3, 4096 x 14336 28.2 / 32.0; at K 576 (SmolLM2's lm_head, the
+# rows kernel) 17.6 / 16.4, so smaller K stays on cuBLAS; at 4 rows the wide kernel runs
+# its rows one after another, 2-4x slower.
+_ONE_ROW_K = (2048, 16384)  # (past this K, up to kernels.fused_linear's K limit)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T (+ b): cuBLAS (F.linear), or the small-M Triton kernel when enabled and x is
-    [M <= 16, K] with contiguous rows."""
+    """x W^T (+ b): cuBLAS (F.linear); on the Triton backend one row with a wide K
+    through kernels.fused_linear (above), or the small-M Triton kernel when enabled and x
+    is [M <= 16, K] with contiguous rows."""
+    if (
+        x.dim() == 2
+        and x.shape[0] == 1
+        and weight.dim() == 2
+        and _ONE_ROW_K[0] < weight.shape[1] <= _ONE_ROW_K[1]
+        and x.dtype == weight.dtype
+        and (bias is None or bias.dtype == weight.dtype)
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+        and not (x.requires_grad or weight.requires_grad)  # no backward through a kernel
+        and backend_for(x) == "triton"
+    ):
+        return kernels.fused_linear(x, weight, bias=bias, pdl=kernels.pdl_supported(x.device))
     if (
         _small_m_linear
         and x.dim() == 2
@@ -131,10 +154,7 @@ def fused_decode(x: torch.Tensor, max_rows: int = 4) -> bool:
     if limit is None:
         limit = min(max_rows, _INTERPRET_FUSED_ROWS) if kernels.INTERPRET else max_rows
     return (
-        _fused_decode
-        and x.dim() == 2
-        and 1 <= x.shape[0] <= limit
-        and backend_for(x) == "triton"
+        _fused_decode and x.dim() == 2 and 1 <= x.shape[0] <= limit and backend_for(x) == "triton"
     )
 
 

@@ -565,3 +565,33 @@ def test_gpu_verification_logits_equal_decode_logits():
     assert torch.isfinite(block).all()
     bad = [i for i in range(len(tokens)) if not torch.equal(one[i], block[i])]
     assert not bad, (bad, (one - block).abs().max().item())
+
+
+def _one_row_linear(device, dtype, k, n, monkeypatch):
+    """ops.linear at one row: through the wide kernel past K 2048 (counted), cuBLAS /
+    torch below it and at two rows; each against float64, within the output dtype's own
+    rounding of it (plus float32 summation error)."""
+    calls = []
+    real = kernels.fused_linear
+    monkeypatch.setattr(kernels, "fused_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
+    b = torch.randn(n, device=device).to(dtype)
+    for m in (1, 2):
+        x = torch.randn(m, k, device=device).to(dtype)
+        before = len(calls)
+        got = ops.linear(x, w, b)
+        assert len(calls) - before == (1 if m == 1 and k > 2048 else 0), (m, k)
+        ref = reference(x, w, bias=b)
+        err = (got.double() - ref).abs().max().item()
+        assert err <= rounding(ref, dtype) + 1e-4 * ref.abs().max().item(), (m, k, err)
+
+
+@pytest.mark.parametrize("k", [2048, 2304])
+def test_linear_one_row_wide_k_takes_the_fused_kernel(k, monkeypatch):
+    _one_row_linear("cpu", torch.float32, k, 24, monkeypatch)
+
+
+@pytest.mark.gpu
+def test_gpu_linear_one_row_wide_k_takes_the_fused_kernel(monkeypatch):
+    for k, n in ((4096, 3000), (14336, 512), (1536, 1000)):
+        _one_row_linear("cuda", torch.bfloat16, k, n, monkeypatch)

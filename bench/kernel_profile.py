@@ -1,0 +1,119 @@
+"""Where a model step's device time goes, kernel by kernel (GPU only).
+
+The step (one decode token a request, `--ctx` tokens cached, random bf16 weights) is
+captured in a CUDA graph and replayed under torch.profiler; each kernel's device time is
+summed by name and divided by the replays. Next to it: the step's time by events (the
+same graph, no profiler), the sum of its kernels' times (their difference is the time no
+kernel ran: launch gaps and dependency waits) and the weight-read floor at the read-only
+bandwidth measured in the same run.
+
+    python -m bench.kernel_profile [--out results] [--cases eagle-llama3-8b,smollm2-135m]
+                                   [--rows 1] [--ctx 256] [--replays 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+CASES = ("eagle-llama3-8b", "llama-68m", "smollm2-135m", "eagle-smollm2")
+
+
+def _case_step(case: str, rows: int, ctx: int, max_len: int):
+    """(the step closure, its model) for a bench.models or bench.decode_step case."""
+    from bench.decode_step import _build, _step
+
+    if case == "eagle-llama3-8b":
+        from bench import models
+
+        cfg, model, hf = models.build(case, ctx)
+        del hf
+        return _step(model, cfg, rows, ctx, True, ctx + 64), model
+
+    cfg, model = _build(case, max_len, None)
+    return _step(model, cfg, rows, ctx, case.startswith("eagle"), max_len), model
+
+
+def profile_step(step, replays: int) -> tuple[float, dict[str, list[float]]]:
+    """(event-timed µs a step under graph replay, {kernel name: [count a step, µs a
+    step]}) from `replays` replays of one captured step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.common import time_graph_us
+
+    with torch.inference_mode():
+        step_us = time_graph_us([step], min_launches=1, replays=25)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                graph.replay()
+            torch.cuda.synchronize()
+    per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        entry = per[e.name[:90]]
+        entry[0] += 1 / replays
+        entry[1] += e.device_time / replays  # µs
+    return step_us, dict(per)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("results"))
+    ap.add_argument("--cases", default="eagle-llama3-8b,smollm2-135m")
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--replays", type=int, default=20)
+    args = ap.parse_args(argv)
+    unknown = [c for c in args.cases.split(",") if c not in CASES]
+    if unknown:
+        ap.error(f"--cases: unknown {unknown}; choose from {list(CASES)}")
+    if not torch.cuda.is_available():
+        print("bench.kernel_profile needs an NVIDIA GPU")
+        return 2
+    from bench.common import environment, read_bandwidth_tbps, save_results
+    from bench.decode_step import _weight_bytes
+    from tests.hf_compat import hide_repo_kernels_from_transformers
+
+    hide_repo_kernels_from_transformers()
+    env = environment()
+    read_bw = read_bandwidth_tbps()
+    head = f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}; read {read_bw:.2f} TB/s"
+    lines = [f"{head}; {args.rows} row(s), context {args.ctx}; µs a step under graph replay"]
+    results = []
+    for case in args.cases.split(","):
+        step, model = _case_step(case, args.rows, args.ctx, args.max_model_len)
+        step_us, per = profile_step(step, args.replays)
+        floor = _weight_bytes(model, args.rows) / (read_bw * 1e12) * 1e6
+        busy = sum(t for _, t in per.values())
+        lines += ["", f"### {case}: step {step_us:.1f} µs (events), kernels {busy:.1f} µs, "
+                  f"idle {step_us - busy:.1f} µs, weight floor {floor:.1f} µs", "",
+                  "| kernel | a step | µs a step | share |", "|---|---|---|---|"]  # fmt: skip
+        for name, (n, t) in sorted(per.items(), key=lambda kv: -kv[1][1]):
+            lines.append(f"| `{name}` | {n:.0f} | {t:.1f} | {t / step_us:.1%} |")
+        kern = {k: {"count": n, "us": t} for k, (n, t) in per.items()}
+        row = {"case": case, "step_us": step_us, "kernels_us": busy, "floor_us": floor}
+        results.append({**row, "kernels": kern})
+        del step, model
+        torch.cuda.empty_cache()
+    table = "\n".join(lines)
+    print(table)
+    save_results(args.out, "kernel_profile", {"env": env, "rows": results}, table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
