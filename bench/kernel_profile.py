@@ -3,9 +3,13 @@
 The step (one decode token a request, `--ctx` tokens cached, random bf16 weights) is
 captured in a CUDA graph and replayed under torch.profiler; each kernel's device time is
 summed by name and divided by the replays. Next to it: the step's time by events (the
-same graph, no profiler), the sum of its kernels' times (their difference is the time no
-kernel ran: launch gaps and dependency waits) and the weight-read floor at the read-only
-bandwidth measured in the same run.
+same graph; every case is timed before the profiler first runs, since it leaves
+callbacks behind that slow later launches), the sum of its kernels' times and the
+weight-read floor at the read-only bandwidth measured in the same run. With
+programmatic dependent launch (the default on Hopper) a kernel starts while the one
+before it still runs and waits inside, so kernel times overlap: their sum can exceed the
+step, and a kernel's time includes its wait. SPECDRAFT_PDL=0 gives disjoint times (the
+sum's shortfall from the step is then the time no kernel ran).
 
     python -m bench.kernel_profile [--out results] [--cases eagle-llama3-8b,smollm2-135m]
                                    [--rows 1] [--ctx 256] [--replays 20]
@@ -38,15 +42,21 @@ def _case_step(case: str, rows: int, ctx: int, max_len: int):
     return _step(model, cfg, rows, ctx, case.startswith("eagle"), max_len), model
 
 
-def profile_step(step, replays: int) -> tuple[float, dict[str, list[float]]]:
-    """(event-timed µs a step under graph replay, {kernel name: [count a step, µs a
-    step]}) from `replays` replays of one captured step."""
-    from torch.profiler import ProfilerActivity, profile
-
+def step_time_us(step) -> float:
+    """Event-timed µs of one step under graph replay (a graph a step, as generate()
+    replays it)."""
     from bench.common import time_graph_us
 
     with torch.inference_mode():
-        step_us = time_graph_us([step], min_launches=1, replays=25)
+        return time_graph_us([step], min_launches=1, replays=25)
+
+
+def profile_step(step, replays: int) -> dict[str, list[float]]:
+    """{kernel name: [count a step, µs a step]} from `replays` replays of one captured
+    step under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode():
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
@@ -66,7 +76,7 @@ def profile_step(step, replays: int) -> tuple[float, dict[str, list[float]]]:
         entry = per[e.name[:90]]
         entry[0] += 1 / replays
         entry[1] += e.device_time / replays  # µs
-    return step_us, dict(per)
+    return dict(per)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,21 +104,22 @@ def main(argv: list[str] | None = None) -> int:
     head = f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}; read {read_bw:.2f} TB/s"
     lines = [f"{head}; {args.rows} row(s), context {args.ctx}; µs a step under graph replay"]
     results = []
-    for case in args.cases.split(","):
-        step, model = _case_step(case, args.rows, args.ctx, args.max_model_len)
-        step_us, per = profile_step(step, args.replays)
+    built = {
+        c: _case_step(c, args.rows, args.ctx, args.max_model_len) for c in args.cases.split(",")
+    }
+    timed = {c: step_time_us(step) for c, (step, _) in built.items()}  # before any profiler
+    for case, (step, model) in built.items():
+        step_us, per = timed[case], profile_step(step, args.replays)
         floor = _weight_bytes(model, args.rows) / (read_bw * 1e12) * 1e6
         busy = sum(t for _, t in per.values())
         lines += ["", f"### {case}: step {step_us:.1f} µs (events), kernels {busy:.1f} µs, "
-                  f"idle {step_us - busy:.1f} µs, weight floor {floor:.1f} µs", "",
+                  f"step - kernels {step_us - busy:.1f} µs, weight floor {floor:.1f} µs", "",
                   "| kernel | a step | µs a step | share |", "|---|---|---|---|"]  # fmt: skip
         for name, (n, t) in sorted(per.items(), key=lambda kv: -kv[1][1]):
             lines.append(f"| `{name}` | {n:.0f} | {t:.1f} | {t / step_us:.1%} |")
         kern = {k: {"count": n, "us": t} for k, (n, t) in per.items()}
         row = {"case": case, "step_us": step_us, "kernels_us": busy, "floor_us": floor}
         results.append({**row, "kernels": kern})
-        del step, model
-        torch.cuda.empty_cache()
     table = "\n".join(lines)
     print(table)
     save_results(args.out, "kernel_profile", {"env": env, "rows": results}, table)
