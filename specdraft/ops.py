@@ -94,10 +94,12 @@ _ONE_ROW_K = (2048, 16384)  # (past this K, up to kernels.fused_linear's K limit
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T (+ b): cuBLAS (F.linear); on the Triton backend one row with a wide K
-    through kernels.fused_linear (above), or the small-M Triton kernel when enabled and x
-    is [M <= 16, K] with contiguous rows."""
+    through kernels.fused_linear (above; off with the fused decode path,
+    set_fused_decode), or the small-M Triton kernel when enabled and x is [M <= 16, K]
+    with contiguous rows."""
     if (
-        x.dim() == 2
+        _fused_decode
+        and x.dim() == 2
         and x.shape[0] == 1
         and weight.dim() == 2
         and _ONE_ROW_K[0] < weight.shape[1] <= _ONE_ROW_K[1]
@@ -137,9 +139,10 @@ def set_fused_decode(enabled: bool) -> None:
     enough: kernels.max_fused_rows) on the Triton backend through the fused decode
     path (each projection one
     kernels.fused_linear launch with its RMSNorm, SiLU-and-multiply and residual add
-    folded in, launched with programmatic dependent launch where the GPU has it). On by
-    default; SPECDRAFT_FUSED=0 turns it off for a process. Applies to calls made, or
-    graphs captured, afterwards."""
+    folded in, launched with programmatic dependent launch where the GPU has it), and
+    single rows with a wide K through its wide kernel (linear). On by default;
+    SPECDRAFT_FUSED=0 turns it off for a process. Applies to calls made, or graphs
+    captured, afterwards."""
     global _fused_decode
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")

@@ -591,6 +591,15 @@ def test_linear_one_row_wide_k_takes_the_fused_kernel(k, monkeypatch):
     _one_row_linear("cpu", torch.float32, k, 24, monkeypatch)
 
 
+def test_linear_one_row_stays_on_torch_with_the_fused_path_off(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernels, "fused_linear", lambda *a, **kw: calls.append(1))
+    monkeypatch.setattr(ops, "_fused_decode", False)
+    x, w = torch.randn(1, 2304), torch.randn(8, 2304)
+    torch.testing.assert_close(ops.linear(x, w, None), x @ w.T)
+    assert not calls
+
+
 @pytest.mark.gpu
 def test_gpu_linear_one_row_wide_k_takes_the_fused_kernel(monkeypatch):
     for k, n in ((4096, 3000), (14336, 512), (1536, 1000)):
