@@ -27,15 +27,7 @@ def time_graph_us(
         fn()
     torch.cuda.synchronize()
     n = max(min_launches, len(launches))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for i in range(n):
-            launches[i % len(launches)]()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
+    graph = capture_graph(lambda: [launches[i % len(launches)]() for i in range(n)])
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -46,6 +38,19 @@ def time_graph_us(
         times.append(start.elapsed_time(end) * 1e3 / n)
     del graph
     return statistics.median(times)
+
+
+def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """fn() captured on a side stream into a CUDA graph, replayed once (warm)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
 
 
 def eager_us(fn, *, iters: int, warmup: int = 5, after=None) -> float:

@@ -34,8 +34,7 @@ def _case_step(case: str, rows: int, ctx: int, max_len: int):
     if case == "eagle-llama3-8b":
         from bench import models
 
-        cfg, model, hf = models.build(case, ctx)
-        del hf
+        cfg, model, _ = models.build(case, ctx, hf=False)
         return _step(model, cfg, rows, ctx, True, ctx + 64), model
 
     cfg, model = _build(case, max_len, None)
@@ -56,15 +55,10 @@ def profile_step(step, replays: int) -> dict[str, list[float]]:
     step under torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
+    from bench.common import capture_graph
+
     with torch.inference_mode():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph.replay()
-        torch.cuda.synchronize()
+        graph = capture_graph(step)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(replays):
                 graph.replay()

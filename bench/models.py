@@ -79,16 +79,14 @@ class HFEagle(nn.Module):
         return self.lm_head(out.last_hidden_state[:, -1]), cache
 
 
-def build(case: str, ctx: int):
-    """(config, our model, transformers model) with random bf16 weights on the GPU."""
+def build(case: str, ctx: int, *, hf: bool = True):
+    """(config, our model, transformers model or None without hf) with random bf16
+    weights on the GPU."""
     import transformers
 
     if case == "llama-68m":
         cfg = llama_68m_config()
         ours = random_causal_lm(cfg, seed=0, device=DEVICE, max_positions=ctx + 64)
-        with torch.device(DEVICE):
-            hf = transformers.LlamaForCausalLM(transformers.AutoConfig.for_model(**cfg.to_hf()))
-        hf.load_state_dict(random_weights(cfg, seed=0, device=DEVICE))
     else:
         cfg = eagle_config(llama3_8b_config())
         w = random_eagle_weights(cfg, seed=0, with_embed=True, device=DEVICE)
@@ -96,9 +94,16 @@ def build(case: str, ctx: int):
         ckpt = Checkpoint.from_tensors(cfg.to_hf(), w)
         ours = load_eagle_head(ckpt, device=DEVICE, max_positions=ctx + 64)
         del w, ckpt
-        with torch.device(DEVICE):
-            hf = HFEagle(cfg)
-    return cfg, ours.eval(), hf.to(torch.bfloat16).eval()
+    if not hf:
+        return cfg, ours.eval(), None
+    with torch.device(DEVICE):
+        if case == "llama-68m":
+            peer = transformers.LlamaForCausalLM(transformers.AutoConfig.for_model(**cfg.to_hf()))
+        else:
+            peer = HFEagle(cfg)
+    if case == "llama-68m":
+        peer.load_state_dict(random_weights(cfg, seed=0, device=DEVICE))
+    return cfg, ours.eval(), peer.to(torch.bfloat16).eval()
 
 
 @torch.inference_mode()

@@ -130,6 +130,16 @@ else:
 
 
 @triton.jit
+def _gdc_enter(GDC: tl.constexpr):
+    """With programmatic dependent launch (GDC), the sampler kernels' first step: wait
+    for the kernel before (everything they read comes from earlier launches), then let
+    the next one start launching."""
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _load_z(logits_ptr, stride_lm, rows, offs, mask, t):
     """z = logits / T (correctly rounded, like torch.div), -0 folded into +0."""
     ptrs = logits_ptr + rows[:, None] * stride_lm + offs[None, :]
@@ -152,9 +162,7 @@ def _partials_kernel(
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SAMPLED: tl.constexpr,
     GDC: tl.constexpr = False,
 ):  # fmt: skip
-    if GDC:  # everything read below comes from earlier launches
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    _gdc_enter(GDC)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     blk = tl.program_id(1)
     offs = blk * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -192,9 +200,7 @@ def _init_kernel(
 ):  # fmt: skip
     """Row max and mass (relative to the max) from the block partials; thresholds reset
     to -inf (kept: every token), which the cut kernel overwrites for filtered rows."""
-    if GDC:  # everything read below comes from earlier launches
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    _gdc_enter(GDC)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rmask = rows < num_rows
     blocks = tl.arange(0, NBP)
@@ -789,9 +795,7 @@ def _cut_kernel(
     kept mass are written. Other rows are left as the init kernel wrote them.
     FAST_ONLY: _cut_fast's passes only; a row either cut misses is marked in todo, not
     written. TODO: only the rows marked in todo (the launch after a FAST_ONLY one)."""
-    if GDC:  # everything read below comes from earlier launches
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    _gdc_enter(GDC)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rmask = rows < num_rows
     missed = tl.zeros([ROWS], tl.int32)
@@ -937,9 +941,7 @@ def _walk_kernel(
 ):  # fmt: skip
     """Each request's walk, once: k (drafts proposed) and r (first rejected position, k
     if none) into walk [B, 2]; a padded request gets 0 and 0."""
-    if GDC:  # everything read below comes from earlier launches
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    _gdc_enter(GDC)
     req = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rmask = req < B
     greedy, t, seed, pos = _load_request(req, rmask, greedy_ptr, temp_ptr, seed_ptr, pos_ptr,
@@ -976,9 +978,7 @@ def _resample_kernel(
     whole tile is skipped. Each request has its own ticket (as in the greedy kernel):
     the last of its NB2 programs writes its tokens, counts and counters, for every
     request of the tile it was last for."""
-    if GDC:  # everything read below comes from earlier launches
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    _gdc_enter(GDC)
     req = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     blk = tl.program_id(1)
     rmask = req < B
@@ -1131,9 +1131,7 @@ def _greedy_kernel(
     smallest index holding it. The partials are laid out [rows, NB] in the workspace
     (NB <= its columns). One row per program keeps a row's programs adjacent in launch
     order and loads no padding rows (KP > K + 1)."""
-    if GDC:  # everything read below comes from earlier launches
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    _gdc_enter(GDC)
     if PER_ROW:
         blk = tl.program_id(0)
         rows = tl.program_id(1).to(tl.int64) + tl.arange(0, 1)

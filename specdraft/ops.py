@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 
 from specdraft import kernels, torch_ops
+from specdraft.kernels.fused_linear import MAX_K as _FUSED_MAX_K
 
 _BACKENDS = ("torch", "triton")
 _forced: str | None = None
@@ -89,7 +90,7 @@ def set_small_m_linear(enabled: bool) -> None:
 # 28672 x 4096 53.9 / 56.3, 4096 x 14336 28.2 / 32.0; at K 576 (SmolLM2's lm_head, the
 # rows kernel) 17.6 / 16.4, so smaller K stays on cuBLAS; at 4 rows the wide kernel runs
 # its rows one after another, 2-4x slower.
-_ONE_ROW_K = (2048, 16384)  # (past this K, up to kernels.fused_linear's K limit)
+_ONE_ROW_MIN_K = 2048
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -102,7 +103,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         and x.dim() == 2
         and x.shape[0] == 1
         and weight.dim() == 2
-        and _ONE_ROW_K[0] < weight.shape[1] <= _ONE_ROW_K[1]
+        and _ONE_ROW_MIN_K < weight.shape[1] <= _FUSED_MAX_K
         and x.dtype == weight.dtype
         and (bias is None or bias.dtype == weight.dtype)
         and x.stride(1) == 1

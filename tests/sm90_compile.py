@@ -71,7 +71,7 @@ def launches(v: int, b: int, k: int, dtype: torch.dtype, sampled: bool) -> list[
     plan = kr._plan(
         torch.randn(b * (k + 1), v).to(dtype), torch.randint(0, v, (b, k)), q, st.greedy,
         st.temperature, st.top_k, st.top_p, st.seed, torch.arange(b), *outs, ws, True,
-        (2, 3, 4),
+        (2, 3, 4), True,  # with PDL, as RejectionSampler launches them on sm_90
     )  # fmt: skip
     return plan[3]
 
