@@ -178,7 +178,7 @@ class Bench:
 
         def prefill():
             st = loop.start(b, k, mode)
-            if carry is not None:
+            if carry is not None and st.hidden is not None:  # None in a round of one draft
                 carry.copy_(st.hidden)
             if k == 1:
                 loop.finish(st)

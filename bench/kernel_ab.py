@@ -8,7 +8,8 @@ takes in a chain of programmatic-dependent launches under CUDA-graph replay.
 OTHER is a folder that holds a `kernels/` package. It is imported under another name,
 so both copies live in one process. Decode and 4-token verification shapes for
 SmolLM2's heads (9 / 3 x 64) and Llama's (32 / 8 x 128), batch 1 and 8, context 256
-and 4096, all at a 4096-token length bound. Medians of `--repeats` timings, run
+and 4096, and llama-68m's (12 / 12 x 64) at batch 1 and 64, context 256, all at a
+4096-token length bound. Medians of `--repeats` timings, run
 alternately. Writes kernel_ab.json and kernel_ab.md. Without a GPU, only the bit
 comparison runs, under the Triton interpreter, on small shapes."""
 
@@ -34,10 +35,12 @@ if not torch.cuda.is_available():  # before any kernel is defined: the interpret
 SHAPES = [  # (heads, batch, context, query tokens)
     ("smollm2", 1, 256, 1), ("smollm2", 1, 4096, 1), ("smollm2", 8, 256, 1),
     ("smollm2", 1, 256, 4), ("llama", 1, 256, 1), ("llama", 1, 4096, 1),
-    ("llama", 8, 4096, 1), ("llama", 8, 4096, 4),
+    ("llama", 8, 4096, 1), ("llama", 8, 4096, 4), ("llama68m", 1, 256, 1),
+    ("llama68m", 64, 256, 1),
 ]  # fmt: skip
 CPU_SHAPES = [("tiny", 2, 70, 1), ("tiny", 1, 130, 4), ("tiny", 3, 33, 2)]
-HEADS = {"smollm2": (9, 3, 64), "llama": (32, 8, 128), "tiny": (6, 2, 32)}
+HEADS = {"smollm2": (9, 3, 64), "llama": (32, 8, 128), "llama68m": (12, 12, 64),
+         "tiny": (6, 2, 32)}  # fmt: skip
 BOUND = 4096
 
 

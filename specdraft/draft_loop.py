@@ -143,7 +143,7 @@ class DraftLoop:
         if self.hidden is not None:
             hidden = self.hidden.index_select(0, b.p_src[: rows * w])
         out, logits = self._forward(meta, hidden)
-        if hidden is not None:
+        if hidden is not None and k_max > 1:  # a round of one draft carries nothing on
             state.hidden = out.index_select(0, b.p_last[:rows])  # the state that drew token 0
         self._sample(state, logits, 0)
         return state

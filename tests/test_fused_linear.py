@@ -197,8 +197,9 @@ def test_fused_linear_rows_per_program(rows, flags, monkeypatch):
 def test_max_fused_rows_follows_the_program_budget():
     """Projections the rows kernel takes (K <= ROWS_MAX_K) take up to MMA_FUSED_ROWS rows
     (the tensor-core kernels past MAX_ROWS): SmolLM2's; the llama-68m draft's widest
-    ([768, 3072], the wide kernel) needs 1536 programs at 8 rows, within the budget;
-    Llama-3-8B's (K 4096 and 14336) stay at the floor of 4; the same answer under the
+    ([768, 3072], the wide kernel) needs 1536 programs at 8 rows, within the budget, so
+    it takes MMA_FUSED_ROWS too; Llama-3-8B's (K 4096 and 14336) stay at the floor of 4,
+    and a budget that runs out before 8 rows stops there; the same answer under the
     interpreter as on the GPU."""
     from specdraft.kernels import max_fused_rows
     from specdraft.models.tiny import llama_68m_config
@@ -206,11 +207,12 @@ def test_max_fused_rows_follows_the_program_budget():
     smol = random_causal_lm(smollm2_135m_config(), seed=0, device="cpu", max_positions=32)
     assert max_fused_rows([(960, 576), (576, 576), (3072, 576), (576, 1536)]) == MMA_FUSED_ROWS
     assert smol.fused_rows() == MMA_FUSED_ROWS
-    assert max_fused_rows([(6144, 768), (768, 3072)]) == 8
+    assert max_fused_rows([(6144, 768), (768, 3072)]) == MMA_FUSED_ROWS
     assert max_fused_rows([(6144, 768), (1536, 3072)]) == 4  # past the budget at 5 rows
+    assert max_fused_rows([(1024, 768), (1024, 3072)]) == 6  # past the budget at 7 rows
     assert max_fused_rows([(28672, 4096), (4096, 14336)]) == 4
     llama = random_causal_lm(llama_68m_config(), seed=0, device="cpu", max_positions=32)
-    assert llama.fused_rows() == 8
+    assert llama.fused_rows() == MMA_FUSED_ROWS
     head = random_eagle_head(eagle_config(smollm2_135m_config()), smol, seed=1, max_positions=32)
     assert head.fused_rows() == MMA_FUSED_ROWS
 
@@ -435,6 +437,36 @@ def test_fused_decode_path_at_8_and_12_rows_matches_unfused_model(reqs):
     assert calls.count((0, 4 * reqs)) == 2 * 3 and calls.count((1, 4 * reqs)) == 2, calls
     with torch.no_grad():
         plain = _verify_rows(model, cfg, "cpu", False, reqs)
+    for a, b in zip(fused, plain):
+        assert torch.isfinite(a).all()
+        err = (a - b).abs().max().item()
+        assert err <= 1e-4 * (b.abs().max().item() + 1), err
+
+
+@pytest.mark.interpreter
+def test_fused_decode_path_past_8_rows_with_a_wide_projection_matches_unfused_model():
+    """A model whose down projection is past the rows kernel (K 2304 > ROWS_MAX_K: the
+    wide kernel up to MAX_ROWS, as llama-68m's K 3072) at 12 rows: every projection on
+    the tensor-core kernels, against the unfused model."""
+    cfg = tiny_config("llama", num_layers=1, intermediate_size=2304)
+    model = random_causal_lm(cfg, dtype=torch.float32, device="cpu", seed=4)
+    assert model.fused_rows() == MMA_FUSED_ROWS
+    calls = []
+    real = kernels.fused_linear
+
+    def spy(x, w, **kw):
+        calls.append((x.shape[0], w.shape[1]))
+        return real(x, w, **kw)
+
+    kernels.fused_linear = spy
+    try:
+        with torch.no_grad():
+            fused = _verify_rows(model, cfg, "cpu", True, 3)
+    finally:
+        kernels.fused_linear = real
+    assert (12, 2304) in calls, calls  # the down projection, fused at 12 rows
+    with torch.no_grad():
+        plain = _verify_rows(model, cfg, "cpu", False, 3)
     for a, b in zip(fused, plain):
         assert torch.isfinite(a).all()
         err = (a - b).abs().max().item()
