@@ -39,6 +39,11 @@ class AttentionMetadata:
     positions: torch.Tensor  # int64 [num_tokens]
     input_ids: torch.Tensor  # int64 [num_tokens]
     last_token_idx: torch.Tensor  # int64 [num_reqs]
+    # One token a request with num_tokens == num_reqs (a decode descriptor): request r's
+    # last token is row r, padded requests' rows are padding rows (finite, never read as
+    # a token's output), so logits need no gather. Set by MetadataBuilder from the
+    # descriptor's bounds, which every batch it is replayed for satisfies.
+    last_is_row: bool = False
 
 
 def _int_array(name: str, value) -> np.ndarray:
@@ -342,4 +347,6 @@ class MetadataBuilder:
                 b.input_ids[:tp],
                 b.last_token_idx[:rp],
             )
-        return AttentionMetadata(tp, rp, mq, self.limits.max_model_len, t, r, *views)
+        return AttentionMetadata(
+            tp, rp, mq, self.limits.max_model_len, t, r, *views, last_is_row=mq == 1 and tp == rp
+        )

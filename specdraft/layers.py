@@ -473,8 +473,9 @@ def select_logits(
     """lm_head over the rows of `hidden` that need logits: every row with all_logits,
     else logits_indices (a device int64 tensor of row indices, checked by
     check_step_inputs), else each request's last token (meta.last_token_idx; padded
-    requests read row 0)."""
-    if all_logits:
+    requests read row 0, or with meta.last_is_row, a decode step's, their own padding
+    row: every row as it is, no gather launch)."""
+    if all_logits or (logits_indices is None and meta.last_is_row):
         return lm_head(hidden)
     idx = meta.last_token_idx if logits_indices is None else logits_indices
     return lm_head(hidden.index_select(0, idx))

@@ -280,10 +280,10 @@ class TargetRunner:
         logits = self._model_call(ids, meta, all_logits=False)
         r = meta.num_reqs
         rows = self.buffers.row_slots[:r]
-        pos = meta.positions.index_select(0, meta.last_token_idx) + 1  # the drawn token's
         if m == GREEDY_SET:  # one launch, into out_tokens
             tok = ops.argmax(logits, out=self.out_tokens[:r], tickets=self._tickets)
         else:
+            pos = meta.positions.index_select(0, meta.last_token_idx) + 1  # the drawn token's
             params = self.sampling.select(rows)
             tok = sample(logits, params, pos, TARGET_SAMPLE, any_filter=m == FILTER_SET)
             lp = logprobs(logits).gather(1, tok[:, None]).squeeze(1)

@@ -138,6 +138,33 @@ def test_logits_selection_and_aux_hidden_states():
     assert rel_err(hidden[:4], ref[-1][0]) < 1e-5, "final (normed) hidden states"
 
 
+@pytest.mark.interpreter
+def test_decode_step_logits_take_each_row_without_a_gather():
+    """A decode step (one token a request, as many padded tokens as padded requests):
+    the metadata says request r's token is row r (last_is_row), so the logits are the
+    lm_head of every row as it is, padded requests' from their own padding rows, and the
+    real requests' equal the gathered ones. A prefill, or padding that leaves more tokens
+    than requests, keeps the gather."""
+    cfg = tiny_config(num_layers=2)
+    model = random_causal_lm(cfg, seed=5)
+    runner = PagedRunner(cfg, "cpu")
+    meta = runner.step([(0, [5, 9, 2]), (1, [1, 3])], pad_reqs=1, pad_tokens=1)
+    assert not meta.last_is_row
+    model(meta.input_ids, meta, runner.cache)
+    meta = runner.step([(0, [4]), (1, [7])], pad_reqs=2, pad_tokens=2)
+    assert meta.last_is_row and meta.num_tokens == meta.num_reqs == 4
+    hidden, logits = model(meta.input_ids, meta, runner.cache)
+    assert logits.shape == (4, cfg.vocab_size) and torch.isfinite(logits).all()
+    torch.testing.assert_close(logits, model.lm_head(hidden), rtol=0, atol=0)
+    assert not torch.equal(logits[2], logits[0]), "padded rows read their own rows"
+    gathered = dataclasses.replace(meta, last_is_row=False)
+    _, want = model(meta.input_ids, gathered, runner.cache)  # rewrites the same K/V
+    torch.testing.assert_close(logits[:2], want[:2])
+    torch.testing.assert_close(want[2:], want[:1].expand(2, -1))  # the gather: row 0
+    uneven = runner.step([(0, [6]), (1, [8])], pad_reqs=1, pad_tokens=2)
+    assert not uneven.last_is_row
+
+
 # ---- GPU: bf16 on a mid-size config, and the forward under CUDA-graph replay ----------
 
 GPU_CASES = {

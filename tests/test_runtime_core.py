@@ -60,6 +60,10 @@ def check_buffers(meta, batch: ScheduledBatch, bt: BlockTables) -> None:
     pos = [s + j for s, c in zip(starts, counts) for j in range(c)]
     assert meta.positions.tolist() == pos + [0] * (tp - t)
     assert meta.last_token_idx[:r].tolist() == [q - 1 for q in qsl[1 : r + 1]]
+    # a decode descriptor: request i's token is row i (select_logits takes rows as they are)
+    assert meta.last_is_row == (meta.max_query_len == 1 and tp == rp)
+    if meta.last_is_row:
+        assert meta.last_token_idx[:r].tolist() == list(range(r))
     table = meta.block_table.cpu()
     for i, rid in enumerate(batch.req_ids):
         blocks = bt.blocks_of(rid)
