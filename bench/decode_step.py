@@ -9,14 +9,15 @@ programmatic dependent launch where the GPU has it) and, with `--rpp 1,2,4`, fus
 that many rows of x to a program, each with its ratio to the weight-read floor (weight
 bytes / the read bandwidth measured in the same run). The fused columns force the path
 for every row count timed up to fused_linear's 64 (tensor-core kernels past 8 rows; the
-library takes it up to each model's kernels.max_fused_rows: 4, 8 or 64). `--splits`
-adds columns with the attention split count forced; `--chain` also times SmolLM2's
-projections alone (projection_chain.md), `--mma-tiles` with tensor-core tile variants.
+library takes it up to each model's kernels.max_fused_rows: 4 to 8, or 32). `--splits`
+adds columns with the attention split count forced, `--stages` with its pipeline depth;
+`--chain` also times SmolLM2's projections alone (projection_chain.md), `--mma-tiles`
+with tensor-core tile variants.
 
 Launches per step come from the profiler, after every timing.
 
     python -m bench.decode_step [--out results] [--rows 1,2,4,8,32] [--ctx 256]
-        [--max-model-len 1024] [--rpp 1,2,4] [--splits 1,8,16] [--chain]
+        [--max-model-len 1024] [--rpp 1,2,4] [--splits 1,8,16] [--stages 2,3] [--chain]
 """
 
 from __future__ import annotations
@@ -95,13 +96,19 @@ def _launches(step) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
-def _forced_splits(choose, splits: int):
-    """choose_launch_config with its split count fixed (the launcher passes
-    num_splits=None explicitly, so a partial's keyword would be overridden)."""
+def _forced_attention(choose, what: tuple[str, int]):
+    """choose_launch_config with its split count ("splits": the launcher passes
+    num_splits=None explicitly, so a partial's keyword would be overridden) or its
+    pipeline depth ("stages") fixed."""
+    from dataclasses import replace
+
+    field, value = what
 
     def forced(**kw):
-        kw["num_splits"] = splits
-        return choose(**kw)
+        if field == "splits":
+            kw["num_splits"] = value
+            return choose(**kw)
+        return replace(choose(**kw), num_stages=value)
 
     return forced
 
@@ -212,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wide", action="store_true",
                     help="also fused with the wide kernel for every projection")  # fmt: skip
     ap.add_argument("--splits", default="", help="also fused with these attention splits")
+    ap.add_argument("--stages", default="",
+                    help="also fused with attention's pipeline at these depths")  # fmt: skip
     ap.add_argument("--chain", action="store_true",
                     help="also SmolLM2's projections alone (projection_chain.md)")  # fmt: skip
     ap.add_argument("--mma-tiles", default="",
@@ -238,14 +247,17 @@ def main(argv: list[str] | None = None) -> int:
     pdl = kernels.pdl_supported(DEVICE)
     print(f"{env['gpu']}: read {bw:.2f} TB/s; PDL {pdl}; torch {env['torch']}", flush=True)
     pa = importlib.import_module("specdraft.kernels.paged_attention")
-    # (column, fused, rows a program, attention splits, rows kernel's K bound); None:
-    # the library's choice
+    # (column, fused, rows a program, attention's forced ("splits" or "stages", value),
+    # rows kernel's K bound); None: the library's choice
     lib = fl.ROWS_MAX_K
     modes = [("unfused", False, None, None, lib), ("fused", True, None, None, lib)]
     if args.wide:
         modes.append(("fused_wide", True, None, None, 0))
     modes += [(f"fused_rpp{r}", True, int(r), None, 0) for r in args.rpp.split(",") if r]
-    modes += [(f"fused_splits{n}", True, None, int(n), lib) for n in args.splits.split(",") if n]
+    modes += [(f"fused_splits{n}", True, None, ("splits", int(n)), lib)
+              for n in args.splits.split(",") if n]  # fmt: skip
+    modes += [(f"fused_stages{n}", True, None, ("stages", int(n)), lib)
+              for n in args.stages.split(",") if n]  # fmt: skip
     saved = (ops._fused_decode, ops._fused_rows, fl.ROWS_PER_PROGRAM, pa.choose_launch_config)
     rows_out, steps, target = [], [], None
 
@@ -256,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         fl.ROWS_PER_PROGRAM = rpp if rpp is not None else saved[2]
         pa.choose_launch_config = saved[3]
         if splits is not None:
-            pa.choose_launch_config = _forced_splits(saved[3], splits)
+            pa.choose_launch_config = _forced_attention(saved[3], splits)
 
     try:
         for name in args.models.split(","):
