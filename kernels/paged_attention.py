@@ -531,11 +531,12 @@ def choose_launch_config(
         # tiles: verification with 8 tokens 380 -> 294 us, prefill 1195 -> 1083 us (H200).
         block_n = 128 if block_m >= 32 else 64
     num_warps = 8 if block_m >= 64 else 4
-    # Heads of 64 or fewer dims: 2 stages (decode and verification tiles on the H200,
-    # SmolLM2's 9 / 3 x 64 heads, batch 1 / 8, context 128-1000, 1-4 tokens: 5-13% faster
-    # than 3, e.g. batch 1 context 256 4.14 -> 3.81 us; llama-68m's 12 / 12 x 64 at batch
-    # 64: 16.7 -> 15.9 us; bench/NOTES.md, stop 35).
-    num_stages = 2 if head_dim > 128 or head_dim <= 64 or block_m >= 64 else 3
+    # 3 stages only for short tiles of 65-128-dim heads. Heads of 64 or fewer dims take 2
+    # (decode and verification tiles on the H200, SmolLM2's 9 / 3 x 64 heads, batch 1 / 8,
+    # context 128-1000, 1-4 tokens: 5-13% faster than 3, e.g. batch 1 context 256 4.14 ->
+    # 3.81 us; llama-68m's 12 / 12 x 64 at batch 64: 16.7 -> 15.9 us; bench/NOTES.md,
+    # stop 35).
+    num_stages = 3 if 64 < head_dim <= 128 and block_m < 64 else 2
     if element_size > 2:
         # fp32 tiles take twice the shared memory per stage.
         block_n, num_stages = max(16, block_n // 2), 2

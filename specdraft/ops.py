@@ -19,6 +19,7 @@ import torch
 
 from specdraft import kernels, torch_ops
 from specdraft.kernels.fused_linear import MAX_K as _FUSED_MAX_K
+from specdraft.kernels.fused_linear import ROWS_MAX_K as _ROWS_MAX_K
 
 _BACKENDS = ("torch", "triton")
 _forced: str | None = None
@@ -84,13 +85,12 @@ def set_small_m_linear(enabled: bool) -> None:
     _small_m_linear = enabled
 
 
-# One row of input with K past this goes through kernels.fused_linear's wide kernel
-# instead of cuBLAS. H200 (stop 34, one row, bf16, weights rotated out of L2, µs against
-# cuBLAS): 128256 x 4096 (a Llama-3 lm_head) 231.3 / 248.6 (the read floor 233.0),
-# 28672 x 4096 53.9 / 56.3, 4096 x 14336 28.2 / 32.0; at K 576 (SmolLM2's lm_head, the
-# rows kernel) 17.6 / 16.4, so smaller K stays on cuBLAS; at 4 rows the wide kernel runs
-# its rows one after another, 2-4x slower.
-_ONE_ROW_MIN_K = 2048
+# One row of input with K past the rows kernel's (fused_linear.ROWS_MAX_K) goes through
+# kernels.fused_linear's wide kernel instead of cuBLAS. H200 (stop 34, one row, bf16,
+# weights rotated out of L2, µs against cuBLAS): 128256 x 4096 (a Llama-3 lm_head) 231.3
+# / 248.6 (the read floor 233.0), 28672 x 4096 53.9 / 56.3, 4096 x 14336 28.2 / 32.0; at
+# K 576 (SmolLM2's lm_head, the rows kernel) 17.6 / 16.4, so smaller K stays on cuBLAS;
+# at 4 rows the wide kernel runs its rows one after another, 2-4x slower.
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -103,7 +103,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         and x.dim() == 2
         and x.shape[0] == 1
         and weight.dim() == 2
-        and _ONE_ROW_MIN_K < weight.shape[1] <= _FUSED_MAX_K
+        and _ROWS_MAX_K < weight.shape[1] <= _FUSED_MAX_K
         and x.dtype == weight.dtype
         and (bias is None or bias.dtype == weight.dtype)
         and x.stride(1) == 1
