@@ -5,7 +5,12 @@ This package imports torch and triton only, never the runtime."""
 from .activation import check_silu_and_mul_args, silu_and_mul
 from .argmax import argmax_rows, check_argmax_args
 from .commit import check_commit_args, commit_step, commit_step_torch
-from .embedding import check_embed_concat_args, embed_concat
+from .embedding import (
+    check_embed_concat_args,
+    check_resolve_fed_ids_args,
+    embed_concat,
+    resolve_fed_ids,
+)
 from .fused_linear import (
     check_fused_linear_args,
     fused_linear,
@@ -57,6 +62,7 @@ silu_and_mul = runnable(silu_and_mul)
 argmax_rows = runnable(argmax_rows)
 commit_step = runnable(commit_step)
 embed_concat = runnable(embed_concat)
+resolve_fed_ids = runnable(resolve_fed_ids)
 linear_small_m = runnable(linear_small_m)
 fused_linear = runnable(fused_linear)
 fused_qkv_rope = runnable(fused_qkv_rope)
@@ -88,6 +94,7 @@ __all__ = [
     "check_linear_small_m_args",
     "check_paged_attention_args",
     "check_rejection_args",
+    "check_resolve_fed_ids_args",
     "check_rms_norm_args",
     "check_rotary_args",
     "check_rotary_store_kv_args",
@@ -114,6 +121,7 @@ __all__ = [
     "pdl_supported",
     "prepare_slot_mapping",
     "rejection_sample",
+    "resolve_fed_ids",
     "rms_norm",
     "rotary_store_kv",
     "sample_tokens",

@@ -1,4 +1,5 @@
-"""EAGLE-1's draft-step input in one launch: [embed(token); hidden] per token.
+"""Step inputs in one launch each: EAGLE-1's [embed(token); hidden] per token, and the
+target's device-fed token ids resolved.
 
 An EAGLE-1 head feeds fc with the concatenation of the token's embedding row and a
 hidden state (the target's, or the head's own from the step before). torch builds it in
@@ -80,4 +81,57 @@ def embed_concat(
     warps = 4 if max(e, h) >= 512 else 1
     dev = table.device.index
     _LAUNCH(specialization_key(args) + (dev,), (n,), args, {"num_warps": warps})
+    return out
+
+
+@triton.jit
+def _resolve_fed_ids_kernel(ids_ptr, last_ptr, out_ptr, n, n_rows, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    ids = tl.load(ids_ptr + offs, mask=live, other=0).to(tl.int64)
+    fed = ids < 0
+    row = tl.minimum(-1 - ids, n_rows - 1)  # fed: >= 0
+    tok = tl.load(last_ptr + row, mask=live & fed, other=0)
+    tl.store(out_ptr + offs, tl.where(fed, tok, ids), mask=live)
+
+
+_RESOLVE = CachedLaunch(_resolve_fed_ids_kernel)
+
+
+def check_resolve_fed_ids_args(
+    ids: torch.Tensor, last_token: torch.Tensor, out: torch.Tensor | None = None
+) -> None:
+    """resolve_fed_ids's argument checks (nothing launched)."""
+    _check_tensor("ids", ids, 1, (torch.int64,))
+    _check_tensor("last_token", last_token, 1, (torch.int64,))
+    if last_token.shape[0] == 0:
+        raise ValueError("last_token has no rows")
+    devices = {ids.device, last_token.device}
+    if out is not None:
+        _check_tensor("out", out, 1, (torch.int64,))
+        if out.shape != ids.shape:
+            raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(ids.shape)}")
+        devices.add(out.device)
+    if len(devices) != 1:
+        raise ValueError(f"ids, last_token and out must share a device, got {devices}")
+
+
+def resolve_fed_ids(
+    ids: torch.Tensor, last_token: torch.Tensor, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """int64 [n]: ids with each device-fed entry -(row + 1) replaced by last_token[row]
+    (the token the step before sampled for that block-table row), the others as they
+    are; what torch does in five launches (compare, negate, clamp, gather, select) in
+    one. A fed row past the table reads its last row: no read leaves last_token."""
+    check_resolve_fed_ids_args(ids, last_token, out)
+    n = ids.shape[0]
+    if out is None:
+        out = torch.empty_like(ids)
+    if n == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(n))
+    args = (ids, last_token, out, n, last_token.shape[0], block)
+    warps = 4 if block >= 512 else 1
+    _RESOLVE(specialization_key(args) + (ids.device.index,), (triton.cdiv(n, block),), args,
+             {"num_warps": warps})  # fmt: skip
     return out

@@ -189,6 +189,15 @@ def embed_concat(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor) -
     return impl(ids, table, hidden)
 
 
+def resolve_fed_ids(ids: torch.Tensor, last_token: torch.Tensor) -> torch.Tensor:
+    """int64 [n]: ids with each device-fed entry -(row + 1) replaced by last_token[row];
+    one launch on the Triton backend."""
+    impl = _impl("resolve_fed_ids", ids)
+    if impl is torch_ops.resolve_fed_ids:
+        kernels.check_resolve_fed_ids_args(ids, last_token)
+    return impl(ids, last_token)
+
+
 def argmax(logits: torch.Tensor, *, out=None, tickets=None, offsets=None) -> torch.Tensor:
     """int64 [rows]: the first index of each row's maximum (greedy decoding), plus
     offsets[index] with an id map; into `out` (any 1-D int64 view) when given. With

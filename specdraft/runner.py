@@ -274,9 +274,7 @@ class TargetRunner:
     def _forward(self, meta: AttentionMetadata, m: int) -> torch.Tensor:
         """Model, sampling and the device-side bookkeeping of one step; fixed shapes
         only, so it can be captured per descriptor."""
-        ids = meta.input_ids
-        fed = ids < 0
-        ids = torch.where(fed, self.last_token[(-1 - ids).clamp(min=0)], ids)
+        ids = ops.resolve_fed_ids(meta.input_ids, self.last_token)
         logits = self._model_call(ids, meta, all_logits=False)
         r = meta.num_reqs
         rows = self.buffers.row_slots[:r]

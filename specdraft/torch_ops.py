@@ -229,3 +229,8 @@ def prepare_slot_mapping(
         out[:num_tokens] = torch.where(ok, blk * block_size + pos % block_size, -1)
 
     return launch
+
+
+def resolve_fed_ids(ids: torch.Tensor, last_token: torch.Tensor) -> torch.Tensor:
+    """kernels.resolve_fed_ids in torch ops: fed ids -(row + 1) become last_token[row]."""
+    return torch.where(ids < 0, last_token[(-1 - ids).clamp(0, last_token.shape[0] - 1)], ids)

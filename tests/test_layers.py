@@ -11,6 +11,7 @@ from specdraft.kernels import (
     argmax_rows,
     embed_concat,
     linear_small_m,
+    resolve_fed_ids,
     rms_norm,
     silu_and_mul,
 )
@@ -173,6 +174,53 @@ def test_embed_concat_bad_inputs(device):
         with pytest.raises(exc, match=name):
             embed_concat(args["ids"], args["table"], args["hidden"], out=args["out"])
         assert bool((out == -7.0).all())
+
+
+@pytest.mark.parametrize("n", [1, 7, 1500])
+def test_resolve_fed_ids_replaces_fed_entries_only(device, n):
+    """Fresh ids, a third device-fed (-(row + 1)); the output poisoned first; equal to
+    the torch expression the runner used, and to ops' torch backend; a fed row past the
+    table reads its last row."""
+    from specdraft import ops, torch_ops
+
+    g = torch.Generator().manual_seed(n)
+    rows = 9
+    last = torch.randint(0, 50000, (rows,), generator=g).to(device)
+    ids = torch.randint(0, 50000, (n,), generator=g)
+    fed = torch.rand(n, generator=g) < 0.34
+    ids[fed] = -1 - torch.randint(0, rows, (int(fed.sum()),), generator=g)
+    ids = ids.to(device)
+    out = torch.full((n,), -99, dtype=torch.int64, device=device)
+    got = resolve_fed_ids(ids, last, out=out)
+    assert got is out
+    want = torch.where(ids < 0, last[(-1 - ids).clamp(min=0)], ids)
+    assert torch.equal(got, want)
+    assert torch.equal(torch_ops.resolve_fed_ids(ids, last), want)
+    with ops.use_backend("torch"):
+        assert torch.equal(ops.resolve_fed_ids(ids, last), want)
+    past = torch.tensor([-1 - rows, -50, 3], device=device)
+    assert resolve_fed_ids(past, last).tolist() == [last[-1].item(), last[-1].item(), 3]
+
+
+def test_resolve_fed_ids_bad_inputs(device):
+    """A TypeError / ValueError naming the argument; out untouched."""
+    ids = torch.tensor([1, -2], device=device)
+    last = torch.tensor([5, 6, 7], device=device)
+    out = torch.full((2,), -7, dtype=torch.int64, device=device)
+    bad = [
+        (TypeError, "ids", dict(ids=ids.int())),
+        (ValueError, "ids", dict(ids=ids.view(2, 1))),
+        (TypeError, "last_token", dict(last_token=last.float())),
+        (ValueError, "last_token", dict(last_token=last[:0])),
+        (ValueError, "out", dict(out=torch.zeros(3, dtype=torch.int64, device=device))),
+        (TypeError, "out", dict(out=torch.zeros(2, dtype=torch.int32, device=device))),
+    ]
+    for exc, name, kw in bad:
+        args = dict(ids=ids, last_token=last, out=out)
+        args.update(kw)
+        with pytest.raises(exc, match=name):
+            resolve_fed_ids(args["ids"], args["last_token"], out=args["out"])
+        assert bool((out == -7).all())
 
 
 @pytest.mark.gpu
