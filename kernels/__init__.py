@@ -7,8 +7,11 @@ from .argmax import argmax_rows, check_argmax_args
 from .commit import check_commit_args, commit_step, commit_step_torch
 from .embedding import (
     check_embed_concat_args,
+    check_embed_fc_args,
     check_resolve_fed_ids_args,
     embed_concat,
+    embed_fc,
+    embed_fc_supported,
     resolve_fed_ids,
 )
 from .fused_linear import (
@@ -20,6 +23,7 @@ from .fused_linear import (
 )
 from .gemv import check_linear_small_m_args, linear_small_m
 from .guard import INTERPRET, check_tensors_runnable, runnable
+from .head_argmax import check_head_argmax_args, head_argmax, head_argmax_supported
 from .kv_store import check_store_kv_args, store_kv
 from .launch import pdl_supported
 from .paged_attention import (
@@ -62,8 +66,10 @@ silu_and_mul = runnable(silu_and_mul)
 argmax_rows = runnable(argmax_rows)
 commit_step = runnable(commit_step)
 embed_concat = runnable(embed_concat)
+embed_fc = runnable(embed_fc)
 resolve_fed_ids = runnable(resolve_fed_ids)
 linear_small_m = runnable(linear_small_m)
+head_argmax = runnable(head_argmax)
 fused_linear = runnable(fused_linear)
 fused_qkv_rope = runnable(fused_qkv_rope)
 store_kv = runnable(store_kv)
@@ -90,7 +96,9 @@ __all__ = [
     "check_argmax_args",
     "check_commit_args",
     "check_embed_concat_args",
+    "check_embed_fc_args",
     "check_fused_linear_args",
+    "check_head_argmax_args",
     "check_linear_small_m_args",
     "check_paged_attention_args",
     "check_rejection_args",
@@ -110,11 +118,15 @@ __all__ = [
     "commit_step_torch",
     "compute_slot_mapping",
     "embed_concat",
+    "embed_fc",
+    "embed_fc_supported",
     "fused_linear",
     "fused_qkv_rope",
     "fused_qkv_rope_supported",
     "max_fused_rows",
     "gather_params",
+    "head_argmax",
+    "head_argmax_supported",
     "linear_small_m",
     "num_sms",
     "paged_attention",

@@ -1,5 +1,5 @@
-"""Step inputs in one launch each: EAGLE-1's [embed(token); hidden] per token, and the
-target's device-fed token ids resolved.
+"""Step inputs in one launch each: EAGLE-1's [embed(token); hidden] per token (alone, or
+formed on load by its fc: embed_fc), and the target's device-fed token ids resolved.
 
 An EAGLE-1 head feeds fc with the concatenation of the token's embedding row and a
 hidden state (the target's, or the head's own from the step before). torch builds it in
@@ -15,7 +15,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import CachedLaunch, specialization_key
+from .fused_linear import (
+    ROWS_MAX_K,
+    _lanes_sum,
+    _rows_part,
+    _rows_program,
+    _rows_tile,
+    _rows_w,
+)
+from .launch import CachedLaunch, pdl_launch, specialization_key
 from .paged_attention import _check_tensor
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -134,4 +142,125 @@ def resolve_fed_ids(
     warps = 4 if block >= 512 else 1
     _RESOLVE(specialization_key(args) + (ids.device.index,), (triton.cdiv(n, block),), args,
              {"num_warps": warps})  # fmt: skip
+    return out
+
+
+# EAGLE-1's fc with its input formed on load: fc([table[ids]; hidden[rows]]) in one
+# launch, where embed_concat, a gather of the hidden rows and fc take three. The product
+# is fused_linear's rows kernel, tile for tile (same K layout, columns, summation order),
+# so its output equals embed_concat then fused_linear bit for bit.
+EMBED_FC_MAX_ROWS = 8  # fused_linear's rows kernel
+
+
+@triton.jit
+def _cat_x(e_ptr, tok, h_ptr, hr, kk, km, rmask, nn, E, stride_e, stride_h):
+    """[table[tok]; hidden[hr]] over one K piece, [BN, R, KH, KL] float32."""
+    ptr = tl.where(kk < E, e_ptr + tok * stride_e + kk, h_ptr + hr * stride_h + (kk - E))
+    return tl.load(ptr + nn * 0, mask=km & rmask & (nn * 0 == 0), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _embed_fc_kernel(
+    ids_ptr, e_ptr, h_ptr, hrow_ptr, w_ptr, b_ptr, out_ptr, M, N, K, E, n_vocab, n_hidden,
+    stride_e, stride_h, stride_w, stride_o,
+    KH1: tl.constexpr, KH2: tl.constexpr, KL: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_HROW: tl.constexpr, GDC: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    rr, nn, rows, cols, omask = _rows_program(M, N, BLOCK_N, ROWS)
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    k1, km1, w1 = _rows_w(w_ptr, nn, N, K, stride_w, 0, KH1, KL)
+    if KH2 > 0:
+        k2, km2, w2 = _rows_w(w_ptr, nn, N, K, stride_w, KH1 * KL, KH2, KL)
+    if GDC:  # the ids and hidden rows are the kernels' before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    rmask = rr < M
+    tok = tl.load(ids_ptr + rr, mask=rmask, other=0).to(tl.int64)
+    tok = tl.minimum(tl.maximum(tok, 0), n_vocab - 1)
+    hr = rr.to(tl.int64)
+    if HAS_HROW:
+        hr = tl.load(hrow_ptr + rr, mask=rmask, other=0)
+    hr = tl.minimum(tl.maximum(hr, 0), n_hidden - 1)
+    part = _rows_part(w1, _cat_x(e_ptr, tok, h_ptr, hr, k1, km1, rmask, nn, E, stride_e, stride_h))
+    if KH2 > 0:
+        x2 = _cat_x(e_ptr, tok, h_ptr, hr, k2, km2, rmask, nn, E, stride_e, stride_h)
+        part += _rows_part(w2, x2)
+    acc = _lanes_sum(part)
+    if HAS_BIAS:
+        acc += bias
+    tl.store(out_ptr + rows * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+_EMBED_FC = CachedLaunch(_embed_fc_kernel)
+
+
+def embed_fc_supported(num_tokens: int, in_features: int) -> bool:
+    """Whether embed_fc takes num_tokens rows into an fc of this width: the rows
+    kernel's rows and K."""
+    return 1 <= num_tokens <= EMBED_FC_MAX_ROWS and in_features <= ROWS_MAX_K
+
+
+def check_embed_fc_args(ids, table, hidden, weight, bias=None, hidden_rows=None) -> None:
+    """embed_fc's argument checks (nothing launched)."""
+    _check_tensor("ids", ids, 1, (torch.int32, torch.int64))
+    _check_tensor("table", table, 2, _DTYPES)
+    _check_tensor("hidden", hidden, 2, (table.dtype,))
+    _check_tensor("weight", weight, 2, (table.dtype,))
+    n, e, h = ids.shape[0], table.shape[1], hidden.shape[1]
+    if weight.shape[1] != e + h:
+        raise ValueError(f"weight {tuple(weight.shape)} must have E + H = {e + h} columns")
+    if not embed_fc_supported(n, e + h):
+        raise ValueError(
+            f"embed_fc takes 1 to {EMBED_FC_MAX_ROWS} ids and E + H <= {ROWS_MAX_K}, "
+            f"got {n} ids, E + H {e + h}"
+        )
+    if table.shape[0] == 0 or hidden.shape[0] == 0:
+        raise ValueError("table and hidden need at least one row")
+    if hidden_rows is not None:
+        _check_tensor("hidden_rows", hidden_rows, 1, (torch.int64,))
+        if hidden_rows.shape[0] != n:
+            raise ValueError(f"hidden_rows has {hidden_rows.shape[0]} rows, ids {n}")
+    elif hidden.shape[0] != n:
+        raise ValueError(f"hidden has {hidden.shape[0]} rows, ids {n}: one per token")
+    if bias is not None:
+        _check_tensor("bias", bias, 1, (table.dtype,))
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"bias has shape {tuple(bias.shape)}, expected [{weight.shape[0]}]")
+    tensors = (ids, table, hidden, weight, bias, hidden_rows)
+    devices = {t.device for t in tensors if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"ids, table, hidden, weight, bias and hidden_rows must share a "
+                         f"device, got {devices}")  # fmt: skip
+
+
+def embed_fc(
+    ids: torch.Tensor,
+    table: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    hidden_rows: torch.Tensor | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """[num_tokens, N] = [table[ids]; hidden[hidden_rows]] weight^T (+ bias), one launch
+    (hidden's rows in order when hidden_rows is None). Ids and hidden rows outside
+    their tensors are clamped into them (the caller checks them). pdl: programmatic
+    dependent launch (see kernels.pdl_supported)."""
+    check_embed_fc_args(ids, table, hidden, weight, bias, hidden_rows)
+    m, e = ids.shape[0], table.shape[1]
+    n, k = weight.shape
+    out = torch.empty((m, n), dtype=table.dtype, device=table.device)
+    kh1, kh2, kl, block_n, warps = _rows_tile(k, table.element_size())
+    rows = triton.next_power_of_2(m)
+    gdc, options = pdl_launch(pdl)
+    args = (ids, table, hidden, hidden_rows if hidden_rows is not None else ids, weight,
+            bias if bias is not None else weight, out, m, n, k, e, table.shape[0],
+            hidden.shape[0], table.stride(0), hidden.stride(0), weight.stride(0),
+            out.stride(0), kh1, kh2, kl, block_n, bias is not None, hidden_rows is not None,
+            gdc, rows)  # fmt: skip
+    key = specialization_key(args) + (table.device.index, warps)
+    _EMBED_FC(key, (triton.cdiv(n, block_n), 1), args, {"num_warps": warps, **options})
     return out

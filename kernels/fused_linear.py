@@ -147,6 +147,19 @@ def _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
 
 
 @triton.jit
+def _rows_program(M, N, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+    """A rows-kernel program's rows and columns: the tile indices rr [1, R, 1, 1] and nn
+    [BN, 1, 1, 1], the output's rows [1, R] and cols [BN, 1], and its mask."""
+    n0 = tl.program_id(0) * BLOCK_N
+    m0 = tl.program_id(1) * ROWS
+    rr = m0 + tl.arange(0, ROWS)[None, :, None, None]
+    nn = n0 + tl.arange(0, BLOCK_N)[:, None, None, None]
+    rows = m0 + tl.arange(0, ROWS)[None, :]
+    cols = n0 + tl.arange(0, BLOCK_N)[:, None]
+    return rr, nn, rows, cols, (rows < M) & (cols < N)
+
+
+@triton.jit
 def _fused_rows_kernel(
     x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, out_ptr, M, N, K, eps,
     stride_x, stride_w, stride_r, stride_o,
@@ -159,13 +172,7 @@ def _fused_rows_kernel(
     every reduction stays inside a warp, and each row costs its loads and arithmetic
     but no latency step of its own. GLU: W holds [gate; up] (2N rows) and the output
     is silu(x W_gate^T) * (x W_up^T)."""
-    n0 = tl.program_id(0) * BLOCK_N
-    m0 = tl.program_id(1) * ROWS
-    rr = m0 + tl.arange(0, ROWS)[None, :, None, None]
-    nn = n0 + tl.arange(0, BLOCK_N)[:, None, None, None]
-    rows = m0 + tl.arange(0, ROWS)[None, :]
-    cols = n0 + tl.arange(0, BLOCK_N)[:, None]
-    omask = (rows < M) & (cols < N)
+    rr, nn, rows, cols, omask = _rows_program(M, N, BLOCK_N, ROWS)
     bias, bias_u, res = 0.0, 0.0, 0.0
     if HAS_BIAS:  # before the wait, with the weights
         bias = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import ops
 from .attn_metadata import AttentionMetadata, MetadataBuilder
 from .batch import ScheduledBatch
 from .block_table import BlockTables
@@ -24,6 +23,7 @@ from .draft_inputs import DraftKind
 from .draft_round_ops import draft_round_ops
 from .input_buffers import InputBuffers
 from .kv_cache import KVCache
+from .layers import GreedyHead
 from .sampling import DRAFT_PROPOSAL, SamplingTensors, sample
 
 
@@ -38,6 +38,7 @@ class RoundState:
     q: torch.Tensor | None  # float32 [rows, k_max, V]
     params: SamplingTensors | None
     hidden: torch.Tensor | None  # EAGLE: the head's state carried to the next step
+    hidden_rows: torch.Tensor | None = None  # its rows, when hidden holds others too
 
 
 class DraftLoop:
@@ -139,12 +140,13 @@ class DraftLoop:
             state.q = self.q[: rows * k_max * self.q_vocab].view(rows, k_max, self.q_vocab)
             state.params = self.sampling.select(b.param[:rows])
         meta = self.metadata("prefill", rows)
-        hidden = None
-        if self.hidden is not None:
-            hidden = self.hidden.index_select(0, b.p_src[: rows * w])
-        out, logits = self._forward(meta, hidden)
-        if hidden is not None and k_max > 1:  # a round of one draft carries nothing on
-            state.hidden = out.index_select(0, b.p_last[:rows])  # the state that drew token 0
+        # The model gathers its input states (hidden_rows) and, in a greedy round, the
+        # last verified row of each request for its lm_head: no gather launches here.
+        rows_src = None if self.hidden is None else b.p_src[: rows * w]
+        out, logits = self._forward(meta, self.hidden, rows_src, greedy=self._greedy(state, 0))
+        if self.hidden is not None and k_max > 1:  # a round of one draft carries nothing on
+            # the state that drew token 0: the next step reads row p_last of out
+            state.hidden, state.hidden_rows = out, b.p_last[:rows]
         self._sample(state, logits, 0)
         return state
 
@@ -152,26 +154,38 @@ class DraftLoop:
         """advance, one decode step, draft token `step`."""
         self.ops.advance(state.rows, step, state.k_max)
         meta = self.metadata("decode", state.rows)  # one row per request: every row's logits
-        state.hidden, logits = self._forward(meta, state.hidden, all_logits=True)
+        greedy = self._greedy(state, step)
+        state.hidden, logits = self._forward(
+            meta, state.hidden, state.hidden_rows, all_logits=True, greedy=greedy
+        )
+        state.hidden_rows = None  # the step's own output: one row per request
         self._sample(state, logits, step)
 
     def finish(self, state: RoundState):
         self.ops.epilogue(state.rows, state.k_max)
         return state.tokens, state.q
 
-    def _forward(self, meta: AttentionMetadata, hidden: torch.Tensor | None, all_logits=False):
+    def _forward(self, meta: AttentionMetadata, hidden, hidden_rows=None, *, all_logits=False,
+                 greedy=None):  # fmt: skip
+        kw = dict(all_logits=all_logits, greedy=greedy)
         if self.kind is DraftKind.LLAMA:
-            return self.model(meta.input_ids, meta, self.cache, all_logits=all_logits)
-        return self.model(meta.input_ids, hidden, meta, self.cache, all_logits=all_logits)
+            return self.model(meta.input_ids, meta, self.cache, **kw)
+        return self.model(meta.input_ids, hidden, meta, self.cache, hidden_rows=hidden_rows, **kw)
 
-    def _sample(self, state: RoundState, logits: torch.Tensor, step: int) -> None:
+    def _greedy(self, state: RoundState, step: int) -> GreedyHead | None:
+        """A greedy round's draft token `step`: the model's head writes each row's
+        (mapped) argmax into the token table's column, with no logits in between
+        (layers.select_logits)."""
+        if state.mode is not SamplingMode.GREEDY:
+            return None
+        offsets = self.model.d2t if self.map_tokens else None
+        return GreedyHead(state.tokens[:, step], self._tickets, offsets)
+
+    def _sample(self, state: RoundState, logits: torch.Tensor | None, step: int) -> None:
         """Draft token `step` of every row into tokens[:, step] (target ids) and the
-        distribution it was drawn from into q[:, step]."""
+        distribution it was drawn from into q[:, step] (greedy rounds: the forward
+        wrote the tokens)."""
         if state.mode is SamplingMode.GREEDY:
-            # One launch: the argmax's last block per row writes the (mapped) id into
-            # the token table's column.
-            offsets = self.model.d2t if self.map_tokens else None
-            ops.argmax(logits, out=state.tokens[:, step], tickets=self._tickets, offsets=offsets)
             return
         # The absolute position of the drawn token keys its draws (invariant 6).
         pos = self.buffers.cur_pos[: state.rows] + (1 + self.shift)

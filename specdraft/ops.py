@@ -150,16 +150,16 @@ def set_fused_decode(enabled: bool) -> None:
     _fused_decode = enabled
 
 
-def fused_decode(x: torch.Tensor, max_rows: int = 4) -> bool:
+def fused_decode(x: torch.Tensor, max_rows: int = 4, *, rows: int | None = None) -> bool:
     """Whether a decoder forward over hidden states `x` [num_tokens, H] takes the fused
     decode path now (see set_fused_decode): at most `max_rows` rows (the model's
-    kernels.max_fused_rows) on the Triton backend."""
+    kernels.max_fused_rows) on the Triton backend. rows: the forward's token count
+    when x holds other rows (a state table its tokens gather from)."""
     limit = _fused_rows
     if limit is None:
         limit = min(max_rows, _INTERPRET_FUSED_ROWS) if kernels.INTERPRET else max_rows
-    return (
-        _fused_decode and x.dim() == 2 and 1 <= x.shape[0] <= limit and backend_for(x) == "triton"
-    )
+    rows = x.shape[0] if rows is None else rows
+    return _fused_decode and x.dim() == 2 and 1 <= rows <= limit and backend_for(x) == "triton"
 
 
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, **kw) -> torch.Tensor:
@@ -189,6 +189,20 @@ def embed_concat(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor) -
     return impl(ids, table, hidden)
 
 
+def embed_fc_takes(ids: torch.Tensor, fc_weight: torch.Tensor) -> bool:
+    """Whether embed_fc forms fc([embed(ids); hidden]) in one launch now: the Triton
+    backend and a shape kernels.embed_fc takes."""
+    return backend_for(fc_weight) == "triton" and kernels.embed_fc_supported(
+        ids.shape[0], fc_weight.shape[1]
+    )
+
+
+def embed_fc(ids, table, hidden, weight, bias=None, **kw) -> torch.Tensor:
+    """kernels.embed_fc (Triton backend only, see embed_fc_takes): EAGLE-1's fc over
+    [table[ids]; hidden[hidden_rows]] in one launch."""
+    return kernels.embed_fc(ids, table, hidden, weight, bias, **kw)
+
+
 def resolve_fed_ids(ids: torch.Tensor, last_token: torch.Tensor) -> torch.Tensor:
     """int64 [n]: ids with each device-fed entry -(row + 1) replaced by last_token[row];
     one launch on the Triton backend."""
@@ -196,6 +210,18 @@ def resolve_fed_ids(ids: torch.Tensor, last_token: torch.Tensor) -> torch.Tensor
     if impl is torch_ops.resolve_fed_ids:
         kernels.check_resolve_fed_ids_args(ids, last_token)
     return impl(ids, last_token)
+
+
+def head_argmax_takes(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
+    """Whether head_argmax runs x's `rows` rows through `weight` in one launch now: the
+    Triton backend and a shape kernels.head_argmax takes."""
+    return backend_for(x) == "triton" and kernels.head_argmax_supported(x, weight, rows)
+
+
+def head_argmax(x: torch.Tensor, weight: torch.Tensor, **kw) -> torch.Tensor:
+    """kernels.head_argmax (Triton backend only, see head_argmax_takes): the greedy
+    lm_head, its row gather and argmax in one launch."""
+    return kernels.head_argmax(x, weight, **kw)
 
 
 def argmax(logits: torch.Tensor, *, out=None, tickets=None, offsets=None) -> torch.Tensor:

@@ -95,6 +95,41 @@ def test_eagle3_head_matches_reference(tmp_path, variant):
     run_head_steps(head, ref, hcfg, hcfg.fc_input_size, to_target=head.draft_to_target)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("eagle3", [False, True], ids=["eagle1", "eagle3"])
+def test_hidden_rows_reads_the_rows_it_names(eagle3):
+    """A head's forward with hidden_rows over a state table (how a draft round feeds the
+    states it carries) equals the forward over the gathered rows, bit for bit, on the
+    fused decode path (EAGLE-1: fc forms its input on load) and with many rows; bad
+    hidden_rows get an error naming them with the cache unchanged."""
+    tcfg = tiny_config()
+    target = random_causal_lm(tcfg, seed=1)
+    hcfg = eagle_config(tcfg, **(dict(draft_vocab_size=100) if eagle3 else {}))
+    if eagle3:
+        head = load_eagle3_head(
+            Checkpoint.from_tensors(hcfg.to_hf(), random_eagle3_weights(hcfg, seed=3))
+        )
+    else:
+        w = random_eagle_weights(hcfg, seed=2)
+        head = load_eagle_head(Checkpoint.from_tensors(hcfg.to_hf(), w), target=target)
+    h = hcfg.hidden_size
+    for n in (3, 12):  # fused decode path / past it
+        runner = PagedRunner(hcfg, "cpu", max_num_reqs=4, max_num_tokens=32, max_model_len=64)
+        meta = runner.step([(0, list(range(1, n + 1)))])
+        table = torch.randn(n + 5, h).to(head.dtype)
+        rows = torch.randint(0, n + 5, (n,))
+        before = runner.cache.data.clone()
+        for bad, exc in ((rows.int(), TypeError), (rows[:-1], ValueError),
+                         (rows.clone().fill_(n + 5), ValueError)):  # fmt: skip
+            with pytest.raises(exc, match="hidden_rows"):
+                head(meta.input_ids, table, meta, runner.cache, hidden_rows=bad)
+            assert torch.equal(runner.cache.data, before)
+        out, logits = head(meta.input_ids, table, meta, runner.cache, hidden_rows=rows)
+        runner.cache.data.copy_(before)
+        ref_out, ref_logits = head(meta.input_ids, table[rows], meta, runner.cache)
+        assert torch.equal(out, ref_out) and torch.equal(logits, ref_logits), n
+
+
 def test_eagle3_d2t_mapping():
     hcfg = eagle_config(tiny_config(), draft_vocab_size=60)
     w = random_eagle3_weights(hcfg, seed=4)

@@ -10,6 +10,8 @@ from specdraft.kernels import (
     apply_rotary,
     argmax_rows,
     embed_concat,
+    embed_fc,
+    fused_linear,
     linear_small_m,
     resolve_fed_ids,
     rms_norm,
@@ -174,6 +176,59 @@ def test_embed_concat_bad_inputs(device):
         with pytest.raises(exc, match=name):
             embed_concat(args["ids"], args["table"], args["hidden"], out=args["out"])
         assert bool((out == -7.0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n, e, h, out_f, bias", [(1, 8, 8, 16, True), (4, 24, 40, 70, False),
+                                                   (8, 576, 576, 64, True)])  # fmt: skip
+def test_embed_fc_is_embed_concat_then_fused_linear(device, dtype, n, e, h, out_f, bias):
+    """Fresh inputs; hidden rows gathered through hidden_rows (repeats, any order) or
+    taken in order, from a strided table: bit-equal to embed_concat of the gathered rows
+    then fused_linear (the same tiles), and within the dtype's rounding of float64."""
+    table = torch.randn(50, e, device=device).to(dtype)
+    ids = torch.randint(0, 50, (n,), device=device)
+    hid = torch.randn(n + 3, h + 2, device=device).to(dtype)[:, 1 : h + 1]
+    w = torch.randn(out_f, e + h, device=device).to(dtype) / (e + h) ** 0.5
+    b = torch.randn(out_f, device=device).to(dtype) if bias else None
+    for rows in (torch.randint(0, n + 3, (n,), device=device), None):
+        src = hid[:n] if rows is None else hid[rows]
+        got = embed_fc(ids, table, hid[:n] if rows is None else hid, w, b, hidden_rows=rows)
+        x = embed_concat(ids, table, src)
+        assert torch.equal(got, fused_linear(x, w, bias=b))
+        ref = x.double() @ w.double().T + (0 if b is None else b.double())
+        torch.testing.assert_close(got.double(), ref, atol=TOL[dtype] * 10, rtol=TOL[dtype] * 10)
+
+
+def test_embed_fc_bad_inputs(device):
+    """A TypeError / ValueError naming the argument; nothing written (the output is
+    fresh, so a refusal leaves every input as it was)."""
+    table = torch.randn(10, 4, device=device)
+    ids = torch.tensor([1, 2], device=device)
+    hidden = torch.randn(3, 6, device=device)
+    w = torch.randn(5, 10, device=device)
+    rows = torch.tensor([2, 0], device=device)
+    bad = [
+        (TypeError, "ids", dict(ids=ids.float())),
+        (TypeError, "hidden", dict(hidden=hidden.half())),
+        (ValueError, "weight", dict(w=torch.randn(5, 9, device=device))),
+        (ValueError, "9 ids", dict(ids=torch.ones(9, dtype=torch.int64, device=device),
+                                   rows=torch.zeros(9, dtype=torch.int64, device=device))),
+        (TypeError, "hidden_rows", dict(rows=rows.int())),
+        (ValueError, "hidden_rows", dict(rows=rows[:1])),
+        (ValueError, "hidden has 3 rows", dict(rows=None)),
+        (TypeError, "bias", dict(b=torch.zeros(5, dtype=torch.float16, device=device))),
+        (ValueError, "bias", dict(b=torch.zeros(4, device=device))),
+        (ValueError, "table", dict(table=table[:0])),
+    ]  # fmt: skip
+    before = [t.clone() for t in (table, ids, hidden, w, rows)]
+    for exc, name, kw in bad:
+        args = dict(ids=ids, table=table, hidden=hidden, w=w, b=None, rows=rows)
+        args.update(kw)
+        with pytest.raises(exc, match=name):
+            embed_fc(args["ids"], args["table"], args["hidden"], args["w"], args["b"],
+                     hidden_rows=args["rows"])  # fmt: skip
+        for t, b in zip((table, ids, hidden, w, rows), before):
+            assert torch.equal(t, b)
 
 
 @pytest.mark.parametrize("n", [1, 7, 1500])

@@ -23,6 +23,7 @@ from specdraft.attn_metadata import AttentionMetadata
 from specdraft.layers import (
     DecoderLayer,
     Embedding,
+    GreedyHead,
     Linear,
     RMSNorm,
     RotaryEmbedding,
@@ -46,6 +47,27 @@ def _check_hidden(
             f"hidden_states has shape {tuple(hidden.shape)}, expected [{num_tokens}, {width}] "
             f"({what})"
         )
+
+
+def _check_hidden_rows(hidden_rows, hidden: torch.Tensor, num_tokens: int) -> None:
+    """hidden_rows: int64 [num_tokens] row indices into hidden (values checked in
+    validation mode: reading them is a synchronisation on the GPU)."""
+    if not isinstance(hidden_rows, torch.Tensor):
+        raise TypeError(f"hidden_rows must be a tensor, got {type(hidden_rows).__name__}")
+    if hidden_rows.dtype != torch.int64 or hidden_rows.dim() != 1:
+        raise TypeError(
+            f"hidden_rows must be a 1-D int64 tensor, got {hidden_rows.dtype} {hidden_rows.dim()}-D"
+        )
+    if hidden_rows.shape[0] != num_tokens or hidden_rows.device != hidden.device:
+        raise ValueError(
+            f"hidden_rows {tuple(hidden_rows.shape)} on {hidden_rows.device} must be "
+            f"[{num_tokens}] on {hidden.device}"
+        )
+    if num_tokens and kernels.validation_enabled(hidden_rows):
+        lo, hi = int(hidden_rows.min()), int(hidden_rows.max())
+        if lo < 0 or hi >= hidden.shape[0]:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"hidden_rows holds {bad}, outside [0, {hidden.shape[0]})")
 
 
 def _check_step(head, input_ids, meta, kv_caches, logits_indices, all_logits):
@@ -152,32 +174,47 @@ class EagleHead(nn.Module):
         *,
         logits_indices: torch.Tensor | None = None,
         all_logits: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        greedy: GreedyHead | None = None,
+        hidden_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids [num_tokens]; hidden_states [num_tokens, h]: the target's final
-        hidden states on the first draft step, the head's own output after. Rows of
-        padded tokens must be finite. Returns (hidden [num_tokens, h], logits over the
-        target vocabulary for the chosen rows, see LlamaForCausalLM.forward)."""
-        h = self.cfg.hidden_size
-        _check_hidden(hidden_states, meta.num_tokens, h, "hidden_size", self.dtype)
+        hidden states on the first draft step, the head's own output after; or, with
+        hidden_rows (int64 [num_tokens]), any [n, h] table whose rows hidden_rows picks
+        (a draft round's carried states, read by fc's prologue instead of a gather).
+        Rows of padded tokens must be finite. Returns (hidden [num_tokens, h], logits
+        over the target vocabulary for the chosen rows, see LlamaForCausalLM.forward;
+        None with greedy, see layers.select_logits)."""
+        h, n = self.cfg.hidden_size, meta.num_tokens
+        rows = n if hidden_rows is None else hidden_states.shape[0]
+        _check_hidden(hidden_states, rows, h, "hidden_size", self.dtype)
+        if hidden_rows is not None:
+            _check_hidden_rows(hidden_rows, hidden_states, n)
         caches = _check_step(self, input_ids, meta, kv_caches, logits_indices, all_logits)
-        # [embed(token); hidden] in one launch; the last layer adds its residual inside
-        # its down projection (no norm follows it).
-        x = ops.embed_concat(input_ids, self.embed_tokens.weight, hidden_states)
         # A few rows take the fused decode path: fc's output is the residual stream,
-        # updated in place by each layer.
-        fused = ops.fused_decode(x, self.fused_rows())
-        pdl = fused and kernels.pdl_supported(x.device)
-        if fused:
-            x = ops.fused_linear(x, self.fc.weight, bias=self.fc.bias, pdl=pdl)
+        # updated in place by each layer; the last layer adds its residual inside its
+        # down projection (no norm follows it).
+        fused = ops.fused_decode(hidden_states, self.fused_rows(), rows=n)
+        pdl = fused and kernels.pdl_supported(hidden_states.device)
+        if fused and ops.embed_fc_takes(input_ids, self.fc.weight):
+            # fc([embed(token); hidden]) with its input formed on load: one launch
+            x = ops.embed_fc(input_ids, self.embed_tokens.weight, hidden_states, self.fc.weight,
+                             self.fc.bias, hidden_rows=hidden_rows, pdl=pdl)  # fmt: skip
         else:
-            x = self.fc(x)
+            if hidden_rows is not None:
+                hidden_states = hidden_states.index_select(0, hidden_rows)
+            # [embed(token); hidden] in one launch
+            x = ops.embed_concat(input_ids, self.embed_tokens.weight, hidden_states)
+            if fused:
+                x = ops.fused_linear(x, self.fc.weight, bias=self.fc.bias, pdl=pdl)
+            else:
+                x = self.fc(x)
         residual, last = None, len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             if fused:
                 layer.forward_fused(x, meta, caches[i], pdl=pdl)
             else:
                 x, residual = layer(x, residual, meta, caches[i], add_residual=i == last)
-        return x, select_logits(x, self.lm_head, meta, logits_indices, all_logits)
+        return x, select_logits(x, self.lm_head, meta, logits_indices, all_logits, greedy)
 
 
 class Eagle3DecoderLayer(DecoderLayer):
@@ -267,14 +304,21 @@ class Eagle3Head(nn.Module):
         *,
         logits_indices: torch.Tensor | None = None,
         all_logits: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        greedy: GreedyHead | None = None,
+        hidden_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden_states: [num_tokens, 3 h_t] target auxiliary states (fc is applied) or
-        [num_tokens, h] (the head's own output from the previous step). Returns
+        [num_tokens, h] (the head's own output from the previous step); with
+        hidden_rows (int64 [num_tokens]), a table of such rows that it picks. Returns
         (pre-norm hidden [num_tokens, h], logits [n, draft_vocab] over the draft
-        vocabulary); map ids with draft_to_target or logits with logits_to_target."""
+        vocabulary; None with greedy, see layers.select_logits); map ids with
+        draft_to_target or logits with logits_to_target."""
         h = self.cfg.hidden_size
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"hidden_states must be a tensor, got {type(hidden_states).__name__}")
+        if hidden_rows is not None:
+            _check_hidden_rows(hidden_rows, hidden_states, meta.num_tokens)
+            hidden_states = hidden_states.index_select(0, hidden_rows)
         if hidden_states.dim() == 2 and hidden_states.shape[-1] == self.fc.in_features != h:
             # the target's auxiliary states: checked, then fused by fc
             _check_hidden(
@@ -292,7 +336,9 @@ class Eagle3Head(nn.Module):
         embeds = self.embed_tokens(input_ids)
         x, residual = self.layers[0](embeds, hidden_states, meta, cache)
         normed, prenorm = self.norm(x, residual)
-        return prenorm, select_logits(normed, self.lm_head, meta, logits_indices, all_logits)
+        return prenorm, select_logits(
+            normed, self.lm_head, meta, logits_indices, all_logits, greedy
+        )
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Target token ids of draft token ids (any shape, int64), on the device."""
