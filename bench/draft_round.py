@@ -338,6 +338,7 @@ def smollm2_decode_us(ctx: int) -> float:
     attention's split count (bench.decode_step), and a tighter one makes the step
     slower (stop 26: 489 µs at a bound of 320 against ~402 at 1024)."""
     from bench.common import time_graph_us
+    from specdraft import kernels
     from specdraft.layers import GreedyHead
     from specdraft.models.tiny import random_causal_lm
     from tests.model_helpers import PagedRunner
@@ -352,7 +353,7 @@ def smollm2_decode_us(ctx: int) -> float:
     # The greedy step as TargetRunner runs it: the forward and its token's argmax.
     greedy = GreedyHead(
         torch.empty(1, dtype=torch.int64, device=DEVICE),
-        torch.zeros(1, dtype=torch.int32, device=DEVICE),
+        torch.zeros(kernels.HEAD_TICKETS, dtype=torch.int32, device=DEVICE),
     )
     return time_graph_us([lambda: model(meta.input_ids, meta, runner.cache, greedy=greedy)])
 

@@ -23,6 +23,7 @@ from .fused_linear import (
 )
 from .gemv import check_linear_small_m_args, linear_small_m
 from .guard import INTERPRET, check_tensors_runnable, runnable
+from .head_argmax import TICKETS as HEAD_TICKETS
 from .head_argmax import check_head_argmax_args, head_argmax, head_argmax_supported
 from .kv_store import check_store_kv_args, store_kv
 from .launch import pdl_supported
@@ -85,6 +86,7 @@ verify_prepare = runnable(verify_prepare)
 
 __all__ = [
     "AttentionLaunchConfig",
+    "HEAD_TICKETS",
     "INTERPRET",
     "RejectionConfig",
     "RejectionWorkspace",

@@ -5,13 +5,14 @@ lm_head GEMM, then kernels.argmax_rows over its [rows, V] output) it costs two l
 and, for a gather of each request's last row, a third; on the H200 the draft round of a
 SmolLM2-shaped EAGLE head spent 48.6 µs of its 138 in cuBLAS's lm_head (V 49152, K 576:
 a 16.2 µs GEMM for 12.6 µs of weights at 4.5 TB/s) and 7.5 µs in the argmax (three
-draws, bench/NOTES.md stop 35). Here each program holds a block of W's rows in registers
-(loaded before the PDL wait, like the fused decode path's projections,
-kernels/fused_linear.py), multiplies every row of x by it (K along the lanes of a warp,
-columns along the warps), rounds the logits to W's dtype as the GEMM's output would be,
-and writes its block's maximum and first index per row; the last program to finish (an
-acq_rel ticket, as in argmax_rows) combines the blocks and writes each row's token,
-optionally through an id map (EAGLE-3's d2t).
+draws, bench/NOTES.md stop 35). Here each program loads a slice of W's rows into
+registers (before the PDL wait: no kernel writes W, so the loads overlap the kernel
+before), runs every row of x through it (each row read in the slice layout of W's, so
+it broadcasts without a layout change; float32 products and sums), rounds the logits to
+W's dtype as the GEMM's output would be, and writes its slice's maximum and first
+index per row; the last program to finish (an acq_rel ticket, as in argmax_rows)
+combines the slices and writes each row's token, optionally through an id map
+(EAGLE-3's d2t).
 
 rows: an optional int64 index of x's rows (each request's last verified row in a draft
 prefill), read by the kernel instead of a gather launch before it.
@@ -30,81 +31,126 @@ import triton
 import triton.language as tl
 
 from .argmax import check_ticket_args
-from .fused_linear import _lanes_sum, _rows_part, _rows_tile, _rows_w
 from .guard import INTERPRET
 from .launch import CachedLaunch, pdl_launch, specialization_key
 from .validation import _check_tensor, validation_enabled
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_ROWS = 8  # rows one launch takes (every row in every program)
-MAX_K = 2048  # the rows kernel's reduction width (fused_linear.ROWS_MAX_K)
-# (columns a thread, warps) of a program; bench and tests set it. None: the default.
+# Rows one launch takes (every row in every program, each a pass over the W slice in
+# registers). Offline sm_90 SASS at SmolLM2's lm_head (K 576, 16 columns a program): 78
+# registers at 1 row, 253 with spills at 4, 585 spill stores at 8.
+MAX_ROWS = 4
+MAX_K = 2048  # reduction width (a program holds its [columns, K] slice of W in registers)
+# (columns a program, warps); bench and tests set it. None: the default (_tile).
 TILE: tuple[int, int] | None = None
 
 
 @triton.jit
-def _head_x(x_ptr, xr, kk, km, rmask, nn, stride_x):
-    """x's rows (row indices xr) over one K piece, [BN, R, KH, KL] float32."""
-    ptr = x_ptr + xr * stride_x + kk + nn * 0
-    return tl.load(ptr, mask=km & rmask & (nn * 0 == 0), other=0.0).to(tl.float32)
+def _head_dot(wa, wb, x_ptr, xrow, K, KA: tl.constexpr, KB: tl.constexpr):
+    """One row of x (row index xrow) times the program's W slice [BN, KA] + [BN, KB]:
+    [BN] float32. x is read in the slice layout of W's, so it broadcasts for free."""
+    ka = tl.arange(0, KA)
+    xa = tl.load(x_ptr + xrow + ka, mask=ka < K, other=0.0).to(tl.float32)
+    s = tl.sum(wa.to(tl.float32) * xa[None, :], axis=1)
+    if KB > 0:
+        kb = KA + tl.arange(0, KB)
+        xb = tl.load(x_ptr + xrow + kb, mask=kb < K, other=0.0).to(tl.float32)
+        s += tl.sum(wb.to(tl.float32) * xb[None, :], axis=1)
+    return s
+
+
+@triton.jit
+def _combine(val_ptr, idx_ptr, r2, b, pmask, stride_p, N):
+    """Each row's maximum over partial columns b and the lowest index holding it."""
+    v = tl.load(val_ptr + r2 * stride_p + b, mask=pmask, other=float("-inf"), cache_modifier=".cg")
+    i = tl.load(idx_ptr + r2 * stride_p + b, mask=pmask, other=N, cache_modifier=".cg")
+    best = tl.max(v, axis=1)
+    return best, tl.min(tl.where((v == best[:, None]) & pmask, i, N), axis=1)
 
 
 @triton.jit
 def _head_argmax_kernel(
     x_ptr, rows_ptr, w_ptr, part_val_ptr, part_idx_ptr, tickets_ptr, out_ptr, off_ptr,
-    M, N, K, n_blocks, stride_x, stride_w, stride_out,
-    KH1: tl.constexpr, KH2: tl.constexpr, KL: tl.constexpr, BLOCK_N: tl.constexpr,
-    ROWS: tl.constexpr, NB: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_OFF: tl.constexpr,
-    GDC: tl.constexpr,
+    M, N, K, n_blocks, stride_x, stride_w, stride_out, stride_p,
+    KA: tl.constexpr, KB: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+    RP: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, HAS_ROWS: tl.constexpr,
+    HAS_OFF: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    """K = KA (a power of two) + at most KB more; ROWS = M rows, each a pass over the
+    W slice held in registers."""
     pid = tl.program_id(0)
-    n0 = pid * BLOCK_N
-    nn = n0 + tl.arange(0, BLOCK_N)[:, None, None, None]
-    rr = tl.arange(0, ROWS)[None, :, None, None]
-    # W's block first: no kernel writes it, so its loads overlap the kernel before.
-    k1, km1, w1 = _rows_w(w_ptr, nn, N, K, stride_w, 0, KH1, KL)
-    if KH2 > 0:
-        k2, km2, w2 = _rows_w(w_ptr, nn, N, K, stride_w, KH1 * KL, KH2, KL)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    wrow = w_ptr + cols[:, None].to(tl.int64) * stride_w
+    ka = tl.arange(0, KA)[None, :]
+    # W's slice first: no kernel writes it, so its loads overlap the kernel before.
+    wa = tl.load(wrow + ka, mask=(cols[:, None] < N) & (ka < K), other=0.0)
+    wb = wa
+    if KB > 0:
+        kb = KA + tl.arange(0, KB)[None, :]
+        wb = tl.load(wrow + kb, mask=(cols[:, None] < N) & (kb < K), other=0.0)
     if GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    rmask = rr < M
-    xr = rr
-    if HAS_ROWS:
-        xr = tl.load(rows_ptr + rr, mask=rmask, other=0)
-    part = _rows_part(w1, _head_x(x_ptr, xr, k1, km1, rmask, nn, stride_x))
-    if KH2 > 0:
-        part += _rows_part(w2, _head_x(x_ptr, xr, k2, km2, rmask, nn, stride_x))
+    rsel = tl.arange(0, RP)[None, :]
+    acc = tl.zeros((BLOCK_N, RP), dtype=tl.float32)
+    for r in tl.static_range(ROWS):
+        xrow = r
+        if HAS_ROWS:
+            xrow = tl.load(rows_ptr + r)
+        s = _head_dot(wa, wb, x_ptr, xrow * stride_x, K, KA, KB)
+        acc = tl.where(rsel == r, s[:, None], acc)
     # The logit as the GEMM would store it, then NaN ranked as the maximum.
-    logit = _lanes_sum(part).to(w_ptr.dtype.element_ty).to(tl.float32)  # [BN, R]
-    cols = n0 + tl.arange(0, BLOCK_N)[:, None]
+    logit = acc.to(w_ptr.dtype.element_ty).to(tl.float32)  # [BN, RP]
+    c2 = cols[:, None]
     logit = tl.where(logit != logit, float("inf"), logit)
-    logit = tl.where(cols < N, logit, float("-inf"))
-    m = tl.max(logit, axis=0)  # [R]
-    idx = tl.min(tl.where(logit == m[None, :], cols, N), axis=0)
-    r1 = tl.arange(0, ROWS)
-    tl.store(part_val_ptr + r1 * n_blocks + pid, m, mask=r1 < M)
-    tl.store(part_idx_ptr + r1 * n_blocks + pid, idx, mask=r1 < M)
-    # Every thread's partials are stored before the ticket publishes them (release);
-    # the last program's acquire makes every other program's visible.
+    logit = tl.where(c2 < N, logit, float("-inf"))
+    m = tl.max(logit, axis=0)  # [RP]
+    idx = tl.min(tl.where(logit == m[None, :], c2, N), axis=0)
+    r1 = tl.arange(0, RP)
+    r2 = r1[:, None]
+    tl.store(part_val_ptr + r1 * stride_p + pid, m, mask=r1 < M)
+    tl.store(part_idx_ptr + r1 * stride_p + pid, idx, mask=r1 < M)
+    # Two levels of tickets, so that no address takes more than max(G, groups) atomics
+    # (same-address atomics serialise: one ticket for 1536 programs cost more than the
+    # GEMV's own time on the H200). Every thread's partials are stored before a ticket
+    # publishes them (release); the last arrival's acquire makes the others' visible.
+    # The last program of a group combines its G slices into column n_blocks + group;
+    # the last group's combines the groups and writes the tokens.
+    grp = pid // G
+    n_groups = tl.cdiv(n_blocks, G)
     tl.debug_barrier()
-    ticket = tl.atomic_add(tickets_ptr, 1, sem="acq_rel")
-    if ticket == n_blocks - 1:
-        tl.store(tickets_ptr, 0)
-        b = tl.arange(0, NB)[None, :]
-        r2 = r1[:, None]
-        pmask = (r2 < M) & (b < n_blocks)
-        v = tl.load(part_val_ptr + r2 * n_blocks + b, mask=pmask, other=float("-inf"),
-                    cache_modifier=".cg")  # fmt: skip
-        i = tl.load(part_idx_ptr + r2 * n_blocks + b, mask=pmask, other=N, cache_modifier=".cg")
-        best = tl.min(tl.where((v == tl.max(v, axis=1)[:, None]) & pmask, i, N), axis=1)
-        best = best.to(tl.int64)
-        if HAS_OFF:
-            best += tl.load(off_ptr + best, mask=r1 < M, other=0)
-        tl.store(out_ptr + r1 * stride_out, best, mask=r1 < M)
+    ticket = tl.atomic_add(tickets_ptr + 1 + grp, 1, sem="acq_rel")
+    if ticket == tl.minimum(G, n_blocks - grp * G) - 1:
+        tl.store(tickets_ptr + 1 + grp, 0)
+        b = grp * G + tl.arange(0, G)[None, :]
+        best, i = _combine(part_val_ptr, part_idx_ptr, r2, b, (r2 < M) & (b < n_blocks),
+                           stride_p, N)  # fmt: skip
+        tl.store(part_val_ptr + r1 * stride_p + n_blocks + grp, best, mask=r1 < M)
+        tl.store(part_idx_ptr + r1 * stride_p + n_blocks + grp, i, mask=r1 < M)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(tickets_ptr, 1, sem="acq_rel")
+        if ticket == n_groups - 1:
+            tl.store(tickets_ptr, 0)
+            b = n_blocks + tl.arange(0, NG)[None, :]
+            pmask = (r2 < M) & (b < n_blocks + n_groups)
+            _, i = _combine(part_val_ptr, part_idx_ptr, r2, b, pmask, stride_p, N)
+            tok = i.to(tl.int64)
+            if HAS_OFF:
+                tok += tl.load(off_ptr + tok, mask=r1 < M, other=0)
+            tl.store(out_ptr + r1 * stride_out, tok, mask=r1 < M)
 
 
 _LAUNCH = CachedLaunch(_head_argmax_kernel)
+
+
+MAX_GROUPS = 64  # second-level tickets
+TICKETS = 1 + MAX_GROUPS  # the ticket buffer head_argmax needs
+
+
+def _groups(n_blocks: int) -> tuple[int, int]:
+    """(slices a group, groups): groups of a power-of-two size, at most MAX_GROUPS."""
+    g = max(2, triton.next_power_of_2(triton.cdiv(n_blocks, MAX_GROUPS)))
+    return g, triton.cdiv(n_blocks, g)
 
 
 def head_argmax_supported(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
@@ -151,19 +197,19 @@ def check_head_argmax_args(x, weight, *, out, tickets, rows=None, offsets=None) 
         raise ValueError(f"out {tuple(out.shape)} on {out.device} must be [{m}] on {x.device}")
     if tickets is None:
         raise TypeError("tickets must be a torch.Tensor, got NoneType")
-    check_ticket_args(tickets, offsets, tickets_needed=1, n_cols=n, device=x.device)
+    check_ticket_args(tickets, offsets, tickets_needed=TICKETS, n_cols=n, device=x.device)
 
 
-def _tile(k: int, elem: int, *, interpret: bool = INTERPRET) -> tuple[int, int, int, int, int]:
-    """(KH1, KH2, KL, columns a program, warps): the rows kernel's K layout, with more
-    columns a thread and more warps than a projection takes (a vocabulary is long)."""
-    kh1, kh2, kl, _, _ = _rows_tile(k, elem, interpret=interpret)
-    cols_thread, warps = TILE if TILE is not None else (4, 8)
-    lanes_k = kl // (16 // elem)
-    block_n = 32 // lanes_k * warps * cols_thread
-    if interpret:
+def _tile(k: int, *, interpret: bool = INTERPRET) -> tuple[int, int, int, int]:
+    """(KA, KB, columns a program, warps): K as a power of two plus a rest; 64 to 128
+    weights a thread (TILE overrides the columns and warps)."""
+    ka = 1 << (k.bit_length() - 1)
+    kb = triton.next_power_of_2(k - ka) if k > ka else 0
+    per = max(1, 16384 // (ka + kb))
+    block_n, warps = TILE if TILE is not None else (1 << (per.bit_length() - 1), 4)
+    if interpret:  # the interpreter pays per program: larger tiles
         block_n = max(block_n, 64)
-    return kh1, kh2, kl, block_n, warps
+    return ka, kb, block_n, warps
 
 
 def head_argmax(
@@ -178,21 +224,23 @@ def head_argmax(
 ) -> torch.Tensor:
     """out[i] = argmax_j (x[rows[i]] . weight[j]) (+ offsets[j] at the argmax) for the
     rows given (every row of x when rows is None), one launch. out: any 1-D int64 view
-    (a column of a token table). tickets: int32 zeros the caller keeps for this use
-    alone (its first element is used, and left zero). pdl: programmatic dependent launch
+    (a column of a token table). tickets: at least TICKETS int32 zeros the caller keeps
+    for this use alone (left zero). pdl: programmatic dependent launch
     (see kernels.pdl_supported)."""
     check_head_argmax_args(x, weight, out=out, tickets=tickets, rows=rows, offsets=offsets)
     m = x.shape[0] if rows is None else rows.shape[0]
     n, k = weight.shape
-    kh1, kh2, kl, block_n, warps = _tile(k, x.element_size())
+    ka, kb, block_n, warps = _tile(k)
     nb = triton.cdiv(n, block_n)
-    part_val = torch.empty((m, nb), dtype=torch.float32, device=x.device)
-    part_idx = torch.empty((m, nb), dtype=torch.int32, device=x.device)
+    g, groups = _groups(nb)
+    # each row's slice partials, then its group partials
+    part_val = torch.empty((m, nb + groups), dtype=torch.float32, device=x.device)
+    part_idx = torch.empty((m, nb + groups), dtype=torch.int32, device=x.device)
     gdc, options = pdl_launch(pdl)
     args = (x, rows if rows is not None else tickets, weight, part_val, part_idx, tickets,
             out, offsets if offsets is not None else out, m, n, k, nb, x.stride(0),
-            weight.stride(0), out.stride(0), kh1, kh2, kl, block_n,
-            triton.next_power_of_2(m), max(2, triton.next_power_of_2(nb)),
+            weight.stride(0), out.stride(0), nb + groups, ka, kb, block_n, m,
+            triton.next_power_of_2(m), g, max(2, triton.next_power_of_2(groups)),
             rows is not None, offsets is not None, gdc)  # fmt: skip
     key = specialization_key(args) + (x.device.index, warps)
     _LAUNCH(key, (nb,), args, {"num_warps": warps, **options})

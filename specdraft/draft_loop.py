@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import kernels
 from .attn_metadata import AttentionMetadata, MetadataBuilder
 from .batch import ScheduledBatch
 from .block_table import BlockTables
@@ -108,7 +109,9 @@ class DraftLoop:
         self.q_token_ids = model.draft_to_target(ids) if mapped else ids
         self.map_tokens = mapped
         self.q = torch.zeros(r * k_cap * self.q_vocab, dtype=torch.float32, device=self.device)
-        self._tickets = torch.zeros(r, dtype=torch.int32, device=self.device)  # the argmax's
+        # the argmax's tickets (argmax_rows: one a row; head_argmax: kernels.HEAD_TICKETS)
+        n_tickets = max(r, kernels.HEAD_TICKETS)
+        self._tickets = torch.zeros(n_tickets, dtype=torch.int32, device=self.device)
         # Prompt prefill graphs (Drafter sets the manager up); the target states of a
         # prompt chunk go to prompt_hidden first, graph or not.
         self.prompt_graphs = None

@@ -468,7 +468,8 @@ def check_step_inputs(
 class GreedyHead:
     """Where a greedy forward writes its tokens instead of returning logits: out, any
     1-D int64 view with a row per logits row (a column of a token table); tickets,
-    int32 zeros kept for this use alone (kernels.argmax_rows / head_argmax); offsets,
+    int32 zeros kept for this use alone, at least one a row and kernels.HEAD_TICKETS
+    (kernels.argmax_rows / head_argmax); offsets,
     an optional id map added at the argmax (EAGLE-3's d2t)."""
 
     out: torch.Tensor

@@ -128,7 +128,9 @@ class TargetRunner:
         self.sampling = SamplingTensors(rows, dev)
         self.last_token = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.out_tokens = torch.zeros(max_num_reqs, dtype=torch.int64, device=dev)
-        self._tickets = torch.zeros(max_num_reqs, dtype=torch.int32, device=dev)  # argmax
+        # the argmax's tickets (argmax_rows: one a row; head_argmax: kernels.HEAD_TICKETS)
+        n_tickets = max(max_num_reqs, kernels.HEAD_TICKETS)
+        self._tickets = torch.zeros(n_tickets, dtype=torch.int32, device=dev)
         self.out_logprobs = torch.zeros(max_num_reqs, dtype=torch.float32, device=dev)
         pin = dev.type == "cuda"
         # Two pinned readback slots, used in turn: a step's tokens are read (Readback.wait)

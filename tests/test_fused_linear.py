@@ -618,6 +618,7 @@ def _one_row_linear(device, dtype, k, n, monkeypatch):
         assert err <= rounding(ref, dtype) + 1e-4 * ref.abs().max().item(), (m, k, err)
 
 
+@pytest.mark.interpreter  # CPU tensors take the kernel only under the interpreter
 @pytest.mark.parametrize("k", [2048, 2304])
 def test_linear_one_row_wide_k_takes_the_fused_kernel(k, monkeypatch):
     _one_row_linear("cpu", torch.float32, k, 24, monkeypatch)

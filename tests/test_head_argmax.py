@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdraft import ops
-from specdraft.kernels import head_argmax
+from specdraft.kernels import HEAD_TICKETS, head_argmax, use_validation
 from specdraft.layers import GreedyHead
 
 
@@ -39,13 +39,13 @@ def assert_argmax(got, logits, offsets=None):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
-    "t, m, n, k", [(1, 1, 300, 40), (5, 3, 1000, 96), (8, 8, 513, 576), (9, 5, 777, 1152)]
+    "t, m, n, k", [(1, 1, 300, 40), (5, 3, 1000, 96), (8, 4, 513, 576), (9, 2, 777, 1152)]
 )
 def test_head_argmax_is_lm_head_then_argmax(device, dtype, t, m, n, k):
     """Fresh random x and W per call, twice (the ticket must come back to zero); rows
     gathered or all of x; the token written into a strided column of a poisoned table
     through an id map; the other columns untouched."""
-    tickets = torch.zeros(2, dtype=torch.int32, device=device)
+    tickets = torch.zeros(HEAD_TICKETS, dtype=torch.int32, device=device)
     offsets = torch.randperm(n, device=device) * 3 - torch.arange(n, device=device)  # distinct
     for call in range(2):
         x = torch.randn(t, k, device=device).to(dtype)
@@ -72,7 +72,7 @@ def test_head_argmax_ties_and_nan(device, dtype):
     w[650] = w[40] = w[best] * 1
     x[2, 5] = float("nan")
     out = torch.full((3,), -7, dtype=torch.int64, device=device)
-    head_argmax(x, w, out=out, tickets=torch.zeros(1, dtype=torch.int32, device=device))
+    head_argmax(x, w, out=out, tickets=torch.zeros(HEAD_TICKETS, dtype=torch.int32, device=device))
     assert int(out[0]) == min(40, int(best))
     assert int(out[2]) == 0
 
@@ -82,7 +82,7 @@ def test_head_argmax_bad_inputs(device):
     x = torch.randn(4, 32, device=device)
     w = torch.randn(50, 32, device=device)
     out = torch.full((4,), -7, dtype=torch.int64, device=device)
-    zeros = torch.zeros(2, dtype=torch.int32, device=device)
+    zeros = torch.zeros(HEAD_TICKETS, dtype=torch.int32, device=device)
     i64 = dict(dtype=torch.int64, device=device)
     bad = [
         (TypeError, "weight", dict(w=w.half())),
@@ -90,20 +90,22 @@ def test_head_argmax_bad_inputs(device):
         (ValueError, "rows", dict(rows=torch.tensor([0, 1, 4, 2], **i64))),
         (ValueError, "rows", dict(rows=torch.tensor([0, -1, 2, 2], **i64))),
         (TypeError, "rows", dict(rows=torch.zeros(4, dtype=torch.int32, device=device))),
-        (ValueError, "9 rows", dict(x=torch.randn(9, 32, device=device), out=out.repeat(3)[:9])),
+        (ValueError, "5 rows", dict(x=torch.randn(5, 32, device=device), out=out.repeat(2)[:5])),
         (ValueError, "out", dict(out=out[:3])),
         (ValueError, "out", dict(out=out[:, None])),
         (TypeError, "out", dict(out=out.int())),
         (TypeError, "out", dict(out=[0, 0, 0, 0])),
         (TypeError, "tickets", dict(tickets=zeros.long())),
         (ValueError, "tickets", dict(tickets=zeros.repeat(2)[::2])),
+        (ValueError, "tickets", dict(tickets=zeros[:-1])),
         (TypeError, "offsets", dict(offsets=torch.zeros(50, device=device))),
         (ValueError, "offsets", dict(offsets=torch.zeros(49, **i64))),
     ]
     for exc, name, kw in bad:
         args = dict(x=x, w=w, out=out, tickets=zeros, rows=None, offsets=None)
         args.update(kw)
-        with pytest.raises(exc, match=name):
+        # rows' values are checked in validation mode (on by default on the CPU only)
+        with pytest.raises(exc, match=name), use_validation(True):
             head_argmax(args["x"], args["w"], out=args["out"], tickets=args["tickets"],
                         rows=args["rows"], offsets=args["offsets"])  # fmt: skip
         assert bool((out == -7).all()) and int(zeros.abs().sum()) == 0
@@ -119,7 +121,7 @@ def test_greedy_forward_writes_the_argmax_of_its_logits(device):
     cfg = tiny_config()
     model = random_causal_lm(cfg, seed=0, device=device)
     runner = PagedRunner(cfg, device, dtype=model.dtype)
-    tickets = torch.zeros(1, dtype=torch.int32, device=device)
+    tickets = torch.zeros(HEAD_TICKETS, dtype=torch.int32, device=device)
     steps = [([(0, [3, 5, 7, 11]), (1, [2, 4])], 2), ([(0, [1]), (1, [2])], 1)]
     for reqs, pad in steps:
         meta = runner.step(reqs, pad_reqs=1, pad_tokens=pad)
@@ -138,8 +140,8 @@ def test_gpu_head_argmax_bf16_vocab_49152():
     """SmolLM2's lm_head shape in bf16 against cuBLAS's logits then torch.argmax: equal
     except where cuBLAS's top two logits are within a bf16 step of each other."""
     w = torch.randn(49152, 576, device="cuda", dtype=torch.bfloat16) * 0.05
-    tickets = torch.zeros(1, dtype=torch.int32, device="cuda")
-    for m in (1, 4, 8):
+    tickets = torch.zeros(HEAD_TICKETS, dtype=torch.int32, device="cuda")
+    for m in (1, 2, 4):
         x = torch.randn(m + 2, 576, device="cuda", dtype=torch.bfloat16)
         rows = torch.randperm(m + 2, device="cuda")[:m]
         out = torch.full((m,), -7, dtype=torch.int64, device="cuda")
