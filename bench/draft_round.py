@@ -333,13 +333,11 @@ def floor_us(model, batch: int, k: int, ctx: int, copy_bw: float, q_bytes: int) 
 
 @torch.inference_mode()
 def smollm2_decode_us(ctx: int) -> float:
-    """SmolLM2-135M's own greedy decode step (random weights) at batch 1, under graph replay,
+    """SmolLM2-135M's own decode step (random weights) at batch 1, under graph replay,
     with the main job's length bound (1024, or ctx + 64 past it): the bound sets the
     attention's split count (bench.decode_step), and a tighter one makes the step
     slower (stop 26: 489 µs at a bound of 320 against ~402 at 1024)."""
     from bench.common import time_graph_us
-    from specdraft import kernels
-    from specdraft.layers import GreedyHead
     from specdraft.models.tiny import random_causal_lm
     from tests.model_helpers import PagedRunner
 
@@ -350,12 +348,7 @@ def smollm2_decode_us(ctx: int) -> float:
     runner.tables.add_request(0, ctx + 1)
     runner.lens[0] = ctx
     meta = runner.step([(0, [7])])
-    # The greedy step as TargetRunner runs it: the forward and its token's argmax.
-    greedy = GreedyHead(
-        torch.empty(1, dtype=torch.int64, device=DEVICE),
-        torch.zeros(kernels.HEAD_TICKETS, dtype=torch.int32, device=DEVICE),
-    )
-    return time_graph_us([lambda: model(meta.input_ids, meta, runner.cache, greedy=greedy)])
+    return time_graph_us([lambda: model(meta.input_ids, meta, runner.cache)])
 
 
 COLUMNS = [

@@ -23,8 +23,6 @@ from .fused_linear import (
 )
 from .gemv import check_linear_small_m_args, linear_small_m
 from .guard import INTERPRET, check_tensors_runnable, runnable
-from .head_argmax import TICKETS as HEAD_TICKETS
-from .head_argmax import check_head_argmax_args, head_argmax, head_argmax_supported
 from .kv_store import check_store_kv_args, store_kv
 from .launch import pdl_supported
 from .paged_attention import (
@@ -70,7 +68,6 @@ embed_concat = runnable(embed_concat)
 embed_fc = runnable(embed_fc)
 resolve_fed_ids = runnable(resolve_fed_ids)
 linear_small_m = runnable(linear_small_m)
-head_argmax = runnable(head_argmax)
 fused_linear = runnable(fused_linear)
 fused_qkv_rope = runnable(fused_qkv_rope)
 store_kv = runnable(store_kv)
@@ -86,7 +83,6 @@ verify_prepare = runnable(verify_prepare)
 
 __all__ = [
     "AttentionLaunchConfig",
-    "HEAD_TICKETS",
     "INTERPRET",
     "RejectionConfig",
     "RejectionWorkspace",
@@ -100,7 +96,6 @@ __all__ = [
     "check_embed_concat_args",
     "check_embed_fc_args",
     "check_fused_linear_args",
-    "check_head_argmax_args",
     "check_linear_small_m_args",
     "check_paged_attention_args",
     "check_rejection_args",
@@ -127,8 +122,6 @@ __all__ = [
     "fused_qkv_rope_supported",
     "max_fused_rows",
     "gather_params",
-    "head_argmax",
-    "head_argmax_supported",
     "linear_small_m",
     "num_sms",
     "paged_attention",

@@ -122,28 +122,22 @@ def check_argmax_args(
             raise ValueError(
                 f"out {tuple(out.shape)} on {out.device} must be [{rows}] on {logits.device}"
             )
-    check_ticket_args(tickets, offsets, tickets_needed=rows, n_cols=n, device=logits.device)
-    if offsets is not None and tickets is None:
-        raise ValueError("offsets needs tickets (the one-launch path maps the ids)")
-
-
-def check_ticket_args(tickets, offsets, *, tickets_needed: int, n_cols: int, device) -> None:
-    """The checks of a one-launch argmax's ticket buffer (int32 zeros, at least
-    tickets_needed, contiguous) and id map (int64 [n_cols], contiguous), either None."""
     if tickets is not None:
         _check_tensor("tickets", tickets, 1, (torch.int32,))
-        if tickets.shape[0] < tickets_needed or tickets.device != device or tickets.stride(0) != 1:
+        if tickets.shape[0] < rows or tickets.device != logits.device or tickets.stride(0) != 1:
             raise ValueError(
                 f"tickets {tuple(tickets.shape)} on {tickets.device} must be a contiguous "
-                f"[>= {tickets_needed}] int32 buffer of zeros on {device}"
+                f"[>= {rows}] int32 buffer of zeros on {logits.device}"
             )
     if offsets is not None:
         _check_tensor("offsets", offsets, 1, (torch.int64,))
-        if offsets.shape[0] != n_cols or offsets.device != device or offsets.stride(0) != 1:
+        if offsets.shape[0] != n or offsets.device != logits.device or offsets.stride(0) != 1:
             raise ValueError(
                 f"offsets {tuple(offsets.shape)} on {offsets.device} must be a contiguous "
-                f"[{n_cols}] int64 id map on {device}"
+                f"[{n}] int64 id map on {logits.device}"
             )
+        if tickets is None:
+            raise ValueError("offsets needs tickets (the one-launch path maps the ids)")
 
 
 def argmax_rows(

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import kernels
+from . import ops
 from .attn_metadata import AttentionMetadata, MetadataBuilder
 from .batch import ScheduledBatch
 from .block_table import BlockTables
@@ -24,7 +24,6 @@ from .draft_inputs import DraftKind
 from .draft_round_ops import draft_round_ops
 from .input_buffers import InputBuffers
 from .kv_cache import KVCache
-from .layers import GreedyHead
 from .sampling import DRAFT_PROPOSAL, SamplingTensors, sample
 
 
@@ -109,9 +108,7 @@ class DraftLoop:
         self.q_token_ids = model.draft_to_target(ids) if mapped else ids
         self.map_tokens = mapped
         self.q = torch.zeros(r * k_cap * self.q_vocab, dtype=torch.float32, device=self.device)
-        # the argmax's tickets (argmax_rows: one a row; head_argmax: kernels.HEAD_TICKETS)
-        n_tickets = max(r, kernels.HEAD_TICKETS)
-        self._tickets = torch.zeros(n_tickets, dtype=torch.int32, device=self.device)
+        self._tickets = torch.zeros(r, dtype=torch.int32, device=self.device)  # the argmax's
         # Prompt prefill graphs (Drafter sets the manager up); the target states of a
         # prompt chunk go to prompt_hidden first, graph or not.
         self.prompt_graphs = None
@@ -143,10 +140,9 @@ class DraftLoop:
             state.q = self.q[: rows * k_max * self.q_vocab].view(rows, k_max, self.q_vocab)
             state.params = self.sampling.select(b.param[:rows])
         meta = self.metadata("prefill", rows)
-        # The model gathers its input states (hidden_rows) and, in a greedy round, the
-        # last verified row of each request for its lm_head: no gather launches here.
+        # The model gathers its input states (hidden_rows): no gather launch here.
         rows_src = None if self.hidden is None else b.p_src[: rows * w]
-        out, logits = self._forward(meta, self.hidden, rows_src, greedy=self._greedy(state, 0))
+        out, logits = self._forward(meta, self.hidden, rows_src)
         if self.hidden is not None and k_max > 1:  # a round of one draft carries nothing on
             # the state that drew token 0: the next step reads row p_last of out
             state.hidden, state.hidden_rows = out, b.p_last[:rows]
@@ -157,10 +153,7 @@ class DraftLoop:
         """advance, one decode step, draft token `step`."""
         self.ops.advance(state.rows, step, state.k_max)
         meta = self.metadata("decode", state.rows)  # one row per request: every row's logits
-        greedy = self._greedy(state, step)
-        state.hidden, logits = self._forward(
-            meta, state.hidden, state.hidden_rows, all_logits=True, greedy=greedy
-        )
+        state.hidden, logits = self._forward(meta, state.hidden, state.hidden_rows, all_logits=True)
         state.hidden_rows = None  # the step's own output: one row per request
         self._sample(state, logits, step)
 
@@ -168,27 +161,21 @@ class DraftLoop:
         self.ops.epilogue(state.rows, state.k_max)
         return state.tokens, state.q
 
-    def _forward(self, meta: AttentionMetadata, hidden, hidden_rows=None, *, all_logits=False,
-                 greedy=None):  # fmt: skip
-        kw = dict(all_logits=all_logits, greedy=greedy)
+    def _forward(self, meta: AttentionMetadata, hidden, hidden_rows=None, *, all_logits=False):
         if self.kind is DraftKind.LLAMA:
-            return self.model(meta.input_ids, meta, self.cache, **kw)
-        return self.model(meta.input_ids, hidden, meta, self.cache, hidden_rows=hidden_rows, **kw)
+            return self.model(meta.input_ids, meta, self.cache, all_logits=all_logits)
+        return self.model(
+            meta.input_ids, hidden, meta, self.cache, all_logits=all_logits, hidden_rows=hidden_rows
+        )
 
-    def _greedy(self, state: RoundState, step: int) -> GreedyHead | None:
-        """A greedy round's draft token `step`: the model's head writes each row's
-        (mapped) argmax into the token table's column, with no logits in between
-        (layers.select_logits)."""
-        if state.mode is not SamplingMode.GREEDY:
-            return None
-        offsets = self.model.d2t if self.map_tokens else None
-        return GreedyHead(state.tokens[:, step], self._tickets, offsets)
-
-    def _sample(self, state: RoundState, logits: torch.Tensor | None, step: int) -> None:
+    def _sample(self, state: RoundState, logits: torch.Tensor, step: int) -> None:
         """Draft token `step` of every row into tokens[:, step] (target ids) and the
-        distribution it was drawn from into q[:, step] (greedy rounds: the forward
-        wrote the tokens)."""
+        distribution it was drawn from into q[:, step]."""
         if state.mode is SamplingMode.GREEDY:
+            # One launch: the argmax's last block per row writes the (mapped) id into
+            # the token table's column.
+            offsets = self.model.d2t if self.map_tokens else None
+            ops.argmax(logits, out=state.tokens[:, step], tickets=self._tickets, offsets=offsets)
             return
         # The absolute position of the drawn token keys its draws (invariant 6).
         pos = self.buffers.cur_pos[: state.rows] + (1 + self.shift)

@@ -14,7 +14,6 @@ never require grad: these modules are for inference only.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -464,50 +463,19 @@ def check_step_inputs(
             )
 
 
-@dataclass(frozen=True)
-class GreedyHead:
-    """Where a greedy forward writes its tokens instead of returning logits: out, any
-    1-D int64 view with a row per logits row (a column of a token table); tickets,
-    int32 zeros kept for this use alone, at least one a row and kernels.HEAD_TICKETS
-    (kernels.argmax_rows / head_argmax); offsets,
-    an optional id map added at the argmax (EAGLE-3's d2t)."""
-
-    out: torch.Tensor
-    tickets: torch.Tensor
-    offsets: torch.Tensor | None = None
-
-
 def select_logits(
     hidden: torch.Tensor,
     lm_head: Linear,
     meta: AttentionMetadata,
     logits_indices: torch.Tensor | None,
     all_logits: bool,
-    greedy: GreedyHead | None = None,
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """lm_head over the rows of `hidden` that need logits: every row with all_logits,
     else logits_indices (a device int64 tensor of row indices, checked by
     check_step_inputs), else each request's last token (meta.last_token_idx; padded
     requests read row 0, or with meta.last_is_row, a decode step's, their own padding
-    row: every row as it is, no gather launch).
-
-    With `greedy`, each of those rows' argmax goes to greedy.out and nothing is
-    returned: on the Triton backend one launch (ops.head_argmax: the gather, the
-    lm_head and the argmax, no logits tensor) where it takes the shape, else the
-    logits and then ops.argmax."""
-    rows = None
-    if not (all_logits or (logits_indices is None and meta.last_is_row)):
-        rows = meta.last_token_idx if logits_indices is None else logits_indices
-    if greedy is not None and lm_head.bias is None:
-        n = hidden.shape[0] if rows is None else rows.shape[0]
-        if ops.head_argmax_takes(hidden, lm_head.weight, n):
-            ops.head_argmax(
-                hidden, lm_head.weight, rows=rows, out=greedy.out, tickets=greedy.tickets,
-                offsets=greedy.offsets, pdl=kernels.pdl_supported(hidden.device),
-            )  # fmt: skip
-            return None
-    logits = lm_head(hidden if rows is None else hidden.index_select(0, rows))
-    if greedy is None:
-        return logits
-    ops.argmax(logits, out=greedy.out, tickets=greedy.tickets, offsets=greedy.offsets)
-    return None
+    row: every row as it is, no gather launch)."""
+    if all_logits or (logits_indices is None and meta.last_is_row):
+        return lm_head(hidden)
+    idx = meta.last_token_idx if logits_indices is None else logits_indices
+    return lm_head(hidden.index_select(0, idx))

@@ -212,18 +212,6 @@ def resolve_fed_ids(ids: torch.Tensor, last_token: torch.Tensor) -> torch.Tensor
     return impl(ids, last_token)
 
 
-def head_argmax_takes(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
-    """Whether head_argmax runs x's `rows` rows through `weight` in one launch now: the
-    Triton backend and a shape kernels.head_argmax takes."""
-    return backend_for(x) == "triton" and kernels.head_argmax_supported(x, weight, rows)
-
-
-def head_argmax(x: torch.Tensor, weight: torch.Tensor, **kw) -> torch.Tensor:
-    """kernels.head_argmax (Triton backend only, see head_argmax_takes): the greedy
-    lm_head, its row gather and argmax in one launch."""
-    return kernels.head_argmax(x, weight, **kw)
-
-
 def argmax(logits: torch.Tensor, *, out=None, tickets=None, offsets=None) -> torch.Tensor:
     """int64 [rows]: the first index of each row's maximum (greedy decoding), plus
     offsets[index] with an id map; into `out` (any 1-D int64 view) when given. With

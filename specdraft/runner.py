@@ -28,7 +28,6 @@ from .config import CacheConfig, LimitsConfig
 from .cuda_graph import BatchExecutionDescriptor, CUDAGraphMode, SpeculatorCudaGraphManager
 from .input_buffers import InputBuffers
 from .kv_cache import KVCache, num_blocks_for_budget
-from .layers import GreedyHead
 from .models.llama import LlamaForCausalLM
 from .sampling import TARGET_SAMPLE, SamplingParams, SamplingTensors, logprobs, sample
 from .staging import CurrentStream, PinnedRing
@@ -128,9 +127,7 @@ class TargetRunner:
         self.sampling = SamplingTensors(rows, dev)
         self.last_token = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.out_tokens = torch.zeros(max_num_reqs, dtype=torch.int64, device=dev)
-        # the argmax's tickets (argmax_rows: one a row; head_argmax: kernels.HEAD_TICKETS)
-        n_tickets = max(max_num_reqs, kernels.HEAD_TICKETS)
-        self._tickets = torch.zeros(n_tickets, dtype=torch.int32, device=dev)
+        self._tickets = torch.zeros(max_num_reqs, dtype=torch.int32, device=dev)  # argmax
         self.out_logprobs = torch.zeros(max_num_reqs, dtype=torch.float32, device=dev)
         pin = dev.type == "cuda"
         # Two pinned readback slots, used in turn: a step's tokens are read (Readback.wait)
@@ -278,15 +275,12 @@ class TargetRunner:
         """Model, sampling and the device-side bookkeeping of one step; fixed shapes
         only, so it can be captured per descriptor."""
         ids = ops.resolve_fed_ids(meta.input_ids, self.last_token)
+        logits = self._model_call(ids, meta, all_logits=False)
         r = meta.num_reqs
         rows = self.buffers.row_slots[:r]
-        if m == GREEDY_SET:  # the lm_head writes its argmax into out_tokens
-            self._model_call(
-                ids, meta, all_logits=False, greedy=GreedyHead(self.out_tokens[:r], self._tickets)
-            )
-            tok = self.out_tokens[:r]
+        if m == GREEDY_SET:  # one launch, into out_tokens
+            tok = ops.argmax(logits, out=self.out_tokens[:r], tickets=self._tickets)
         else:
-            logits = self._model_call(ids, meta, all_logits=False)
             pos = meta.positions.index_select(0, meta.last_token_idx) + 1  # the drawn token's
             params = self.sampling.select(rows)
             tok = sample(logits, params, pos, TARGET_SAMPLE, any_filter=m == FILTER_SET)
@@ -419,15 +413,14 @@ class TargetRunner:
             self._feature_graphs[m] = manager
         self._last = None
 
-    def _model_call(
-        self, ids: torch.Tensor, meta: AttentionMetadata, *, all_logits: bool, greedy=None
-    ):
+    def _model_call(self, ids: torch.Tensor, meta: AttentionMetadata, *, all_logits: bool):
         kind, layers = self._features or (None, None)
-        kw = dict(all_logits=all_logits, greedy=greedy)
         if kind == "aux":
-            _, logits, feats = self.model(ids, meta, self.cache, aux_layers=layers, **kw)
+            _, logits, feats = self.model(
+                ids, meta, self.cache, all_logits=all_logits, aux_layers=layers
+            )
         else:
-            feats, logits = self.model(ids, meta, self.cache, **kw)
+            feats, logits = self.model(ids, meta, self.cache, all_logits=all_logits)
         if kind is not None:
             self.last_features = feats
         return logits

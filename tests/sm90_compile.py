@@ -88,7 +88,6 @@ def decode_path_compiles() -> list[tuple[str, object]]:
     fm = importlib.import_module("kernels.fused_mma")
     pa = importlib.import_module("kernels.paged_attention")
     rot = importlib.import_module("kernels.rotary")
-    ha = importlib.import_module("kernels.head_argmax")
     emb = importlib.import_module("kernels.embedding")
 
     got: list[tuple[str, object]] = []
@@ -108,7 +107,7 @@ def decode_path_compiles() -> list[tuple[str, object]]:
     for jit in (fl._fused_rows_kernel, fl._fused_linear_kernel, fl._fused_qkv_rope_kernel,
                 fm._mma_linear_kernel, fm._mma_qkv_rope_kernel, rot._rotary_store_kv_kernel,
                 pa._paged_attention_kernel, pa._combine_splits_kernel,
-                ha._head_argmax_kernel, emb._embed_fc_kernel):  # fmt: skip
+                emb._embed_fc_kernel):  # fmt: skip
         compile_only(jit)
     bf = torch.bfloat16
     h, f, hq, hkv, d = 576, 1536, 9, 3, 64
@@ -145,16 +144,11 @@ def decode_path_compiles() -> list[tuple[str, object]]:
                           torch.randn(64, d), kc, kc.clone(), torch.arange(m), num_q_heads=hq,
                           norm_weight=torch.ones(h).to(bf), pdl=True)  # fmt: skip
     fl.ROWS_PER_PROGRAM = None
-    lm_head, tickets = torch.randn(49152, h).to(bf), torch.zeros(ha.TICKETS, dtype=torch.int32)
-    for m in (1, 4, 8):  # the greedy head (up to its 4 rows) and EAGLE-1's fc
-        x = torch.randn(m + 1, h).to(bf)
-        label[0] = f"decode M {m} head argmax"
-        if m <= ha.MAX_ROWS:
-            ha.head_argmax(x, lm_head, out=torch.zeros(m, dtype=torch.int64), tickets=tickets,
-                           rows=torch.arange(m), pdl=True)  # fmt: skip
+    for m in (1, 4, 8):  # EAGLE-1's fc over [embed(token); hidden[rows]]
         label[0] = f"decode M {m} embed fc"
-        emb.embed_fc(torch.arange(m), lm_head, x, torch.randn(h, 2 * h).to(bf),
-                     torch.randn(h).to(bf), hidden_rows=torch.arange(m), pdl=True)  # fmt: skip
+        emb.embed_fc(torch.arange(m), torch.randn(100, h).to(bf), torch.randn(m + 1, h).to(bf),
+                     torch.randn(h, 2 * h).to(bf), torch.randn(h).to(bf),
+                     hidden_rows=torch.arange(m), pdl=True)  # fmt: skip
     label[0] = "decode"
     t, blocks, bs = 4, 8, 16
     q, k, v = (torch.randn(t, n, d).to(bf) for n in (hq, hkv, hkv))
