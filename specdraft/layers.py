@@ -443,24 +443,26 @@ def check_step_inputs(
         return
     if logits_indices is None:
         return
-    if not isinstance(logits_indices, torch.Tensor):
-        raise TypeError(f"logits_indices must be a tensor, got {type(logits_indices).__name__}")
-    if logits_indices.dtype != torch.int64 or logits_indices.dim() != 1:
-        raise TypeError(
-            f"logits_indices must be a 1-D int64 tensor, got {logits_indices.dtype} "
-            f"{logits_indices.dim()}-D"
-        )
-    if logits_indices.device != input_ids.device:
-        raise ValueError(
-            f"logits_indices is on {logits_indices.device}, input_ids on {input_ids.device}"
-        )
-    if kernels.validation_enabled(logits_indices) and logits_indices.numel():
-        lo, hi = int(logits_indices.min()), int(logits_indices.max())
-        if lo < 0 or hi >= meta.num_tokens:
-            bad = lo if lo < 0 else hi
-            raise ValueError(
-                f"logits_indices holds row {bad}, outside [0, num_tokens {meta.num_tokens})"
-            )
+    check_row_index(
+        "logits_indices", logits_indices, device=input_ids.device, bound=meta.num_tokens
+    )
+
+
+def check_row_index(name: str, idx, *, device, bound: int, length: int | None = None) -> None:
+    """`idx` must be a 1-D int64 tensor of row indices on `device` (`length` long when
+    given) whose values lie in [0, bound); the values are checked in validation mode
+    only (reading them is a synchronisation on the GPU)."""
+    if not isinstance(idx, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(idx).__name__}")
+    if idx.dtype != torch.int64 or idx.dim() != 1:
+        raise TypeError(f"{name} must be a 1-D int64 tensor, got {idx.dtype} {idx.dim()}-D")
+    if idx.device != device or (length is not None and idx.shape[0] != length):
+        want = "" if length is None else f"[{length}] "
+        raise ValueError(f"{name} {tuple(idx.shape)} on {idx.device} must be {want}on {device}")
+    if kernels.validation_enabled(idx) and idx.numel():
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= bound:
+            raise ValueError(f"{name} holds row {lo if lo < 0 else hi}, outside [0, {bound})")
 
 
 def select_logits(

@@ -26,6 +26,7 @@ from specdraft.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
+    check_row_index,
     check_step_inputs,
     fused_row_limit,
     layer_caches,
@@ -46,27 +47,6 @@ def _check_hidden(
             f"hidden_states has shape {tuple(hidden.shape)}, expected [{num_tokens}, {width}] "
             f"({what})"
         )
-
-
-def _check_hidden_rows(hidden_rows, hidden: torch.Tensor, num_tokens: int) -> None:
-    """hidden_rows: int64 [num_tokens] row indices into hidden (values checked in
-    validation mode: reading them is a synchronisation on the GPU)."""
-    if not isinstance(hidden_rows, torch.Tensor):
-        raise TypeError(f"hidden_rows must be a tensor, got {type(hidden_rows).__name__}")
-    if hidden_rows.dtype != torch.int64 or hidden_rows.dim() != 1:
-        raise TypeError(
-            f"hidden_rows must be a 1-D int64 tensor, got {hidden_rows.dtype} {hidden_rows.dim()}-D"
-        )
-    if hidden_rows.shape[0] != num_tokens or hidden_rows.device != hidden.device:
-        raise ValueError(
-            f"hidden_rows {tuple(hidden_rows.shape)} on {hidden_rows.device} must be "
-            f"[{num_tokens}] on {hidden.device}"
-        )
-    if num_tokens and kernels.validation_enabled(hidden_rows):
-        lo, hi = int(hidden_rows.min()), int(hidden_rows.max())
-        if lo < 0 or hi >= hidden.shape[0]:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"hidden_rows holds {bad}, outside [0, {hidden.shape[0]})")
 
 
 def _check_step(head, input_ids, meta, kv_caches, logits_indices, all_logits):
@@ -185,7 +165,8 @@ class EagleHead(nn.Module):
         rows = n if hidden_rows is None else hidden_states.shape[0]
         _check_hidden(hidden_states, rows, h, "hidden_size", self.dtype)
         if hidden_rows is not None:
-            _check_hidden_rows(hidden_rows, hidden_states, n)
+            check_row_index("hidden_rows", hidden_rows, device=hidden_states.device,
+                            bound=rows, length=n)  # fmt: skip
         caches = _check_step(self, input_ids, meta, kv_caches, logits_indices, all_logits)
         # A few rows take the fused decode path: fc's output is the residual stream,
         # updated in place by each layer; the last layer adds its residual inside its
@@ -312,7 +293,8 @@ class Eagle3Head(nn.Module):
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"hidden_states must be a tensor, got {type(hidden_states).__name__}")
         if hidden_rows is not None:
-            _check_hidden_rows(hidden_rows, hidden_states, meta.num_tokens)
+            check_row_index("hidden_rows", hidden_rows, device=hidden_states.device,
+                            bound=hidden_states.shape[0], length=meta.num_tokens)  # fmt: skip
             hidden_states = hidden_states.index_select(0, hidden_rows)
         if hidden_states.dim() == 2 and hidden_states.shape[-1] == self.fc.in_features != h:
             # the target's auxiliary states: checked, then fused by fc
