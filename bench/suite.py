@@ -138,8 +138,7 @@ def run_tests(
 
     def one(i: int, unit) -> tuple[tuple, int | None, str, float, bool]:
         name, _, args, _ = unit
-        late = budget_s is not None and time.perf_counter() - start > budget_s
-        if late or stop.is_set():
+        if budget_s is not None and time.perf_counter() - start > budget_s:
             return unit, None, "", 0.0, False
         t0 = time.perf_counter()
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE"]
@@ -147,10 +146,12 @@ def run_tests(
         env = None
         if gpus:
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]}
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
-        with lock:
+        with lock:  # nothing starts once the deadline has passed
+            if stop.is_set():
+                return unit, None, "", 0.0, False
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            )
             running.add(proc)
         out, _ = proc.communicate()
         with lock:
@@ -161,8 +162,8 @@ def run_tests(
     def interrupt_at_deadline() -> None:
         if stop.wait(deadline_s):
             return  # every process ended before the deadline
-        stop.set()
         with lock:
+            stop.set()
             procs = list(running)
         for proc in procs:
             proc.send_signal(signal.SIGINT)
@@ -204,7 +205,9 @@ def run_tests(
     summary += f" ({len(files)} files in {len(units) - len(not_run)} processes, {jobs} at a time"
     if cut:
         summary += f"; cut at the deadline: {', '.join(sorted(cut))}"
-    summary += f"; not run, over the budget: {', '.join(sorted(not_run))})" if not_run else ")"
+    if not_run:
+        summary += f"; not run, past the budget or the deadline: {', '.join(sorted(not_run))}"
+    summary += ")"
     if not_run or cut:
         rc = rc or 1
     return rc, summary

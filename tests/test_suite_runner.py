@@ -60,6 +60,10 @@ def test_deadline_interrupts_running_files_and_keeps_their_counts(tmp_path, monk
     assert "2 passed" in summary, summary
     log = (tmp_path / "out" / "gpu_tests" / "test_slow.log").read_text()
     assert "1 passed" in log, log
+    # One at a time, the larger file first: the other one never starts.
+    rc, summary = suite.run_tests(tmp_path / "out1", jobs=1, deadline_s=8.0)
+    assert rc != 0 and "cut at the deadline: test_slow" in summary, summary
+    assert "not run, past the budget or the deadline: test_fast" in summary, summary
 
 
 def test_files_runs_one_part_of_a_split_file(tmp_path, monkeypatch):
