@@ -49,6 +49,15 @@ def _collect(files: list[Path]) -> dict[str, list[str]]:
     return nodes
 
 
+# pytest in a child process that turns SIGINT into KeyboardInterrupt (its summary of what
+# ran) even when started with SIGINT ignored, as commands started in the background of
+# a non-interactive shell are (the deadline's interrupt would otherwise do nothing).
+_PYTEST_INTERRUPTIBLE = (
+    "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "import pytest; sys.exit(pytest.main(sys.argv[1:]))"
+)
+
+
 def model_tests_note() -> str | None:
     """Why the tests of the embedded model would skip, or None when they can run: the
     gguf package must import and the GGUF be in the cache (or pip reach PyPI, which the
@@ -141,8 +150,8 @@ def run_tests(
         if budget_s is not None and time.perf_counter() - start > budget_s:
             return unit, None, "", 0.0, False
         t0 = time.perf_counter()
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE"]
-        cmd += ["--durations=5", *args]  # each log names its slowest tests
+        cmd = [sys.executable, "-c", _PYTEST_INTERRUPTIBLE, "-q", "-p", "no:cacheprovider"]
+        cmd += ["-rfE", "--durations=5", *args]  # each log names its slowest tests
         env = None
         if gpus:
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]}
