@@ -111,10 +111,11 @@ def run_tests(
 
     files = sorted(Path("tests").glob("test_*.py"))
     if only_files is not None:
-        unknown = sorted(n for n in only_files if n.split(".")[0] not in {f.stem for f in files})
+        stem_of = {n: n.split(".")[0] for n in only_files}  # test_x.2of5 -> test_x
+        unknown = sorted(n for n, stem in stem_of.items() if stem not in {f.stem for f in files})
         if unknown:
             raise ValueError(f"--files: no test file named {', '.join(unknown)} in tests/")
-        files = [f for f in files if f.stem in {n.split(".")[0] for n in only_files}]
+        files = [f for f in files if f.stem in stem_of.values()]
     known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
     long = [f for f in files if known.get(f.name, 0.0) > split_s]
     nodes = _collect(long)
