@@ -97,7 +97,9 @@ def run_tests(
     reports what it ran so far; killed 10 s later if still there) and counted with what
     they printed. Either way the summary names what did not run or was cut, so a run cut
     short still reports what it saw. gpus: device indices the processes are dealt over
-    in turn (CUDA_VISIBLE_DEVICES). only_files: test file stems, or one process of a
+    in turn (CUDA_VISIBLE_DEVICES). Each process gets the cores divided by the processes
+    running at once as its OMP / MKL thread count, unless the environment sets one.
+    only_files: test file stems, or one process of a
     split file by its printed name (`test_x.2of5`), to run (default: every file); a name
     that matches nothing is an error. Returns the exit status and one summary line;
     writes every process's log and gpu_tests/durations.json (seconds per file, its parts
@@ -145,6 +147,11 @@ def run_tests(
     stop = threading.Event()  # set at the deadline
     running: set[subprocess.Popen] = set()
     lock = threading.Lock()
+    # The CPU's cores shared among the processes running at once, not a thread a core
+    # in every process (jobs x cores busy threads for the CPU-heavy tests: the embedded
+    # model on the PyTorch path). A thread count set in the environment is kept.
+    per_job = str(max(1, (os.cpu_count() or 1) // max(1, min(jobs, len(units)))))
+    threads = {v: os.environ.get(v, per_job) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
 
     def one(i: int, unit) -> tuple[tuple, int | None, str, float, bool]:
         name, _, args, _ = unit
@@ -153,9 +160,9 @@ def run_tests(
         t0 = time.perf_counter()
         cmd = [sys.executable, "-c", _PYTEST_INTERRUPTIBLE, "-q", "-p", "no:cacheprovider"]
         cmd += ["-rfE", "--durations=5", *args]  # each log names its slowest tests
-        env = None
+        env = {**os.environ, **threads}
         if gpus:
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]}
+            env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
         with lock:  # nothing starts once the deadline has passed
             if stop.is_set():
                 return unit, None, "", 0.0, False

@@ -109,3 +109,33 @@ def test_model_tests_note_names_what_is_missing(tmp_path, monkeypatch):
         assert note is None, note
     else:
         assert note is not None and "package" in note and embedded.GGUF_NAME not in note, note
+
+
+def test_processes_share_the_cores(tmp_path, monkeypatch):
+    """Each test process gets cores // (processes at once) threads, at least 1; a count
+    already set in the environment is passed through unchanged."""
+    import os
+
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    for i in range(4):
+        (tests / f"test_threads{i}.py").write_text(
+            "import os\n\ndef test_t():\n"
+            "    assert os.environ['OMP_NUM_THREADS'] == os.environ['EXPECT_THREADS']\n"
+            "    assert os.environ['MKL_NUM_THREADS'] == os.environ['EXPECT_THREADS']\n"
+        )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(suite, "DURATIONS", tmp_path / "none.json")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    # 4 files: at most 4 processes at once, however many jobs are allowed.
+    for cores, jobs, want in ((16, 12, "4"), (16, 2, "8"), (3, 4, "1")):
+        monkeypatch.setattr(os, "cpu_count", lambda c=cores: c)
+        monkeypatch.setenv("EXPECT_THREADS", want)
+        rc, summary = suite.run_tests(tmp_path / f"out{cores}_{jobs}", jobs=jobs)
+        assert rc == 0 and "4 passed" in summary, (cores, jobs, summary)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setenv("MKL_NUM_THREADS", "3")
+    monkeypatch.setenv("EXPECT_THREADS", "3")
+    rc, summary = suite.run_tests(tmp_path / "out_set", jobs=2)
+    assert rc == 0 and "4 passed" in summary, summary
