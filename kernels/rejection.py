@@ -1052,8 +1052,10 @@ def _finish(
     counts and counters written."""
     greedy, t, seed, pos = _load_request(req, rmask, pos_ptr, pos_ptr, pos_ptr, pos_ptr, False)
     real = rmask & (pos >= 0)
+    # The walk reads under rmask, not real, so that its loads need not wait for pos: a
+    # padded request's drafts and partials are in bounds, and _emit writes it by real.
     d, k, r, amx = _walk(
-        req, real, drafts_ptr, stride_db, pmax_ptr, 0, pmax_ptr, 0, 0, greedy, t, seed, pos,
+        req, rmask, drafts_ptr, stride_db, pmax_ptr, 0, pmax_ptr, 0, 0, greedy, t, seed, pos,
         pmax_ptr, pmax_ptr, pmax_ptr, pmax_ptr, parg_ptr, K, V, NB, KP, NBP, False, True, 0,
     )  # fmt: skip
     _emit(
