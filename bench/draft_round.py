@@ -25,7 +25,10 @@ the end, against SmolLM2-135M's own decode step (30 layers, batch 1, graph) meas
 the same run.
 
     python -m bench.draft_round [--out results] [--ctx 256] [--batches 1,8,64]
-        [--ks 1,3,5,7] [--cases ...] [--modes greedy] [--iters 30]
+        [--ks 1,3,5,7] [--cases ...] [--modes greedy] [--iters 30] [--lm-head int8]
+
+--lm-head int8 gives every draft an int8 copy of its lm_head (per-row scales): the
+floor counts its bytes, the bars name it.
 """
 
 from __future__ import annotations
@@ -286,6 +289,10 @@ def count_launches(rows: list[dict], args, ks: list[int], room: int) -> None:
     by_key = {(r["model"], r["batch"], r["k"], r["mode"]): r for r in rows}
     for case in args.cases.split(","):
         model = build(case, args.ctx + room)
+        if args.lm_head == "int8":
+            from specdraft.layers import quantize_lm_head
+
+            quantize_lm_head(model)
         for mode_name in args.modes.split(","):
             for batch in (int(x) for x in args.batches.split(",")):
                 bench = Bench(model, batch, ks, args.ctx, (mode_name,), room)
@@ -356,6 +363,7 @@ COLUMNS = [
     ("batch", "batch"),
     ("k", "K"),
     ("mode", "mode"),
+    ("lm_head", "lm_head"),
     ("round_us", "round (1 replay) µs"),
     ("steps_us", "K step graphs µs"),
     ("eager_us", "eager µs"),
@@ -391,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--modes", default="greedy", help="greedy, sample or filter")
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument(
+        "--lm-head", choices=("bf16", "int8"), default="bf16",
+        help="int8: the drafts' lm_heads quantized per row (layers.quantize_lm_head)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print(
@@ -410,6 +422,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for case in args.cases.split(","):
         model = build(case, args.ctx + room)
+        if args.lm_head == "int8":
+            from specdraft.layers import quantize_lm_head
+
+            quantize_lm_head(model)
         for mode_name in args.modes.split(","):
             mode = MODE_NAMES[mode_name]
             for batch in (int(x) for x in args.batches.split(",")):
@@ -429,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
                         batch=batch,
                         k=k,
                         mode=mode_name,
+                        lm_head=args.lm_head,
                         **r,
                         round_over_steps_bar=r["round_us"] / bar * 1.05,
                         capture_s_per_graph=cap,
@@ -489,7 +506,8 @@ def check_bars(rows: list[dict], smol_us: float) -> list[str]:
     for r in smol:
         ratio = r["round_us"] / smol_us
         out.append(
-            f"SmolLM2-shaped EAGLE round (b1, K3, {r['mode']}) / SmolLM2 decode step: "
+            f"SmolLM2-shaped EAGLE round (b1, K3, {r['mode']}, {r['lm_head']} lm_head) / "
+            f"SmolLM2 decode step: "
             f"{ratio:.3f} ({'met' if ratio <= 0.2 else 'MISSED'}; bar 0.2)"
         )
     worst = max(rows, key=lambda r: r["host_busy_us"])

@@ -329,7 +329,7 @@ def main() -> int:
     ap.add_argument(
         "--only",
         default="tests,host,capture,models,decode,e2e,spec,mainjob,hostprof,draft,gemv,"
-        "rejection,attention",
+        "int8,rejection,attention",
     )
     args = ap.parse_args()
     parts = set(args.only.split(","))
@@ -395,6 +395,10 @@ def main() -> int:
         from bench import gemv
 
         codes.append(gemv.main(out))
+    if "int8" in parts:
+        from bench import int8_lm_head
+
+        codes.append(int8_lm_head.main(out))
     if "rejection" in parts:
         from bench import rejection
 
@@ -406,7 +410,7 @@ def main() -> int:
         bench_argv += ["--no-flex"] * args.no_flex
         codes.append(attention.main(bench_argv))
     for name in ("models", "capture", "decode_step", "e2e", "spec_step", "main_job",
-                 "draft_round", "gemv", "rejection"):  # fmt: skip
+                 "draft_round", "gemv", "int8_lm_head", "rejection"):  # fmt: skip
         # (host_profile.md is long: it stays in --out)
         md = args.out / f"{name}.md"
         if md.exists():

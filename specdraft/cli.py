@@ -156,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="an EAGLE / draft checkpoint directory to speculate with (default: the head "
         "shipped for SmolLM2, when this install has one and --gguf is not given)",
     )
+    g.add_argument(
+        "--draft-lm-head-int8", action="store_true",
+        help="give the draft its own int8 copy of its lm_head (per-row scales): half the "
+        "bytes of its largest read; the output stays the target's",
+    )  # fmt: skip
     g.add_argument("--no-draft", action="store_true", help="target-only decoding")
     g.add_argument(
         "--k", type=int, default=None,

@@ -239,6 +239,11 @@ def speculate(job: Job, args: argparse.Namespace, k: int, why: str, target_tok_s
     else:
         draft = layer_truncated(runner.model, args.draft_layers)
         what = f"first {args.draft_layers} target layers (untrained), {why}"
+    if args.draft_lm_head_int8:
+        from .layers import quantize_lm_head
+
+        quantize_lm_head(draft)
+        what += ", int8 lm_head"
     drafter = Drafter(
         draft,
         max_num_reqs=runner.limits.max_num_reqs,

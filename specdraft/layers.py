@@ -49,6 +49,47 @@ class Linear(nn.Module):
         return ops.linear(x, self.weight, self.bias)
 
 
+class Int8Linear(nn.Module):
+    """y = x (W_q * scale)^T with W_q int8 [out_features, in_features] and one float32
+    scale per output row (kernels.linear_int8); no bias. For a draft's lm_head, the
+    largest read of its step: see `quantize_lm_head`."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        # Parameters (frozen), so that whatever counts a model's weights counts these
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.scale = nn.Parameter(scale, requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: Linear) -> Int8Linear:
+        """A copy of a bias-free Linear, quantized per row (kernels.quantize_rows_int8);
+        the Linear itself is left as it is."""
+        if not isinstance(linear, Linear):
+            raise TypeError(f"linear must be a specdraft Linear, got {type(linear).__name__}")
+        if linear.bias is not None:
+            raise ValueError("linear has a bias: Int8Linear takes bias-free projections")
+        return cls(*kernels.quantize_rows_int8(linear.weight))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear_int8(x, self.weight, self.scale, pdl=kernels.pdl_supported(x.device))
+
+
+def quantize_lm_head(model: nn.Module) -> nn.Module:
+    """Give `model` (a draft: an EAGLE-1 / EAGLE-3 head or a Llama-style draft) an int8
+    copy of its lm_head, per-row scaled; returns the model. The draft then reads half
+    the lm_head bytes a step. A head that shares the target's lm_head gets its own copy:
+    the target's stays as it is. Drafts only propose, so the output distribution stays
+    the target's; what can change is acceptance (near-ties of the draft's logits)."""
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, Int8Linear):
+        return model
+    if not isinstance(head, Linear):
+        raise TypeError(f"model.lm_head must be a specdraft Linear, got {type(head).__name__}")
+    model.lm_head = Int8Linear.from_linear(head)
+    return model
+
+
 class Embedding(nn.Module):
     def __init__(self, num_embeddings: int, dim: int, *, dtype, device):
         super().__init__()

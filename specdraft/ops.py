@@ -212,6 +212,14 @@ def resolve_fed_ids(ids: torch.Tensor, last_token: torch.Tensor) -> torch.Tensor
     return impl(ids, last_token)
 
 
+def linear_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, **kw):
+    """x @ (weight int8 [N, K] * scale [N, 1])^T in x's dtype (kernels.linear_int8)."""
+    if backend_for(x) == "triton":
+        return kernels.linear_int8(x, weight, scale, **kw)
+    kernels.check_linear_int8_args(x, weight, scale, out=kw.get("out"))
+    return torch_ops.linear_int8(x, weight, scale, **kw)
+
+
 def argmax(logits: torch.Tensor, *, out=None, tickets=None, offsets=None) -> torch.Tensor:
     """int64 [rows]: the first index of each row's maximum (greedy decoding), plus
     offsets[index] with an id map; into `out` (any 1-D int64 view) when given. With

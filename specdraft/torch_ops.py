@@ -179,6 +179,15 @@ def embed_concat(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor) -
     return torch.cat([F.embedding(ids, table), hidden], dim=-1)
 
 
+def linear_int8(x, weight, scale, *, out=None, pdl: bool = False) -> torch.Tensor:
+    """As kernels.linear_int8: float32 sums of x times the int8 weights, then each
+    column scaled once, rounded to x's dtype."""
+    y = (F.linear(x.float(), weight.float()) * scale).to(x.dtype)
+    if out is None:
+        return y
+    return out.copy_(y)
+
+
 def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     n = x.shape[1] // 2
     y = F.silu(x[:, :n].float()) * x[:, n:].float()

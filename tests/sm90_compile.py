@@ -78,9 +78,9 @@ def launches(v: int, b: int, k: int, dtype: torch.dtype, sampled: bool) -> list[
 
 def decode_path_compiles() -> list[tuple[str, object]]:
     """The fused decode path's launches with programmatic dependent launch (SmolLM2's
-    shapes: every fused_linear flavour at 1, 4, 16 and 32 rows; rotary + store, attention with
-    its split merge), each made through its own launcher with the JIT's run turned into
-    a compile-only warmup. Returns (label, compiled kernel) pairs."""
+    shapes: every fused_linear flavour at 1, 4, 16 and 32 rows; rotary + store, attention
+    with its split merge; the int8 lm_head), each made through its own launcher with the
+    JIT's run turned into a compile-only warmup. Returns (label, compiled kernel) pairs."""
     import importlib
 
     # import_module: the package's names fused_linear / paged_attention are functions
@@ -89,6 +89,7 @@ def decode_path_compiles() -> list[tuple[str, object]]:
     pa = importlib.import_module("kernels.paged_attention")
     rot = importlib.import_module("kernels.rotary")
     emb = importlib.import_module("kernels.embedding")
+    li = importlib.import_module("kernels.linear_int8")
 
     got: list[tuple[str, object]] = []
     label = [""]
@@ -107,7 +108,7 @@ def decode_path_compiles() -> list[tuple[str, object]]:
     for jit in (fl._fused_rows_kernel, fl._fused_linear_kernel, fl._fused_qkv_rope_kernel,
                 fm._mma_linear_kernel, fm._mma_qkv_rope_kernel, rot._rotary_store_kv_kernel,
                 pa._paged_attention_kernel, pa._combine_splits_kernel,
-                emb._embed_fc_kernel):  # fmt: skip
+                emb._embed_fc_kernel, li._linear_int8_kernel):  # fmt: skip
         compile_only(jit)
     bf = torch.bfloat16
     h, f, hq, hkv, d = 576, 1536, 9, 3, 64
@@ -149,6 +150,11 @@ def decode_path_compiles() -> list[tuple[str, object]]:
         emb.embed_fc(torch.arange(m), torch.randn(100, h).to(bf), torch.randn(m + 1, h).to(bf),
                      torch.randn(h, 2 * h).to(bf), torch.randn(h).to(bf),
                      hidden_rows=torch.arange(m), pdl=True)  # fmt: skip
+    # a draft's int8 lm_head: SmolLM2's [49152, 576] at draft-step rows, a Llama-3-wide K
+    for m, n, k in ((1, 49152, 576), (8, 49152, 576), (20, 49152, 576), (4, 2048, 4096)):
+        label[0] = f"decode M {m} int8 lm_head {n} x {k}"
+        q8 = torch.zeros(n, k, dtype=torch.int8)
+        li.linear_int8(torch.randn(m, k).to(bf), q8, torch.ones(n), pdl=True)
     label[0] = "decode"
     t, blocks, bs = 4, 8, 16
     q, k, v = (torch.randn(t, n, d).to(bf) for n in (hq, hkv, hkv))

@@ -143,3 +143,14 @@ def test_generate_command_refuses_a_draft_that_is_not_a_checkpoint(tmp_path):
     assert proc.returncode != 0
     assert "--draft" in proc.stderr and "config.json" in proc.stderr
     assert "tokens/s" not in proc.stdout
+
+
+def test_generate_command_with_an_int8_draft_lm_head():
+    """--draft-lm-head-int8: the shipped head speculates through its own int8 lm_head,
+    and greedy output is still exactly target-only's."""
+    proc = _run_generate(
+        "--prompt", "Count to five.", "--max-new-tokens", "8", "--k", "2",
+        "--draft-lm-head-int8", "--quiet",
+    )  # fmt: skip
+    assert "int8 lm_head" in proc.stdout, proc.stdout
+    assert "greedy output identical  | yes" in proc.stdout, proc.stdout

@@ -1,0 +1,129 @@
+"""y = (x W_q^T) * scale: a projection whose weights are int8 with one float32 scale per
+output row (symmetric, per channel), for the few rows of a draft step.
+
+What it is for: a draft's lm_head is most of the bytes it reads a step (the SmolLM2-
+shaped EAGLE head: 56.6 MB of a bf16 [49152, 576] lm_head against ~9 MB for its layer;
+Llama-3-8B's head: 1.05 GB against ~0.4 GB). A draft only proposes, and the target's
+verification decides what is emitted, so a draft whose lm_head reads half the bytes
+stays lossless as long as each sampled draft's q is the distribution it was drawn from,
+which holds: q is computed from these logits. What it can cost is acceptance, where the
+rounding flips a near-tie; `specdraft.quant` measures that on the real pair.
+
+One launch over (column block, 16-row block) programs: each keeps up to 16 rows of x in
+a [16, BLOCK_K] tile, streams its [BLOCK_N, K] slice of W_q once, converts it to x's
+dtype (exact: every int8 value is a bf16 / fp16 / fp32 value) and accumulates through
+tl.dot in float32; the row scales multiply the sums once at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import CachedLaunch, pdl_launch, specialization_key
+from .paged_attention import _check_tensor, cdiv
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _linear_int8_kernel(
+    x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o,
+    IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    GDC: tl.constexpr,
+):  # fmt: skip
+    if GDC:  # x comes from the kernel before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(1) * 16 + tl.arange(0, 16)
+    rmask = rows < M
+    cmask = cols < N
+    wrow = w_ptr + cols[:, None].to(tl.int64) * stride_w
+    xrow = x_ptr + rows[:, None].to(tl.int64) * stride_x
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < K
+        w = tl.load(wrow + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0)
+        x = tl.load(xrow + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        w = w.to(x.dtype)
+        if IEEE:  # float32 x: full-precision products, as the float32 reference computes
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee", out_dtype=tl.float32)
+        else:
+            acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
+    scale = tl.load(s_ptr + cols, mask=cmask, other=0.0)
+    y = acc * scale[None, :]
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :],
+             y.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])  # fmt: skip
+
+
+_LAUNCH = CachedLaunch(_linear_int8_kernel)
+
+
+def check_linear_int8_args(x, weight, scale, *, out=None) -> None:
+    """linear_int8's argument checks (nothing launched)."""
+    _check_tensor("x", x, 2, _DTYPES)
+    _check_tensor("weight", weight, 2, (torch.int8,))
+    _check_tensor("scale", scale, 1, (torch.float32,))
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or weight.device != x.device:
+        raise ValueError(
+            f"weight {tuple(weight.shape)} on {weight.device} must be [N, {k}] on {x.device}"
+        )
+    if scale.shape[0] != n or scale.device != x.device:
+        raise ValueError(
+            f"scale {tuple(scale.shape)} on {scale.device} must be [{n}] on {x.device}"
+        )
+    if out is not None:
+        _check_tensor("out", out, 2, (x.dtype,))
+        if tuple(out.shape) != (m, n) or out.device != x.device:
+            raise ValueError(
+                f"out {tuple(out.shape)} on {out.device} must be [{m}, {n}] on {x.device}"
+            )
+
+
+def _config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, stages, warps): 64 output rows a program, K in 128-wide steps
+    (64 for short K), three loads in flight."""
+    block_k = min(128, max(16, triton.next_power_of_2(k)))
+    if k % 128 and k % 64 == 0:
+        block_k = 64  # no masked tail step (SmolLM2's 576 = 9 x 64)
+    return 64 if n >= 64 else max(16, triton.next_power_of_2(n)), block_k, 3, 4
+
+
+def linear_int8(x, weight, scale, *, out=None, pdl: bool = False) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] int8 * scale [N, 1])^T -> [M, N] in x's dtype, the sums
+    in float32 and each scaled once. pdl: launch with programmatic dependent launch."""
+    check_linear_int8_args(x, weight, scale, out=out)
+    m, k = x.shape
+    n = weight.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    block_n, block_k, stages, warps = _config(n, k)
+    gdc, opts = pdl_launch(pdl)
+    args = (x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+            x.dtype == torch.float32, block_n, block_k, stages, gdc)  # fmt: skip
+    key = specialization_key(args) + (x.device.index,)
+    _LAUNCH(key, (cdiv(n, block_n), cdiv(m, 16)), args, {"num_warps": warps, **opts})
+    return out
+
+
+def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: scale = max |w| of the row / 127 (1 for an all-zero row),
+    w_q = round(w / scale) in [-127, 127]. Computed in float32."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight must be a 2-D tensor, got {getattr(weight, 'shape', weight)}")
+    if not weight.dtype.is_floating_point:
+        raise TypeError(f"weight must be a floating-point tensor, got {weight.dtype}")
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()

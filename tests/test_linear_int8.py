@@ -1,0 +1,256 @@
+"""The int8 projection (kernels.linear_int8) and the draft's int8 lm_head built on it
+(layers.Int8Linear, layers.quantize_lm_head).
+
+- the kernel against float64 sums of x times the int8 weights, each column scaled once
+  (fp32 / fp16 on the CPU interpreter, bf16 / fp16 with PDL and under a CUDA graph on the
+  GPU): every element written, our error within the reference's own rounding;
+- the PyTorch path against the kernel; the per-row quantization's bounds;
+- bad input: the exception type, a message naming the argument, nothing written;
+- greedy draft rounds of an EAGLE-1 and an EAGLE-3 head with an int8 lm_head equal a
+  float64 reference whose lm_head is the dequantized weights; the target's own lm_head
+  untouched."""
+
+# ruff: noqa: F811 (fixtures imported from tests/drafter_helpers.py are test arguments)
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft import kernels, ops
+from specdraft.layers import Int8Linear, Linear, quantize_lm_head
+from tests.test_fused_linear import rounding
+
+interp = pytest.mark.interpreter
+gpu = pytest.mark.gpu
+
+
+def reference(x, q, scale) -> torch.Tensor:
+    return (x.double() @ q.double().T) * scale.double()
+
+
+def check_case(device, dtype, m, k, n, *, pdl=False, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn(n, k, device=device, generator=g) / k**0.5
+    w[n // 2] *= 50  # rows of very different magnitudes: a scale each
+    q, s = kernels.quantize_rows_int8(w)
+    x = torch.randn(m, k, device=device, generator=g).to(dtype)
+    x0 = x.clone()
+    out = torch.full((m, n), float("nan"), device=device, dtype=dtype)
+    got = kernels.linear_int8(x, q, s, out=out, pdl=pdl)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.isfinite(got).all(), "every element written"
+    assert torch.equal(x, x0), "x unchanged"
+    want = reference(x, q, s)
+    err = (got.double() - want).abs()
+    # float32 sums of K exact products (int8 values are exact in every x dtype), then one
+    # float32 scale multiply: a few ulps of the row's magnitude; in fp16 / bf16 the
+    # output's one rounding on top (an element on a boundary may round the other way).
+    mag = (x.double().abs() @ q.double().abs().T) * s.double()
+    tol = 1e-6 * mag + 1e-30
+    if dtype != torch.float32:
+        tol = tol + 2 * rounding(want, dtype)
+    assert bool((err <= tol).all()), (err.max().item(), (err / tol).max().item())
+    return got
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_linear_int8_matches_float64(dtype):
+    # one and several 16-row blocks; N not a multiple of the column block; K short,
+    # ragged, 576 (SmolLM2's hidden size, 64-wide steps) and over one step
+    for m, k, n in ((1, 576, 200), (3, 40, 70), (16, 96, 64), (17, 130, 33), (40, 256, 16)):
+        check_case("cpu", dtype, m, k, n, seed=m + k + n)
+
+
+@interp
+def test_torch_path_matches_kernel():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(90, 48, generator=g)
+    q, s = kernels.quantize_rows_int8(w)
+    x = torch.randn(5, 48, generator=g)
+    a = ops.linear_int8(x, q, s)
+    with ops.use_backend("torch"):
+        b = ops.linear_int8(x, q, s)
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(b.double(), reference(x, q, s), rtol=1e-5, atol=1e-5)
+
+
+def test_quantize_rows_int8_bounds():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(12, 33, generator=g) * torch.logspace(-3, 3, 12)[:, None]
+    w[4] = 0.0
+    q, s = kernels.quantize_rows_int8(w.bfloat16())
+    assert q.dtype == torch.int8 and s.dtype == torch.float32
+    assert q.shape == (12, 33) and s.shape == (12,)
+    assert int(q.abs().max()) == 127 and int(q.min()) >= -127
+    wf = w.bfloat16().float()
+    for r in range(12):
+        if r == 4:
+            assert float(s[r]) == 1.0 and bool((q[r] == 0).all())
+            continue
+        assert int(q[r].abs().max()) == 127, r  # the row's largest weight sets its scale
+        # round to nearest: every weight within half a step of its dequantized value
+        assert float((q[r].float() * s[r] - wf[r]).abs().max()) <= 0.5 * float(s[r]) * 1.0001
+    with pytest.raises(TypeError, match="weight"):
+        kernels.quantize_rows_int8(torch.ones(3, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="weight"):
+        kernels.quantize_rows_int8(torch.ones(3))
+
+
+def _args():
+    g = torch.Generator().manual_seed(9)
+    q, s = kernels.quantize_rows_int8(torch.randn(20, 16, generator=g))
+    return torch.randn(2, 16, generator=g), q, s
+
+
+BAD = [
+    ("x 3-D", lambda x, q, s: (x[None], q, s, None), ValueError, "x"),
+    ("x int", lambda x, q, s: (x.long(), q, s, None), TypeError, "x"),
+    ("weight not int8", lambda x, q, s: (x, q.float(), s, None), TypeError, "weight"),
+    ("weight K", lambda x, q, s: (x, q[:, :8].contiguous(), s, None), ValueError, "weight"),
+    ("weight strided", lambda x, q, s: (x, q.t().contiguous().t(), s, None), ValueError, "weight"),
+    ("scale dtype", lambda x, q, s: (x, q, s.double(), None), TypeError, "scale"),
+    ("scale length", lambda x, q, s: (x, q, s[:19], None), ValueError, "scale"),
+    ("out shape", lambda x, q, s: (x, q, s, torch.zeros(2, 19)), ValueError, "out"),
+    ("out dtype", lambda x, q, s: (x, q, s, torch.zeros(2, 20, dtype=torch.float16)), TypeError,
+     "out"),
+]  # fmt: skip
+
+
+@interp
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("case, make, exc, name", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_names_the_argument_and_writes_nothing(case, make, exc, name, backend):
+    x, q, s, out = make(*_args())
+    out = torch.full((2, 20), 7.0) if out is None and case != "out shape" else out
+    before = [t.clone() for t in (x, q, s, out) if t is not None]
+    with ops.use_backend(backend), pytest.raises(exc, match=rf"\b{name}\b"):
+        ops.linear_int8(x, q, s, out=out)
+    after = [t for t in (x, q, s, out) if t is not None]
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), "nothing written"
+
+
+def test_int8_linear_refuses_what_it_cannot_copy():
+    lin = Linear(8, 6, bias=True, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="bias"):
+        Int8Linear.from_linear(lin)
+    with pytest.raises(TypeError, match="linear"):
+        Int8Linear.from_linear(torch.nn.Linear(8, 6, bias=False))
+    with pytest.raises(TypeError, match="lm_head"):
+        quantize_lm_head(torch.nn.Module())
+
+
+# ---- a draft with an int8 lm_head ---------------------------------------------------------
+
+
+@interp
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_quantize_lm_head_copies_the_heads_lm_head(kind):
+    """The head gets an Int8Linear within half a step of its lm_head; quantizing again
+    changes nothing; the target's lm_head (EAGLE-1 shares it) is left as it was."""
+    pytest.importorskip("transformers")
+    from tests.drafter_helpers import make_setup
+
+    s = make_setup(kind, seed=3)
+    orig = s.model.lm_head
+    before = orig.weight.clone()
+    assert quantize_lm_head(s.model) is s.model
+    head = s.model.lm_head
+    assert isinstance(head, Int8Linear) and quantize_lm_head(s.model).lm_head is head
+    assert torch.equal(orig.weight, before)
+    if kind == "eagle":
+        assert s.target.lm_head is orig
+    deq = head.weight.float() * head.scale[:, None]
+    assert float((deq - before.float()).abs().max()) <= 0.5001 * float(head.scale.max())
+    x = torch.randn(3, orig.in_features)
+    with ops.use_backend("torch"):
+        assert torch.allclose(head(x), x @ deq.T, rtol=1e-5, atol=1e-5)
+
+
+@interp
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_greedy_rounds_with_an_int8_lm_head_match_its_reference(kind):
+    """Ragged batches, mixed accepted counts and k, K_max 3 and 1, as test_drafter's
+    greedy test, with the head's lm_head an Int8Linear of random weights (far from the
+    float one, so a round that still read the float lm_head would show): the drafts are
+    the greedy tokens of a float64 reference whose lm_head is those weights dequantized,
+    and they differ from the float lm_head's somewhere."""
+    pytest.importorskip("transformers")
+    from tests.drafter_helpers import EngineSim, drafter, make_setup
+    from tests.model_helpers import RefEagle
+    from tests.test_drafter import check_round
+
+    s = make_setup(kind, seed=3)
+    float_ref = s.ref
+    g = torch.Generator().manual_seed(11)
+    v, h = s.model.lm_head.out_features, s.model.lm_head.in_features
+    q = torch.randint(-127, 128, (v, h), generator=g).to(torch.int8)
+    scale = torch.rand(v, generator=g) / 64 + 1 / 256
+    s.model.lm_head = Int8Linear(q, scale)
+    deq = q.double() * scale.double()[:, None]
+    embed = s.target.embed_tokens.weight if kind == "eagle" else s.weights["embed_tokens.weight"]
+    s.ref = lambda: RefEagle(s.weights, s.cfg, embed, deq, eagle3=kind == "eagle3")
+
+    d = drafter(s)
+    sim = EngineSim(s, d, seed=1)
+    rids = [sim.join(n) for n in (7, 2, 5)]
+    differ = 0
+    for ks, k_max, width in [((3, 1, 0), 3, 4), ((2, 3, 3), 3, 3), ((1, 0, 1), 1, 4)]:
+        for r in rids:
+            sq = sim.seqs[r]
+            sq.verified = sq.verified[:width]
+        ver, acc, hid = sim.inputs(rids, width)
+        out = d.propose(rids, ver, acc, target_hidden=hid, k=list(ks), k_max=k_max)
+        check_round(sim, rids, out.tokens, ks)
+        for r, k in zip(rids, ks):
+            toks, hid_r = sim.context(r)
+            with_float = DraftSetupRef(s, float_ref).greedy(toks, hid_r, k)
+            differ += with_float != out.tokens[rids.index(r)].tolist()[:k]
+        sim.commit(rids)
+    assert differ > 0, "the int8 weights gave the float lm_head's drafts everywhere"
+
+
+class DraftSetupRef:
+    """setup.ref_greedy with another reference (the float lm_head's)."""
+
+    def __init__(self, setup, ref):
+        self.setup, self.ref = setup, ref
+
+    def greedy(self, tokens, hiddens, steps: int) -> list[int]:
+        saved = self.setup.ref
+        self.setup.ref = self.ref
+        try:
+            return self.setup.ref_greedy(tokens, hiddens, steps)
+        finally:
+            self.setup.ref = saved
+
+
+# ---- GPU -------------------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gpu_linear_int8_matches_float64(dtype, pdl):
+    # SmolLM2's lm_head at draft-step rows, a Llama-3-8B-wide K, a ragged N
+    for m, k, n in ((1, 576, 49152), (4, 576, 49152), (8, 4096, 2048), (33, 576, 1000)):
+        check_case("cuda", dtype, m, k, n, pdl=pdl, seed=m + k + n)
+
+
+@gpu
+def test_gpu_linear_int8_graph_replay_equals_eager():
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q, s = kernels.quantize_rows_int8(torch.randn(49152, 576, device="cuda", generator=g))
+    x = torch.randn(3, 576, device="cuda", generator=g).bfloat16()
+    out = torch.empty(3, 49152, device="cuda", dtype=torch.bfloat16)
+    kernels.linear_int8(x, q, s, out=out, pdl=True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernels.linear_int8(x, q, s, out=out, pdl=True)
+    for _ in range(3):
+        x.copy_(torch.randn(3, 576, device="cuda", generator=g))
+        out.fill_(float("nan"))
+        graph.replay()
+        eager = kernels.linear_int8(x, q, s, pdl=True)
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
