@@ -71,6 +71,14 @@ class Int8Linear(nn.Module):
             raise ValueError("linear has a bias: Int8Linear takes bias-free projections")
         return cls(*kernels.quantize_rows_int8(linear.weight))
 
+    def _apply(self, fn, recurse=True):
+        # Module.to(dtype) would round the scales: they stay float32 (and move devices).
+        scale = self.scale.data
+        super()._apply(fn, recurse)
+        if self.scale.dtype != torch.float32:
+            self.scale.data = scale.to(self.scale.device)
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear_int8(x, self.weight, self.scale, pdl=kernels.pdl_supported(x.device))
 

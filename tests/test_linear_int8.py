@@ -130,6 +130,17 @@ def test_bad_input_names_the_argument_and_writes_nothing(case, make, exc, name, 
     assert all(torch.equal(a, b) for a, b in zip(before, after)), "nothing written"
 
 
+def test_int8_linear_keeps_its_types_through_to():
+    """Module.to(dtype) on a draft must not round the scales or touch the int8 weights."""
+    g = torch.Generator().manual_seed(1)
+    lin = Int8Linear(*kernels.quantize_rows_int8(torch.randn(10, 8, generator=g)))
+    w, s = lin.weight.clone(), lin.scale.clone()
+    lin.to(torch.float16)
+    assert lin.weight.dtype == torch.int8 and torch.equal(lin.weight, w)
+    assert lin.scale.dtype == torch.float32 and torch.equal(lin.scale, s)
+    assert not lin.weight.requires_grad and not lin.scale.requires_grad
+
+
 def test_int8_linear_refuses_what_it_cannot_copy():
     lin = Linear(8, 6, bias=True, dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="bias"):
