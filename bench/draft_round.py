@@ -25,10 +25,10 @@ the end, against SmolLM2-135M's own decode step (30 layers, batch 1, graph) meas
 the same run.
 
     python -m bench.draft_round [--out results] [--ctx 256] [--batches 1,8,64]
-        [--ks 1,3,5,7] [--cases ...] [--modes greedy] [--iters 30] [--lm-head int8]
+        [--ks 1,3,5,7] [--cases ...] [--modes greedy] [--iters 30] [--lm-head bf16,int8]
 
---lm-head int8 gives every draft an int8 copy of its lm_head (per-row scales): the
-floor counts its bytes, the bars name it.
+--lm-head int8 gives every draft an int8 copy of its lm_head (per-row scales; bf16,int8:
+both, one after the other in the same run): the floor counts its bytes, the bars name it.
 """
 
 from __future__ import annotations
@@ -50,8 +50,18 @@ def smollm2_config(**overrides):
     return smollm2_135m_config(**overrides)
 
 
-def build(case: str, max_positions: int):
-    """The draft model (bf16, on the GPU) of a case."""
+def build(case: str, max_positions: int, lm_head: str = "bf16"):
+    """The draft model (bf16, on the GPU) of a case; lm_head "int8": with an int8 copy of
+    its lm_head (layers.quantize_lm_head)."""
+    model = _build(case, max_positions)
+    if lm_head == "int8":
+        from specdraft.layers import quantize_lm_head
+
+        quantize_lm_head(model)
+    return model
+
+
+def _build(case: str, max_positions: int):
     from specdraft.loader import Checkpoint, load_eagle_head
     from specdraft.models.tiny import (
         eagle_config,
@@ -286,25 +296,26 @@ class Bench:
 def count_launches(rows: list[dict], args, ks: list[int], room: int) -> None:
     """Each row's launches per round, on drafters built again once every host time of
     the run is measured (Bench.launches)."""
-    by_key = {(r["model"], r["batch"], r["k"], r["mode"]): r for r in rows}
-    for case in args.cases.split(","):
-        model = build(case, args.ctx + room)
-        if args.lm_head == "int8":
-            from specdraft.layers import quantize_lm_head
-
-            quantize_lm_head(model)
+    by_key = {(r["model"], r["lm_head"], r["batch"], r["k"], r["mode"]): r for r in rows}
+    for case, lm_head in _variants(args):
+        model = build(case, args.ctx + room, lm_head)
         for mode_name in args.modes.split(","):
             for batch in (int(x) for x in args.batches.split(",")):
                 bench = Bench(model, batch, ks, args.ctx, (mode_name,), room)
                 for k in ks:
                     per = bench.launches(k)
-                    row = by_key[(case, batch, k, mode_name)]
+                    row = by_key[(case, lm_head, batch, k, mode_name)]
                     row["launches"], row["graph_launches"] = per, per["graph"]
                 bench.d.teardown()
                 del bench
                 torch.cuda.empty_cache()
         del model
         torch.cuda.empty_cache()
+
+
+def _variants(args) -> list[tuple[str, str]]:
+    """(case, lm_head) pairs in run order."""
+    return [(c, h) for c in args.cases.split(",") for h in args.lm_head.split(",")]
 
 
 def graph_launches(fn, rounds: int) -> dict:
@@ -400,10 +411,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="greedy", help="greedy, sample or filter")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument(
-        "--lm-head", choices=("bf16", "int8"), default="bf16",
-        help="int8: the drafts' lm_heads quantized per row (layers.quantize_lm_head)",
+        "--lm-head", default="bf16",
+        help="bf16, int8 or both (bf16,int8): int8 quantizes the drafts' lm_heads per row "
+        "(layers.quantize_lm_head)",
     )  # fmt: skip
     args = ap.parse_args(argv)
+    bad = [h for h in args.lm_head.split(",") if h not in ("bf16", "int8")]
+    if bad:
+        ap.error(f"--lm-head: unknown {bad}; choose from bf16, int8")
     if not torch.cuda.is_available():
         print(
             "bench.draft_round needs an NVIDIA GPU; tests/test_drafter.py checks the round "
@@ -420,12 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     ks = [int(x) for x in args.ks.split(",")]
     room = (args.iters * 8 + 64) * (max(ks) + 1)
     rows = []
-    for case in args.cases.split(","):
-        model = build(case, args.ctx + room)
-        if args.lm_head == "int8":
-            from specdraft.layers import quantize_lm_head
-
-            quantize_lm_head(model)
+    for case, lm_head in _variants(args):
+        model = build(case, args.ctx + room, lm_head)
         for mode_name in args.modes.split(","):
             mode = MODE_NAMES[mode_name]
             for batch in (int(x) for x in args.batches.split(",")):
@@ -445,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
                         batch=batch,
                         k=k,
                         mode=mode_name,
-                        lm_head=args.lm_head,
+                        lm_head=lm_head,
                         **r,
                         round_over_steps_bar=r["round_us"] / bar * 1.05,
                         capture_s_per_graph=cap,
