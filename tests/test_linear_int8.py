@@ -202,6 +202,13 @@ def test_greedy_rounds_with_an_int8_lm_head_match_its_reference(kind):
     embed = s.target.embed_tokens.weight if kind == "eagle" else s.weights["embed_tokens.weight"]
     s.ref = lambda: RefEagle(s.weights, s.cfg, embed, deq, eagle3=kind == "eagle3")
 
+    def float_greedy(tokens, hiddens, steps: int) -> list[int]:
+        saved, s.ref = s.ref, float_ref
+        try:
+            return s.ref_greedy(tokens, hiddens, steps)
+        finally:
+            s.ref = saved
+
     d = drafter(s)
     sim = EngineSim(s, d, seed=1)
     rids = [sim.join(n) for n in (7, 2, 5)]
@@ -213,27 +220,10 @@ def test_greedy_rounds_with_an_int8_lm_head_match_its_reference(kind):
         ver, acc, hid = sim.inputs(rids, width)
         out = d.propose(rids, ver, acc, target_hidden=hid, k=list(ks), k_max=k_max)
         check_round(sim, rids, out.tokens, ks)
-        for r, k in zip(rids, ks):
-            toks, hid_r = sim.context(r)
-            with_float = DraftSetupRef(s, float_ref).greedy(toks, hid_r, k)
-            differ += with_float != out.tokens[rids.index(r)].tolist()[:k]
+        for i, (r, k) in enumerate(zip(rids, ks)):
+            differ += float_greedy(*sim.context(r), k) != out.tokens[i].tolist()[:k]
         sim.commit(rids)
     assert differ > 0, "the int8 weights gave the float lm_head's drafts everywhere"
-
-
-class DraftSetupRef:
-    """setup.ref_greedy with another reference (the float lm_head's)."""
-
-    def __init__(self, setup, ref):
-        self.setup, self.ref = setup, ref
-
-    def greedy(self, tokens, hiddens, steps: int) -> list[int]:
-        saved = self.setup.ref
-        self.setup.ref = self.ref
-        try:
-            return self.setup.ref_greedy(tokens, hiddens, steps)
-        finally:
-            self.setup.ref = saved
 
 
 # ---- GPU -------------------------------------------------------------------------------
