@@ -152,14 +152,17 @@ def _from_env() -> bool | None:
 
 def validation_enabled(t: torch.Tensor | torch.device) -> bool:
     """Whether a launch on `t`'s device checks its device metadata first."""
-    device = t.device if isinstance(t, torch.Tensor) else torch.device(t)
-    cuda = device.type == "cuda"
-    if cuda and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return False
+    if isinstance(t, torch.Tensor):
+        t = t.device
+    cuda = (t if isinstance(t, torch.device) else torch.device(t)).type == "cuda"
     enabled = _forced if _forced is not None else _from_env()
-    if enabled is not None:
-        return enabled
-    return not cuda
+    if enabled is None:
+        return not cuda
+    # Never inside a capture (a check reads device values). Asked only when validation
+    # is on: the query costs host time on every steady round otherwise.
+    if enabled and cuda and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False
+    return enabled
 
 
 # ---- device metadata ------------------------------------------------------------------

@@ -171,6 +171,8 @@ class TargetRunner:
                              if s < max_num_tokens] + [max_num_tokens]  # fmt: skip
         self._prefill_graphs = {m: self._manager(prefill_sizes) for m in _SETS}
         self._verify_graphs: dict[int, SpeculatorCudaGraphManager] = {}  # by rows/request
+        # (rows a request, descriptor, tokens) -> the graph's outputs sliced to the tokens
+        self._verify_views: dict[tuple, tuple] = {}
         # mixed steps that also return the target's features (after keep_features())
         self._feature_graphs: dict[int, SpeculatorCudaGraphManager] = {}
         self._prefill_sizes = prefill_sizes
@@ -434,6 +436,7 @@ class TargetRunner:
         for manager in self._verify_graphs.values():
             manager.teardown()
         self._verify_graphs.clear()
+        self._verify_views.clear()
         self._verify_rows_for = None
 
     def _verify_buffers(self, k_max: int) -> None:
@@ -558,8 +561,13 @@ class TargetRunner:
         if desc is None:
             logits, feats = self._verify_forward(r, w)
         else:
-            logits, feats = self._verify_graphs[w].replay(desc)
-            logits, feats = logits[:t], None if feats is None else feats[:t]
+            outs = self._verify_graphs[w].replay(desc)
+            views = self._verify_views.get((w, desc, t))
+            if views is None:  # the outputs are persistent: slice them once (host time)
+                logits, feats = outs
+                views = (logits[:t], None if feats is None else feats[:t])
+                self._verify_views[(w, desc, t)] = views
+            logits, feats = views
             self.graph_steps += 1
         if feats is not None:
             self.last_features = feats

@@ -552,6 +552,29 @@ def test_validation_env_var_and_switch(monkeypatch):
         set_validation("on")
 
 
+def test_validation_is_off_inside_a_capture_and_asks_only_when_on(monkeypatch):
+    """Inside a stream capture validation is off even when switched on; with it off (the
+    default for CUDA tensors) the capture state is not even queried (host time on every
+    steady round)."""
+    asked = []
+
+    def capturing():
+        asked.append(1)
+        return True
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", capturing)
+    monkeypatch.delenv(validation.ENV_VAR, raising=False)
+    assert not validation.validation_enabled(torch.device("cuda"))
+    assert validation.validation_enabled(torch.device("cpu")) and not asked
+    with use_validation(False):
+        assert not validation.validation_enabled("cuda") and not asked
+    with use_validation(True):
+        assert not validation.validation_enabled(torch.device("cuda")) and asked
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        assert validation.validation_enabled("cuda:0")
+
+
 def test_validation_cost_on_cpu_small_batch():
     """The figure quoted in kernels/validation.py: checks of an 8-request batch with 16
     block-table columns, CPU tensors."""
