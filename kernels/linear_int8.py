@@ -3,11 +3,12 @@ output row (symmetric, per channel), for the few rows of a draft step.
 
 What it is for: a draft's lm_head is most of the bytes it reads a step (the SmolLM2-
 shaped EAGLE head: 56.6 MB of a bf16 [49152, 576] lm_head against ~9 MB for its layer;
-Llama-3-8B's head: 1.05 GB against ~0.4 GB). A draft only proposes, and the target's
-verification decides what is emitted, so a draft whose lm_head reads half the bytes
-stays lossless as long as each sampled draft's q is the distribution it was drawn from,
-which holds: q is computed from these logits. What it can cost is acceptance, where the
-rounding flips a near-tie; `specdraft.quant` measures that on the real pair.
+Llama-3-8B's head: 1.05 GB against ~0.5 GB for its layer and fc). A draft only proposes,
+and the target's verification decides what is emitted, so a draft whose lm_head reads
+half the bytes stays lossless as long as each sampled draft's q is the distribution it
+was drawn from, which holds: q is computed from these logits. What it can cost is
+acceptance, where the rounding flips a near-tie; bench/int8_lm_head.py counts those
+flips on the embedded model.
 
 One launch over (column block, 16-row block) programs: each keeps up to 16 rows of x in
 a [16, BLOCK_K] tile, streams its [BLOCK_N, K] slice of W_q once, converts it to x's
