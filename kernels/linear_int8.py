@@ -13,7 +13,9 @@ flips on the embedded model.
 One launch over (column block, 16-row block) programs: each keeps up to 16 rows of x in
 a [16, BLOCK_K] tile, streams its [BLOCK_N, K] slice of W_q once, converts it to x's
 dtype (exact: every int8 value is a bf16 / fp16 / fp32 value) and accumulates through
-tl.dot in float32; the row scales multiply the sums once at the end.
+tl.dot in float32; the row scales multiply the sums once at the end. Up to
+FMA_MAX_ROWS rows (off by default) a program instead holds the few rows alone and sums
+float32 products on the CUDA cores (no 16-row padding, no shared-memory operands).
 """
 
 from __future__ import annotations
@@ -32,28 +34,34 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _linear_int8_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o,
     IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    GDC: tl.constexpr,
+    ROWS: tl.constexpr, DOT: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     if GDC:  # x comes from the kernel before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.program_id(1) * 16 + tl.arange(0, 16)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     rmask = rows < M
     cmask = cols < N
     wrow = w_ptr + cols[:, None].to(tl.int64) * stride_w
     xrow = x_ptr + rows[:, None].to(tl.int64) * stride_x
-    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    part = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)  # the CUDA-core tile's
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < K
         w = tl.load(wrow + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0)
         x = tl.load(xrow + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        w = w.to(x.dtype)
-        if IEEE:  # float32 x: full-precision products, as the float32 reference computes
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee", out_dtype=tl.float32)
-        else:
-            acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
+        if DOT:  # 16-row tiles through the tensor cores
+            w = w.to(x.dtype)
+            if IEEE:  # float32 x: full-precision products, as the float32 reference computes
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee", out_dtype=tl.float32)
+            else:
+                acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
+        else:  # a few rows: float32 products on the CUDA cores, each lane its own sums
+            part += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    if not DOT:
+        acc = tl.sum(part, axis=2)  # across the lanes once, after the loop
     scale = tl.load(s_ptr + cols, mask=cmask, other=0.0)
     y = acc * scale[None, :]
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :],
@@ -86,13 +94,30 @@ def check_linear_int8_args(x, weight, scale, *, out=None) -> None:
             )
 
 
-def _config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, stages, warps): 64 output rows a program, K in 128-wide steps
-    (64 for short K), three loads in flight."""
+# Rows up to which the CUDA-core tile runs instead of tensor-core tiles (0: never). Which
+# is faster at one to four rows is for bench/int8_lm_head.py to say on the GPU.
+FMA_MAX_ROWS = 0
+
+
+def _config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, bool]:
+    """(BLOCK_N, BLOCK_K, stages, warps, rows a program, tensor cores): 64 output rows a
+    program, K in 128-wide steps (64 for short K; the CUDA-core tile: 64 at one row, else
+    32, to bound its registers), three loads in flight."""
+    block_n = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
+    if m <= min(FMA_MAX_ROWS, 4):
+        rows = triton.next_power_of_2(m)
+        return (
+            block_n,
+            min(64 if rows == 1 else 32, max(16, triton.next_power_of_2(k))),
+            3,
+            4,
+            rows,
+            False,
+        )
     block_k = min(128, max(16, triton.next_power_of_2(k)))
     if k % 128 and k % 64 == 0:
         block_k = 64  # no masked tail step (SmolLM2's 576 = 9 x 64)
-    return 64 if n >= 64 else max(16, triton.next_power_of_2(n)), block_k, 3, 4
+    return block_n, block_k, 3, 4, 16, True
 
 
 def linear_int8(x, weight, scale, *, out=None, pdl: bool = False) -> torch.Tensor:
@@ -107,12 +132,12 @@ def linear_int8(x, weight, scale, *, out=None, pdl: bool = False) -> torch.Tenso
         return out
     if k == 0:
         return out.zero_()
-    block_n, block_k, stages, warps = _config(n, k)
+    block_n, block_k, stages, warps, rows, dot = _config(m, n, k)
     gdc, opts = pdl_launch(pdl)
     args = (x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-            x.dtype == torch.float32, block_n, block_k, stages, gdc)  # fmt: skip
+            x.dtype == torch.float32, block_n, block_k, stages, rows, dot, gdc)  # fmt: skip
     key = specialization_key(args) + (x.device.index,)
-    _LAUNCH(key, (cdiv(n, block_n), cdiv(m, 16)), args, {"num_warps": warps, **opts})
+    _LAUNCH(key, (cdiv(n, block_n), cdiv(m, rows)), args, {"num_warps": warps, **opts})
     return out
 
 

@@ -150,11 +150,15 @@ def decode_path_compiles() -> list[tuple[str, object]]:
         emb.embed_fc(torch.arange(m), torch.randn(100, h).to(bf), torch.randn(m + 1, h).to(bf),
                      torch.randn(h, 2 * h).to(bf), torch.randn(h).to(bf),
                      hidden_rows=torch.arange(m), pdl=True)  # fmt: skip
-    # a draft's int8 lm_head: SmolLM2's [49152, 576] at draft-step rows, a Llama-3-wide K
-    for m, n, k in ((1, 49152, 576), (8, 49152, 576), (20, 49152, 576), (4, 2048, 4096)):
-        label[0] = f"decode M {m} int8 lm_head {n} x {k}"
+    # a draft's int8 lm_head: SmolLM2's [49152, 576] at draft-step rows, a Llama-3-wide K;
+    # tensor-core tiles, then the CUDA-core tile of 1 and 4 rows
+    for m, n, k, fma in ((1, 49152, 576, 0), (8, 49152, 576, 0), (20, 49152, 576, 0),
+                         (4, 2048, 4096, 0), (1, 49152, 576, 4), (4, 49152, 576, 4)):  # fmt: skip
+        li.FMA_MAX_ROWS = fma
+        label[0] = f"decode M {m} int8 lm_head {n} x {k}{' cuda cores' * bool(fma)}"
         q8 = torch.zeros(n, k, dtype=torch.int8)
         li.linear_int8(torch.randn(m, k).to(bf), q8, torch.ones(n), pdl=True)
+    li.FMA_MAX_ROWS = 0
     label[0] = "decode"
     t, blocks, bs = 4, 8, 16
     q, k, v = (torch.randn(t, n, d).to(bf) for n in (hq, hkv, hkv))

@@ -63,6 +63,20 @@ def test_linear_int8_matches_float64(dtype):
 
 
 @interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cuda_core_tile_matches_float64(dtype, monkeypatch):
+    """The few-row tile (FMA_MAX_ROWS) at 1, 2, 3 and 4 rows, short / ragged / 64-multiple
+    K; past its rows the tensor-core tiles take over."""
+    import importlib
+
+    li = importlib.import_module("specdraft.kernels.linear_int8")
+    monkeypatch.setattr(li, "FMA_MAX_ROWS", 4)
+    assert not li._config(4, 64, 576)[5] and li._config(5, 64, 576)[5]
+    for m, k, n in ((1, 576, 200), (2, 40, 70), (3, 96, 64), (4, 130, 33), (5, 64, 40)):
+        check_case("cpu", dtype, m, k, n, seed=m + k + n)
+
+
+@interp
 def test_torch_path_matches_kernel():
     g = torch.Generator().manual_seed(5)
     w = torch.randn(90, 48, generator=g)
@@ -232,9 +246,14 @@ def test_greedy_rounds_with_an_int8_lm_head_match_its_reference(kind):
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("pdl", [False, True])
-def test_gpu_linear_int8_matches_float64(dtype, pdl):
-    # SmolLM2's lm_head at draft-step rows, a Llama-3-8B-wide K, a ragged N
-    for m, k, n in ((1, 576, 49152), (4, 576, 49152), (8, 4096, 2048), (33, 576, 1000)):
+@pytest.mark.parametrize("fma_rows", [0, 4])
+def test_gpu_linear_int8_matches_float64(dtype, pdl, fma_rows, monkeypatch):
+    # SmolLM2's lm_head at draft-step rows, a Llama-3-8B-wide K, a ragged N; both tiles
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("specdraft.kernels.linear_int8"),
+                        "FMA_MAX_ROWS", fma_rows)  # fmt: skip
+    for m, k, n in ((1, 576, 49152), (4, 576, 49152), (3, 4096, 2048), (33, 576, 1000)):
         check_case("cuda", dtype, m, k, n, pdl=pdl, seed=m + k + n)
 
 
