@@ -7,7 +7,7 @@ what it saves in time.
   logits. A greedy draft token changes at most there.
 - Time (GPU; --flips-only skips it): kernels.linear_int8 (its tensor-core tiles, and up
   to 4 rows its CUDA-core tile, FMA_MAX_ROWS) against the bf16 lm_head through ops.linear
-  (cuBLAS or the wide rows kernel at these shapes) at 1 / 4 / 8 rows, SmolLM2's [49152,
+  (cuBLAS or the wide rows kernel at these shapes) at 1 / 4 / 8 / 64 rows, SmolLM2's [49152,
   576] and Llama-3-8B's [128256, 4096], under CUDA-graph replay cycling through weight
   copies that together exceed L2 (device events, median), with the read floor of each
   (the weight bytes over the read bandwidth measured in the same run).
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 SHAPES = {"smollm2-135m": (49152, 576), "llama3-8b": (128256, 4096)}
-ROWS = (1, 4, 8)
+ROWS = (1, 4, 8, 64)
 
 
 @torch.no_grad()

@@ -10,12 +10,12 @@ was drawn from, which holds: q is computed from these logits. What it can cost i
 acceptance, where the rounding flips a near-tie; bench/int8_lm_head.py counts those
 flips on the embedded model.
 
-One launch over (column block, 16-row block) programs: each keeps up to 16 rows of x in
-a [16, BLOCK_K] tile, streams its [BLOCK_N, K] slice of W_q once, converts it to x's
-dtype (exact: every int8 value is a bf16 / fp16 / fp32 value) and accumulates through
-tl.dot in float32; the row scales multiply the sums once at the end. Up to
-FMA_MAX_ROWS rows (off by default) a program instead holds the few rows alone and sums
-float32 products on the CUDA cores (no 16-row padding, no shared-memory operands).
+One launch over (column block, row block) programs: each keeps up to 16 rows of x (up to
+64 past 16 rows) in a [rows, BLOCK_K] tile, streams its [BLOCK_N, K] slice of W_q once,
+converts it to x's dtype (exact: every int8 value is a bf16 / fp16 / fp32 value) and
+accumulates through tl.dot in float32; the row scales multiply the sums once at the end.
+Up to FMA_MAX_ROWS rows (off by default) a program instead holds the few rows alone and
+sums float32 products on the CUDA cores (no 16-row padding, no shared-memory operands).
 """
 
 from __future__ import annotations
@@ -100,9 +100,9 @@ FMA_MAX_ROWS = 0
 
 
 def _config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, bool]:
-    """(BLOCK_N, BLOCK_K, stages, warps, rows a program, tensor cores): 64 output rows a
-    program, K in 128-wide steps (64 for short K; the CUDA-core tile: 64 at one row, else
-    32, to bound its registers), three loads in flight."""
+    """(BLOCK_N, BLOCK_K, stages, warps, rows a program, tensor cores): 64 output columns
+    a program, K in 128-wide steps (64 for short K; the CUDA-core tile: 64 at one row,
+    else 32, to bound its registers), three loads in flight."""
     block_n = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
     if m <= min(FMA_MAX_ROWS, 4):
         rows = triton.next_power_of_2(m)
@@ -117,7 +117,10 @@ def _config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, bool]:
     block_k = min(128, max(16, triton.next_power_of_2(k)))
     if k % 128 and k % 64 == 0:
         block_k = 64  # no masked tail step (SmolLM2's 576 = 9 x 64)
-    return block_n, block_k, 3, 4, 16, True
+    # 16-row tiles up to 16 rows, then up to 64 in one tile: W is read once per column
+    # block for a draft batch of up to 64 requests
+    rows = 16 if m <= 16 else min(64, triton.next_power_of_2(m))
+    return block_n, block_k, 3, 4, rows, True
 
 
 def linear_int8(x, weight, scale, *, out=None, pdl: bool = False) -> torch.Tensor:

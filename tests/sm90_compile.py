@@ -153,7 +153,8 @@ def decode_path_compiles() -> list[tuple[str, object]]:
     # a draft's int8 lm_head: SmolLM2's [49152, 576] at draft-step rows, a Llama-3-wide K;
     # tensor-core tiles, then the CUDA-core tile of 1 and 4 rows
     for m, n, k, fma in ((1, 49152, 576, 0), (8, 49152, 576, 0), (20, 49152, 576, 0),
-                         (4, 2048, 4096, 0), (1, 49152, 576, 4), (4, 49152, 576, 4)):  # fmt: skip
+                         (64, 32000, 768, 0), (4, 2048, 4096, 0), (1, 49152, 576, 4),
+                         (4, 49152, 576, 4)):  # fmt: skip
         li.FMA_MAX_ROWS = fma
         label[0] = f"decode M {m} int8 lm_head {n} x {k}{' cuda cores' * bool(fma)}"
         q8 = torch.zeros(n, k, dtype=torch.int8)

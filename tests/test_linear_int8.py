@@ -58,7 +58,9 @@ def check_case(device, dtype, m, k, n, *, pdl=False, seed=0):
 def test_linear_int8_matches_float64(dtype):
     # one and several 16-row blocks; N not a multiple of the column block; K short,
     # ragged, 576 (SmolLM2's hidden size, 64-wide steps) and over one step
-    for m, k, n in ((1, 576, 200), (3, 40, 70), (16, 96, 64), (17, 130, 33), (40, 256, 16)):
+    # rows: one 16-row tile, 32- and 64-row tiles, two 64-row tiles
+    for m, k, n in ((1, 576, 200), (3, 40, 70), (16, 96, 64), (17, 130, 33), (40, 256, 16),
+                    (65, 48, 40)):  # fmt: skip
         check_case("cpu", dtype, m, k, n, seed=m + k + n)
 
 
