@@ -45,8 +45,10 @@ def _linear_int8_kernel(
     cmask = cols < N
     wrow = w_ptr + cols[:, None].to(tl.int64) * stride_w
     xrow = x_ptr + rows[:, None].to(tl.int64) * stride_x
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    part = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)  # the CUDA-core tile's
+    if DOT:
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    else:  # the CUDA-core tile: each lane keeps its own sums until after the loop
+        acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < K
@@ -58,10 +60,10 @@ def _linear_int8_kernel(
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee", out_dtype=tl.float32)
             else:
                 acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
-        else:  # a few rows: float32 products on the CUDA cores, each lane its own sums
-            part += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        else:  # a few rows: float32 products on the CUDA cores
+            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     if not DOT:
-        acc = tl.sum(part, axis=2)  # across the lanes once, after the loop
+        acc = tl.sum(acc, axis=2)  # across the lanes once, after the loop
     scale = tl.load(s_ptr + cols, mask=cmask, other=0.0)
     y = acc * scale[None, :]
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :],
@@ -147,8 +149,10 @@ def linear_int8(x, weight, scale, *, out=None, pdl: bool = False) -> torch.Tenso
 def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8: scale = max |w| of the row / 127 (1 for an all-zero row),
     w_q = round(w / scale) in [-127, 127]. Computed in float32."""
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError(f"weight must be a 2-D tensor, got {getattr(weight, 'shape', weight)}")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be a 2-D tensor, got shape {tuple(weight.shape)}")
     if not weight.dtype.is_floating_point:
         raise TypeError(f"weight must be a floating-point tensor, got {weight.dtype}")
     w = weight.detach().float()

@@ -111,6 +111,8 @@ def test_quantize_rows_int8_bounds():
         kernels.quantize_rows_int8(torch.ones(3, 4, dtype=torch.int32))
     with pytest.raises(ValueError, match="weight"):
         kernels.quantize_rows_int8(torch.ones(3))
+    with pytest.raises(TypeError, match="weight"):
+        kernels.quantize_rows_int8([[1.0, 2.0]])
 
 
 def _args():
@@ -165,6 +167,13 @@ def test_int8_linear_refuses_what_it_cannot_copy():
         Int8Linear.from_linear(torch.nn.Linear(8, 6, bias=False))
     with pytest.raises(TypeError, match="lm_head"):
         quantize_lm_head(torch.nn.Module())
+    # a model whose lm_head is not a specdraft Linear is refused and left as it was
+    model = torch.nn.Module()
+    model.lm_head = torch.nn.Linear(8, 6, bias=False)
+    head, before = model.lm_head, model.lm_head.weight.detach().clone()
+    with pytest.raises(TypeError, match="lm_head"):
+        quantize_lm_head(model)
+    assert model.lm_head is head and torch.equal(head.weight, before)
 
 
 # ---- a draft with an int8 lm_head ---------------------------------------------------------
