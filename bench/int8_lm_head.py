@@ -5,12 +5,15 @@ what it saves in time.
   templated prompts (held-out and default sets), teacher-forced through SmolLM2-135M in
   float32, how often the int8 per-row lm_head changes the argmax of the model's own
   logits. A greedy draft token changes at most there.
-- Time (GPU; --flips-only skips it): kernels.linear_int8 (its tensor-core tiles, and up
-  to 4 rows its CUDA-core tile, FMA_MAX_ROWS) against the bf16 lm_head through ops.linear
-  (cuBLAS or the wide rows kernel at these shapes) at 1 / 4 / 8 / 64 rows, SmolLM2's [49152,
-  576] and Llama-3-8B's [128256, 4096], under CUDA-graph replay cycling through weight
-  copies that together exceed L2 (device events, median), with the read floor of each
-  (the weight bytes over the read bandwidth measured in the same run).
+- Time (GPU; --flips-only skips it): kernels.linear_int8 against the bf16 lm_head
+  through ops.linear (cuBLAS or the wide rows kernel at these shapes) at 1 / 4 / 8 / 64
+  rows, SmolLM2's [49152, 576] and Llama-3-8B's [128256, 4096], under CUDA-graph replay
+  (device events, median): cycling through weight copies that together exceed L2, with
+  the read floor of each (the weight bytes over the read bandwidth measured in the same
+  run), and again over one copy, as a round's later steps read it (SmolLM2's int8
+  lm_head, 28 MB, can stay in the H200's L2; its bf16 one, 57 MB, cannot); and a greedy
+  step's lm_head with its argmax: linear_int8 then argmax_rows (two launches) against
+  linear_int8_argmax (one).
 
     python -m bench.int8_lm_head [--out results] [--flips-only | --no-flips]
 """
@@ -54,12 +57,9 @@ def argmax_flips(device: str) -> dict:
 
 
 def time_rows(read_tbps: float) -> list[dict]:
-    import importlib
-
     from bench.common import time_graph_us
     from specdraft import kernels, ops
 
-    li = importlib.import_module("specdraft.kernels.linear_int8")
     rows = []
     l2_bytes = 64 << 20
     pdl = kernels.pdl_supported(torch.device("cuda"))
@@ -73,19 +73,31 @@ def time_rows(read_tbps: float) -> list[dict]:
         for m in ROWS:
             x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
             bf = time_graph_us([lambda x=x, w=w: ops.linear(x, w, None) for w in ws])
-            i8 = {}
-            for fma in (0, 4) if m <= 4 else (0,):  # tensor-core tiles, CUDA-core tile
-                li.FMA_MAX_ROWS = fma
-                i8[fma] = time_graph_us(
-                    [lambda x=x, q=q, s=s: kernels.linear_int8(x, q, s, pdl=pdl) for q, s in qs]
-                )
-            li.FMA_MAX_ROWS = 0
+            i8 = time_graph_us(
+                [lambda x=x, q=q, s=s: kernels.linear_int8(x, q, s, pdl=pdl) for q, s in qs]
+            )
+            bf_one = time_graph_us([lambda x=x, w=ws[0]: ops.linear(x, w, None)])
+            i8_one = time_graph_us([lambda x=x, qs0=qs[0]: kernels.linear_int8(x, *qs0, pdl=pdl)])
+            # a greedy step: the projection and the argmax, two launches against one
+            tok = torch.empty(m, dtype=torch.int64, device="cuda")
+            tickets = torch.zeros(m, dtype=torch.int32, device="cuda")
+            two = time_graph_us([
+                lambda x=x, q=q, s=s, o=tok, t=tickets: kernels.argmax_rows(
+                    kernels.linear_int8(x, q, s, pdl=pdl), out=o, tickets=t)
+                for q, s in qs
+            ])  # fmt: skip
+            one = time_graph_us([
+                lambda x=x, q=q, s=s, o=tok, t=tickets: kernels.linear_int8_argmax(
+                    x, q, s, out=o, tickets=t, pdl=pdl)
+                for q, s in qs
+            ])  # fmt: skip
             floor = v * k / read_tbps / 1e6  # µs for one byte a weight
-            best = min(i8.values())
             rows.append({
                 "shape": name, "rows": m, "bf16_us": bf, "bf16_floor_us": 2 * floor,
-                "int8_us": i8[0], "int8_fma_us": i8.get(4), "int8_floor_us": floor * (1 + 4 / k),
-                "int8_over_bf16": best / bf,
+                "int8_us": i8, "int8_floor_us": floor * (1 + 4 / k),
+                "int8_over_bf16": i8 / bf, "bf16_one_copy_us": bf_one,
+                "int8_one_copy_us": i8_one, "int8_then_argmax_us": two,
+                "int8_argmax_us": one,
             })  # fmt: skip
             print({a: round(b, 3) if isinstance(b, float) else b for a, b in rows[-1].items()},
                   flush=True)  # fmt: skip
@@ -99,10 +111,13 @@ COLUMNS = [
     ("rows", "rows"),
     ("bf16_us", "bf16 (ops.linear) µs"),
     ("bf16_floor_us", "bf16 floor µs"),
-    ("int8_us", "int8 tensor cores µs"),
-    ("int8_fma_us", "int8 CUDA cores µs"),
+    ("int8_us", "int8 µs"),
     ("int8_floor_us", "int8 floor µs"),
-    ("int8_over_bf16", "best int8 / bf16"),
+    ("int8_over_bf16", "int8 / bf16"),
+    ("bf16_one_copy_us", "bf16 µs, one copy"),
+    ("int8_one_copy_us", "int8 µs, one copy"),
+    ("int8_then_argmax_us", "int8, then argmax µs"),
+    ("int8_argmax_us", "int8 + argmax, one launch µs"),
 ]
 
 

@@ -151,15 +151,18 @@ def decode_path_compiles() -> list[tuple[str, object]]:
                      torch.randn(h, 2 * h).to(bf), torch.randn(h).to(bf),
                      hidden_rows=torch.arange(m), pdl=True)  # fmt: skip
     # a draft's int8 lm_head: SmolLM2's [49152, 576] at draft-step rows, a Llama-3-wide K;
-    # tensor-core tiles, then the CUDA-core tile of 1 and 4 rows
-    for m, n, k, fma in ((1, 49152, 576, 0), (8, 49152, 576, 0), (20, 49152, 576, 0),
-                         (64, 32000, 768, 0), (4, 2048, 4096, 0), (1, 49152, 576, 4),
-                         (4, 49152, 576, 4)):  # fmt: skip
-        li.FMA_MAX_ROWS = fma
-        label[0] = f"decode M {m} int8 lm_head {n} x {k}{' cuda cores' * bool(fma)}"
+    # one 16-row tile, 256-wide K steps, 32- and 64-row tiles
+    for m, n, k in ((1, 49152, 576), (8, 49152, 576), (4, 2048, 4096), (20, 49152, 576),
+                    (64, 32000, 768)):  # fmt: skip
+        label[0] = f"decode M {m} int8 lm_head {n} x {k}"
         q8 = torch.zeros(n, k, dtype=torch.int8)
         li.linear_int8(torch.randn(m, k).to(bf), q8, torch.ones(n), pdl=True)
-    li.FMA_MAX_ROWS = 0
+    for m in (1, 8, 64):  # the greedy draft step's lm_head + argmax, with an id map
+        label[0] = f"decode M {m} int8 lm_head + argmax 49152 x 576"
+        li.linear_int8_argmax(torch.randn(m, 576).to(bf), torch.zeros(49152, 576, dtype=torch.int8),
+                              torch.ones(49152), out=torch.zeros(m, dtype=torch.int64),
+                              tickets=torch.zeros(m, dtype=torch.int32),
+                              offsets=torch.zeros(49152, dtype=torch.int64), pdl=True)  # fmt: skip
     label[0] = "decode"
     t, blocks, bs = 4, 8, 16
     q, k, v = (torch.randn(t, n, d).to(bf) for n in (hq, hkv, hkv))
