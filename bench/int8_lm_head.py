@@ -11,9 +11,7 @@ what it saves in time.
   (device events, median): cycling through weight copies that together exceed L2, with
   the read floor of each (the weight bytes over the read bandwidth measured in the same
   run), and again over one copy, as a round's later steps read it (SmolLM2's int8
-  lm_head, 28 MB, can stay in the H200's L2; its bf16 one, 57 MB, cannot); and a greedy
-  step's lm_head with its argmax: linear_int8 then argmax_rows (two launches) against
-  linear_int8_argmax (one).
+  lm_head, 28 MB, can stay in the H200's L2; its bf16 one, 57 MB, cannot).
 
     python -m bench.int8_lm_head [--out results] [--flips-only | --no-flips]
 """
@@ -78,26 +76,12 @@ def time_rows(read_tbps: float) -> list[dict]:
             )
             bf_one = time_graph_us([lambda x=x, w=ws[0]: ops.linear(x, w, None)])
             i8_one = time_graph_us([lambda x=x, qs0=qs[0]: kernels.linear_int8(x, *qs0, pdl=pdl)])
-            # a greedy step: the projection and the argmax, two launches against one
-            tok = torch.empty(m, dtype=torch.int64, device="cuda")
-            tickets = torch.zeros(m, dtype=torch.int32, device="cuda")
-            two = time_graph_us([
-                lambda x=x, q=q, s=s, o=tok, t=tickets: kernels.argmax_rows(
-                    kernels.linear_int8(x, q, s, pdl=pdl), out=o, tickets=t)
-                for q, s in qs
-            ])  # fmt: skip
-            one = time_graph_us([
-                lambda x=x, q=q, s=s, o=tok, t=tickets: kernels.linear_int8_argmax(
-                    x, q, s, out=o, tickets=t, pdl=pdl)
-                for q, s in qs
-            ])  # fmt: skip
             floor = v * k / read_tbps / 1e6  # µs for one byte a weight
             rows.append({
                 "shape": name, "rows": m, "bf16_us": bf, "bf16_floor_us": 2 * floor,
                 "int8_us": i8, "int8_floor_us": floor * (1 + 4 / k),
                 "int8_over_bf16": i8 / bf, "bf16_one_copy_us": bf_one,
-                "int8_one_copy_us": i8_one, "int8_then_argmax_us": two,
-                "int8_argmax_us": one,
+                "int8_one_copy_us": i8_one,
             })  # fmt: skip
             print({a: round(b, 3) if isinstance(b, float) else b for a, b in rows[-1].items()},
                   flush=True)  # fmt: skip
@@ -116,8 +100,6 @@ COLUMNS = [
     ("int8_over_bf16", "int8 / bf16"),
     ("bf16_one_copy_us", "bf16 µs, one copy"),
     ("int8_one_copy_us", "int8 µs, one copy"),
-    ("int8_then_argmax_us", "int8, then argmax µs"),
-    ("int8_argmax_us", "int8 + argmax, one launch µs"),
 ]
 
 

@@ -109,12 +109,7 @@ def check_argmax_args(
         raise ValueError("logits has no columns: an argmax needs at least one")
     if logits.stride(1) != 1:
         raise ValueError(f"logits rows must be contiguous, got strides {logits.stride()}")
-    check_token_outputs(*logits.shape, logits.device, out=out, tickets=tickets, offsets=offsets)
-
-
-def check_token_outputs(rows, n, device, *, out, tickets, offsets) -> None:
-    """Checks of a greedy launch's token outputs for `rows` rows of `n` logits on
-    `device`: out (int64 [rows], any stride with tickets), tickets, offsets (id map)."""
+    rows, n = logits.shape
     if out is not None:
         if tickets is None:
             _check_tensor("out", out, 1, (torch.int64,))
@@ -123,21 +118,23 @@ def check_token_outputs(rows, n, device, *, out, tickets, offsets) -> None:
                 raise ValueError(f"out must have 1 dimension, got shape {tuple(out.shape)}")
             _check_tensor("out", out.unsqueeze(-1) if isinstance(out, torch.Tensor) else out,
                           2, (torch.int64,))  # fmt: skip
-        if out.shape[0] != rows or out.device != device:
-            raise ValueError(f"out {tuple(out.shape)} on {out.device} must be [{rows}] on {device}")
+        if out.shape[0] != rows or out.device != logits.device:
+            raise ValueError(
+                f"out {tuple(out.shape)} on {out.device} must be [{rows}] on {logits.device}"
+            )
     if tickets is not None:
         _check_tensor("tickets", tickets, 1, (torch.int32,))
-        if tickets.shape[0] < rows or tickets.device != device or tickets.stride(0) != 1:
+        if tickets.shape[0] < rows or tickets.device != logits.device or tickets.stride(0) != 1:
             raise ValueError(
                 f"tickets {tuple(tickets.shape)} on {tickets.device} must be a contiguous "
-                f"[>= {rows}] int32 buffer of zeros on {device}"
+                f"[>= {rows}] int32 buffer of zeros on {logits.device}"
             )
     if offsets is not None:
         _check_tensor("offsets", offsets, 1, (torch.int64,))
-        if offsets.shape[0] != n or offsets.device != device or offsets.stride(0) != 1:
+        if offsets.shape[0] != n or offsets.device != logits.device or offsets.stride(0) != 1:
             raise ValueError(
                 f"offsets {tuple(offsets.shape)} on {offsets.device} must be a contiguous "
-                f"[{n}] int64 id map on {device}"
+                f"[{n}] int64 id map on {logits.device}"
             )
         if tickets is None:
             raise ValueError("offsets needs tickets (the one-launch path maps the ids)")

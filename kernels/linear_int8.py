@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .argmax import check_token_outputs
 from .launch import CachedLaunch, pdl_launch, specialization_key
 from .paged_attention import _check_tensor, cdiv
 
@@ -34,10 +33,8 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @triton.jit
 def _linear_int8_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o,
-    part_val_ptr, part_idx_ptr, tickets_ptr, tok_ptr, stride_tok, off_ptr,
     IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    ROWS: tl.constexpr, GDC: tl.constexpr, ARGMAX: tl.constexpr, NBP: tl.constexpr,
-    HAS_OFF: tl.constexpr,
+    ROWS: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     if GDC:  # x comes from the kernel before
         tl.extra.cuda.gdc_wait()
@@ -60,41 +57,9 @@ def _linear_int8_kernel(
         else:
             acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
     scale = tl.load(s_ptr + cols, mask=cmask, other=0.0)
-    y = (acc * scale[None, :]).to(x_ptr.dtype.element_ty)
-    if not ARGMAX:
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :], y,
-                 mask=rmask[:, None] & cmask[None, :])  # fmt: skip
-    else:  # greedy: each row's first maximum, the logits never stored
-        # Compared as the rounded logits (float32 keeps their order), so the tokens are
-        # those of kernels.argmax_rows over linear_int8's output; NaN ranks highest.
-        v = y.to(tl.float32)
-        v = tl.where(v != v, float("inf"), v)
-        v = tl.where(cmask[None, :], v, float("-inf"))
-        best = tl.max(v, axis=1)
-        idx = tl.min(tl.where((v == best[:, None]) & cmask[None, :], cols[None, :], N), axis=1)
-        nb = tl.num_programs(0)
-        part = rows.to(tl.int64) * nb + tl.program_id(0)
-        tl.store(part_val_ptr + part, best, mask=rmask)
-        tl.store(part_idx_ptr + part, idx, mask=rmask)
-        tl.debug_barrier()  # every lane's partials before the ticket's release
-        # One ticket per row block: the last column block of these rows (acq_rel: the
-        # others' partials are visible to it) reduces them, writes the tokens, resets it.
-        ticket = tl.atomic_add(tickets_ptr + tl.program_id(1), 1, sem="acq_rel")
-        if ticket == nb - 1:
-            tl.store(tickets_ptr + tl.program_id(1), 0)
-            b = tl.arange(0, NBP)
-            for r0 in tl.static_range(0, ROWS, 16):  # 16 rows at a time: no spills at 64
-                r = tl.program_id(1) * ROWS + r0 + tl.arange(0, 16)
-                at = r[:, None].to(tl.int64) * nb + b[None, :]
-                bmask = (r < M)[:, None] & (b < nb)[None, :]
-                pv = tl.load(part_val_ptr + at, mask=bmask, other=float("-inf"),
-                             cache_modifier=".cg")  # fmt: skip
-                pi = tl.load(part_idx_ptr + at, mask=bmask, other=N, cache_modifier=".cg")
-                top = tl.max(pv, axis=1)
-                tok = tl.min(tl.where((pv == top[:, None]) & bmask, pi, N), axis=1).to(tl.int64)
-                if HAS_OFF:  # EAGLE-3's draft -> target id map
-                    tok += tl.load(off_ptr + tok, mask=r < M, other=0)
-                tl.store(tok_ptr + r.to(tl.int64) * stride_tok, tok, mask=r < M)
+    y = acc * scale[None, :]
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :],
+             y.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])  # fmt: skip
 
 
 _LAUNCH = CachedLaunch(_linear_int8_kernel)
@@ -153,59 +118,12 @@ def linear_int8(x, weight, scale, *, out=None, pdl: bool = False) -> torch.Tenso
         return out
     if k == 0:
         return out.zero_()
-    _launch(x, weight, scale, out, pdl)
-    return out
-
-
-def _launch(x, weight, scale, out, pdl, greedy=None) -> None:
-    """One launch of the kernel; greedy: (tokens out, tickets, offsets or None) for the
-    argmax epilogue, out then unused."""
-    m, k = x.shape
-    n = weight.shape[0]
     block_n, block_k, stages, warps, rows = _config(m, n, k)
     gdc, opts = pdl_launch(pdl)
-    grid = (cdiv(n, block_n), cdiv(m, rows))
-    if greedy is None:
-        extra = (x, x, x, x, 0, x, False, 1, False)  # the epilogue's pointers, unused
-    else:
-        tok, tickets, offsets = greedy
-        part_val = torch.empty((m, grid[0]), dtype=torch.float32, device=x.device)
-        part_idx = torch.empty((m, grid[0]), dtype=torch.int32, device=x.device)
-        extra = (part_val, part_idx, tickets, tok, tok.stride(0),
-                 tok if offsets is None else offsets, True,
-                 max(2, triton.next_power_of_2(grid[0])), offsets is not None)  # fmt: skip
     args = (x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-            *extra[:6], x.dtype == torch.float32, block_n, block_k, stages, rows, gdc,
-            *extra[6:])  # fmt: skip
+            x.dtype == torch.float32, block_n, block_k, stages, rows, gdc)  # fmt: skip
     key = specialization_key(args) + (x.device.index, warps)
-    _LAUNCH(key, grid, args, {"num_warps": warps, **opts})
-
-
-def check_linear_int8_argmax_args(x, weight, scale, *, out, tickets, offsets=None) -> None:
-    """linear_int8_argmax's argument checks (nothing launched)."""
-    check_linear_int8_args(x, weight, scale)
-    if out is None:
-        raise ValueError("out is required: the fused argmax writes the tokens into it")
-    if tickets is None:
-        raise ValueError("tickets is required: the fused argmax's last block takes one")
-    if weight.shape[0] == 0:
-        raise ValueError("weight has no rows: an argmax needs at least one logit")
-    check_token_outputs(x.shape[0], weight.shape[0], x.device, out=out, tickets=tickets,
-                        offsets=offsets)  # fmt: skip
-
-
-def linear_int8_argmax(x, weight, scale, *, out, tickets, offsets=None, pdl: bool = False):
-    """Greedy tokens in one launch: out[i] = argmax_j (x (weight * scale)^T)[i, j] (the
-    first index of the maximum of the logits rounded to x's dtype, as argmax_rows over
-    linear_int8's output), plus offsets[j] with an id map; the logits are never written.
-    out: a 1-D int64 view (e.g. a column of a token table); tickets: int32 zeros, at
-    least one per 16 rows, kept by the caller for one call in flight, left zero."""
-    check_linear_int8_argmax_args(x, weight, scale, out=out, tickets=tickets, offsets=offsets)
-    if x.shape[0] == 0:
-        return out
-    if x.shape[1] == 0:  # every logit 0: the first index
-        return out.copy_(torch.zeros_like(out) if offsets is None else offsets[0].expand_as(out))
-    _launch(x, weight, scale, x, pdl, (out, tickets, offsets))
+    _LAUNCH(key, (cdiv(n, block_n), cdiv(m, rows)), args, {"num_warps": warps, **opts})
     return out
 
 

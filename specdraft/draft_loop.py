@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import kernels, ops
+from . import ops
 from .attn_metadata import AttentionMetadata, MetadataBuilder
 from .batch import ScheduledBatch
 from .block_table import BlockTables
@@ -24,7 +24,6 @@ from .draft_inputs import DraftKind
 from .draft_round_ops import draft_round_ops
 from .input_buffers import InputBuffers
 from .kv_cache import KVCache
-from .layers import Int8Linear
 from .sampling import DRAFT_PROPOSAL, SamplingTensors, sample
 
 
@@ -143,59 +142,31 @@ class DraftLoop:
         meta = self.metadata("prefill", rows)
         # The model gathers its input states (hidden_rows): no gather launch here.
         rows_src = None if self.hidden is None else b.p_src[: rows * w]
-        head = self._greedy_head(state, 0)
-        out, logits = self._forward(meta, self.hidden, rows_src, head=head)
+        out, logits = self._forward(meta, self.hidden, rows_src)
         if self.hidden is not None and k_max > 1:  # a round of one draft carries nothing on
             # the state that drew token 0: the next step reads row p_last of out
             state.hidden, state.hidden_rows = out, b.p_last[:rows]
-        if head is None:
-            self._sample(state, logits, 0)
+        self._sample(state, logits, 0)
         return state
 
     def step(self, state: RoundState, step: int) -> None:
         """advance, one decode step, draft token `step`."""
         self.ops.advance(state.rows, step, state.k_max)
         meta = self.metadata("decode", state.rows)  # one row per request: every row's logits
-        head = self._greedy_head(state, step)
-        state.hidden, logits = self._forward(
-            meta, state.hidden, state.hidden_rows, all_logits=True, head=head
-        )
+        state.hidden, logits = self._forward(meta, state.hidden, state.hidden_rows, all_logits=True)
         state.hidden_rows = None  # the step's own output: one row per request
-        if head is None:
-            self._sample(state, logits, step)
+        self._sample(state, logits, step)
 
     def finish(self, state: RoundState):
         self.ops.epilogue(state.rows, state.k_max)
         return state.tokens, state.q
 
-    def _forward(
-        self, meta: AttentionMetadata, hidden, hidden_rows=None, *, all_logits=False, head=None
-    ):
+    def _forward(self, meta: AttentionMetadata, hidden, hidden_rows=None, *, all_logits=False):
         if self.kind is DraftKind.LLAMA:
-            return self.model(meta.input_ids, meta, self.cache, all_logits=all_logits, head=head)
+            return self.model(meta.input_ids, meta, self.cache, all_logits=all_logits)
         return self.model(
-            meta.input_ids, hidden, meta, self.cache, all_logits=all_logits,
-            hidden_rows=hidden_rows, head=head,
-        )  # fmt: skip
-
-    def _greedy_head(self, state: RoundState, step: int):
-        """A greedy round over an int8 lm_head (layers.quantize_lm_head) takes the
-        projection and the argmax in one launch that writes draft token `step` into the
-        token table (ops.linear_int8_argmax; no logits): the model's lm_head replaced for
-        this call. None otherwise: the model's lm_head, then _sample."""
-        head = self.model.lm_head
-        if state.mode is not SamplingMode.GREEDY or not isinstance(head, Int8Linear):
-            return None
-        offsets = self.model.d2t if self.map_tokens else None
-        column = state.tokens[:, step]
-
-        def project_argmax(rows: torch.Tensor) -> torch.Tensor:
-            return ops.linear_int8_argmax(
-                rows, head.weight, head.scale, out=column, tickets=self._tickets,
-                offsets=offsets, pdl=kernels.pdl_supported(rows.device),
-            )  # fmt: skip
-
-        return project_argmax
+            meta.input_ids, hidden, meta, self.cache, all_logits=all_logits, hidden_rows=hidden_rows
+        )
 
     def _sample(self, state: RoundState, logits: torch.Tensor, step: int) -> None:
         """Draft token `step` of every row into tokens[:, step] (target ids) and the

@@ -220,21 +220,6 @@ def linear_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, **kw
     return torch_ops.linear_int8(x, weight, scale, **kw)
 
 
-def linear_int8_argmax(x, weight, scale, *, out, tickets, offsets=None, pdl=False):
-    """Greedy tokens of an int8 projection in one launch, into `out` (1-D int64 view):
-    argmax of linear_int8(x, weight, scale) per row, plus offsets[index] with an id map
-    (kernels.linear_int8_argmax; the logits are never written)."""
-    if backend_for(x) == "triton":
-        return kernels.linear_int8_argmax(
-            x, weight, scale, out=out, tickets=tickets, offsets=offsets, pdl=pdl
-        )
-    kernels.check_linear_int8_argmax_args(
-        x, weight, scale, out=out, tickets=tickets, offsets=offsets
-    )
-    logits = torch_ops.linear_int8(x, weight, scale)
-    return argmax(logits, out=out, tickets=tickets, offsets=offsets)
-
-
 def argmax(logits: torch.Tensor, *, out=None, tickets=None, offsets=None) -> torch.Tensor:
     """int64 [rows]: the first index of each row's maximum (greedy decoding), plus
     offsets[index] with an id map; into `out` (any 1-D int64 view) when given. With

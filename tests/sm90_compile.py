@@ -157,12 +157,6 @@ def decode_path_compiles() -> list[tuple[str, object]]:
         label[0] = f"decode M {m} int8 lm_head {n} x {k}"
         q8 = torch.zeros(n, k, dtype=torch.int8)
         li.linear_int8(torch.randn(m, k).to(bf), q8, torch.ones(n), pdl=True)
-    for m in (1, 8, 64):  # the greedy draft step's lm_head + argmax, with an id map
-        label[0] = f"decode M {m} int8 lm_head + argmax 49152 x 576"
-        li.linear_int8_argmax(torch.randn(m, 576).to(bf), torch.zeros(49152, 576, dtype=torch.int8),
-                              torch.ones(49152), out=torch.zeros(m, dtype=torch.int64),
-                              tickets=torch.zeros(m, dtype=torch.int32),
-                              offsets=torch.zeros(49152, dtype=torch.int64), pdl=True)  # fmt: skip
     label[0] = "decode"
     t, blocks, bs = 4, 8, 16
     q, k, v = (torch.randn(t, n, d).to(bf) for n in (hq, hkv, hkv))

@@ -77,101 +77,6 @@ def test_torch_path_matches_kernel():
     assert torch.allclose(b.double(), reference(x, q, s), rtol=1e-5, atol=1e-5)
 
 
-def check_argmax_case(device, dtype, m, k, n, *, ties=False, mapped=False, pdl=False, seed=0):
-    """linear_int8_argmax into one column of a poisoned token table against argmax_rows
-    over linear_int8's logits (the unfused path) and the float64 reference's ranking:
-    only that column written, the tickets left zero, x unchanged."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    w = torch.randn(n, k, device=device, generator=g) / k**0.5
-    if ties:  # copies of one row at later indices: exact ties, the first index wins
-        w[n // 3 :: max(1, n // 5)] = w[n // 3]
-    q, s = kernels.quantize_rows_int8(w)
-    x = torch.randn(m, k, device=device, generator=g).to(dtype)
-    if ties:  # the copied row the clear maximum of every row of x
-        x = (x * 0.1 + q[n // 3].to(dtype)).to(dtype)
-    x0 = x.clone()
-    offsets = torch.randint(0, 3 * n, (n,), device=device, generator=g) if mapped else None
-    table = torch.full((m, 3), -5, dtype=torch.int64, device=device)
-    tickets = torch.zeros(m, dtype=torch.int32, device=device)
-    got = kernels.linear_int8_argmax(
-        x, q, s, out=table[:, 1], tickets=tickets, offsets=offsets, pdl=pdl
-    )
-    assert got.data_ptr() == table[:, 1].data_ptr()
-    idx = kernels.argmax_rows(kernels.linear_int8(x, q, s))
-    if ties:
-        assert bool((idx == n // 3).all()), "the first of the tied rows"
-    want = idx + offsets[idx] if mapped else idx
-    assert torch.equal(table[:, 1], want)
-    assert bool((table[:, [0, 2]] == -5).all()), "only the out column written"
-    assert not tickets.any(), "tickets left zero"
-    assert torch.equal(x, x0)
-    # the reference's ranking: the chosen logit is within rounding of the float64 maximum
-    ref = reference(x, q, s)
-    chosen = ref.gather(1, idx[:, None]).squeeze(1)
-    gap = ref.max(dim=1).values - chosen
-    assert bool((gap <= 2 * rounding(ref.max(dim=1).values, dtype) + 1e-9).all()), gap.max()
-
-
-@interp
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_linear_int8_argmax_matches_the_unfused_path(dtype):
-    # one and two 16-row blocks, one 64-row tile; ragged N; K over 2048; an id map; ties
-    for i, (m, k, n) in enumerate(((1, 576, 300), (3, 40, 70), (17, 64, 200), (40, 33, 16),
-                                   (2, 2112, 40))):  # fmt: skip
-        check_argmax_case("cpu", dtype, m, k, n, mapped=i % 2 == 1, seed=i)
-    check_argmax_case("cpu", dtype, 5, 64, 500, ties=True, seed=7)
-    check_argmax_case("cpu", dtype, 20, 48, 300, ties=True, mapped=True, seed=8)
-
-
-@interp
-def test_linear_int8_argmax_torch_path_matches_kernel():
-    g = torch.Generator().manual_seed(6)
-    q, s = kernels.quantize_rows_int8(torch.randn(90, 48, generator=g))
-    x = torch.randn(5, 48, generator=g)
-    offsets = torch.randint(0, 500, (90,), generator=g)
-    tickets = torch.zeros(5, dtype=torch.int32)
-    a = ops.linear_int8_argmax(x, q, s, out=torch.empty(5, dtype=torch.int64), tickets=tickets,
-                               offsets=offsets)  # fmt: skip
-    with ops.use_backend("torch"):
-        b = ops.linear_int8_argmax(x, q, s, out=torch.empty(5, dtype=torch.int64),
-                                   tickets=tickets, offsets=offsets)  # fmt: skip
-    assert torch.equal(a, b)
-
-
-def _argmax_args():
-    x, q, s = _args()
-    return x, q, s, torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32), None
-
-
-BAD_ARGMAX = [
-    ("x int", lambda x, q, s, o, t, f: (x.long(), q, s, o, t, f), TypeError, "x"),
-    ("weight not int8", lambda x, q, s, o, t, f: (x, q.float(), s, o, t, f), TypeError,
-     "weight"),
-    ("scale length", lambda x, q, s, o, t, f: (x, q, s[:19], o, t, f), ValueError, "scale"),
-    ("out missing", lambda x, q, s, o, t, f: (x, q, s, None, t, f), ValueError, "out"),
-    ("out dtype", lambda x, q, s, o, t, f: (x, q, s, o.int(), t, f), TypeError, "out"),
-    ("out rows", lambda x, q, s, o, t, f: (x, q, s, o[:1], t, f), ValueError, "out"),
-    ("tickets missing", lambda x, q, s, o, t, f: (x, q, s, o, None, f), ValueError, "tickets"),
-    ("tickets dtype", lambda x, q, s, o, t, f: (x, q, s, o, t.long(), f), TypeError, "tickets"),
-    ("offsets length", lambda x, q, s, o, t, f: (x, q, s, o, t, torch.zeros(19).long()),
-     ValueError, "offsets"),
-    ("no logits", lambda x, q, s, o, t, f: (x, q[:0], s[:0], o, t, f), ValueError, "weight"),
-]  # fmt: skip
-
-
-@interp
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-@pytest.mark.parametrize("case, make, exc, name", BAD_ARGMAX, ids=[b[0] for b in BAD_ARGMAX])
-def test_linear_int8_argmax_bad_input(case, make, exc, name, backend):
-    args = make(*_argmax_args())
-    before = [a.clone() for a in args if a is not None]
-    x, q, s, out, tickets, offsets = args
-    with ops.use_backend(backend), pytest.raises(exc, match=rf"\b{name}\b"):
-        ops.linear_int8_argmax(x, q, s, out=out, tickets=tickets, offsets=offsets)
-    after = [a for a in args if a is not None]
-    assert all(torch.equal(a, b) for a, b in zip(before, after)), "nothing written"
-
-
 def test_quantize_rows_int8_bounds():
     g = torch.Generator().manual_seed(2)
     w = torch.randn(12, 33, generator=g) * torch.logspace(-3, 3, 12)[:, None]
@@ -286,7 +191,7 @@ def test_quantize_lm_head_copies_the_heads_lm_head(kind):
 
 @interp
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_greedy_rounds_with_an_int8_lm_head_match_its_reference(kind, monkeypatch):
+def test_greedy_rounds_with_an_int8_lm_head_match_its_reference(kind):
     """Ragged batches, mixed accepted counts and k, K_max 3 and 1, as test_drafter's
     greedy test, with the head's lm_head an Int8Linear of random weights (far from the
     float one, so a round that still read the float lm_head would show): the drafts are
@@ -315,12 +220,6 @@ def test_greedy_rounds_with_an_int8_lm_head_match_its_reference(kind, monkeypatc
         finally:
             s.ref = saved
 
-    fused, unfused = [], []  # a greedy step over an int8 lm_head: one fused launch
-    fuse, argmax = ops.linear_int8_argmax, ops.argmax
-    monkeypatch.setattr(
-        ops, "linear_int8_argmax", lambda *a, **kw: fused.append(1) or fuse(*a, **kw)
-    )
-    monkeypatch.setattr(ops, "argmax", lambda *a, **kw: unfused.append(1) or argmax(*a, **kw))
     d = drafter(s)
     sim = EngineSim(s, d, seed=1)
     rids = [sim.join(n) for n in (7, 2, 5)]
@@ -336,7 +235,6 @@ def test_greedy_rounds_with_an_int8_lm_head_match_its_reference(kind, monkeypatc
             differ += float_greedy(*sim.context(r), k) != out.tokens[i].tolist()[:k]
         sim.commit(rids)
     assert differ > 0, "the int8 weights gave the float lm_head's drafts everywhere"
-    assert fused and not unfused, (len(fused), len(unfused))
 
 
 # ---- GPU -------------------------------------------------------------------------------
@@ -370,37 +268,3 @@ def test_gpu_linear_int8_graph_replay_equals_eager():
         eager = kernels.linear_int8(x, q, s, pdl=True)
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
-
-
-@gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("pdl", [False, True])
-def test_gpu_linear_int8_argmax_matches_the_unfused_path(dtype, pdl):
-    # SmolLM2's lm_head at draft-step rows; a 64-row tile; Llama-3-wide K; an id map; ties
-    for i, (m, k, n) in enumerate(((1, 576, 49152), (4, 576, 49152), (64, 576, 49152),
-                                   (3, 4096, 2048))):  # fmt: skip
-        check_argmax_case("cuda", dtype, m, k, n, mapped=i % 2 == 1, pdl=pdl, seed=i)
-    check_argmax_case("cuda", dtype, 8, 576, 49152, ties=True, mapped=True, pdl=pdl, seed=9)
-
-
-@gpu
-def test_gpu_linear_int8_argmax_graph_replay_equals_eager():
-    """Replays of one captured launch: the tickets come back to zero each time, so every
-    replay's tokens are the eager ones on fresh inputs."""
-    g = torch.Generator(device="cuda").manual_seed(5)
-    q, s = kernels.quantize_rows_int8(torch.randn(49152, 576, device="cuda", generator=g))
-    x = torch.randn(3, 576, device="cuda", generator=g).bfloat16()
-    table = torch.full((3, 4), -1, dtype=torch.int64, device="cuda")
-    tickets = torch.zeros(3, dtype=torch.int32, device="cuda")
-    kernels.linear_int8_argmax(x, q, s, out=table[:, 2], tickets=tickets, pdl=True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kernels.linear_int8_argmax(x, q, s, out=table[:, 2], tickets=tickets, pdl=True)
-    for _ in range(4):
-        x.copy_(torch.randn(3, 576, device="cuda", generator=g))
-        table.fill_(-1)
-        graph.replay()
-        eager = kernels.argmax_rows(kernels.linear_int8(x, q, s))
-        torch.cuda.synchronize()
-        assert torch.equal(table[:, 2], eager) and bool((table[:, [0, 1, 3]] == -1).all())
-        assert not tickets.any()
