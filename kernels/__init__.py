@@ -25,7 +25,14 @@ from .gemv import check_linear_small_m_args, linear_small_m
 from .guard import INTERPRET, check_tensors_runnable, runnable
 from .kv_store import check_store_kv_args, store_kv
 from .launch import pdl_supported
-from .linear_int8 import check_linear_int8_args, linear_int8, quantize_rows_int8
+from .linear_int8 import (
+    argmax_blocks,
+    check_linear_int8_args,
+    check_linear_int8_partials_args,
+    linear_int8,
+    linear_int8_partials,
+    quantize_rows_int8,
+)
 from .paged_attention import (
     AttentionLaunchConfig,
     check_paged_attention_args,
@@ -70,6 +77,7 @@ embed_fc = runnable(embed_fc)
 resolve_fed_ids = runnable(resolve_fed_ids)
 linear_small_m = runnable(linear_small_m)
 linear_int8 = runnable(linear_int8)
+linear_int8_partials = runnable(linear_int8_partials)
 fused_linear = runnable(fused_linear)
 fused_qkv_rope = runnable(fused_qkv_rope)
 store_kv = runnable(store_kv)
@@ -91,6 +99,7 @@ __all__ = [
     "SampleConfig",
     "SampleWorkspace",
     "apply_rotary",
+    "argmax_blocks",
     "argmax_rows",
     "as_int",
     "check_argmax_args",
@@ -99,6 +108,7 @@ __all__ = [
     "check_embed_fc_args",
     "check_fused_linear_args",
     "check_linear_int8_args",
+    "check_linear_int8_partials_args",
     "check_linear_small_m_args",
     "check_paged_attention_args",
     "check_rejection_args",
@@ -126,6 +136,7 @@ __all__ = [
     "max_fused_rows",
     "gather_params",
     "linear_int8",
+    "linear_int8_partials",
     "linear_small_m",
     "num_sms",
     "paged_attention",

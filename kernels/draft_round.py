@@ -17,6 +17,14 @@ invariant 5) and a launch captured for (num_rows, W, K) serves any contents.
   its input, its position moves by one, its seq_len and slot follow.
 - epilogue (one program): tokens at j >= k[row] and on padding rows become -1.
 
+A greedy step over an int8 lm_head leaves its argmax unfinished (ArgmaxParts: each
+column block's maximum and first column, kernels.linear_int8_partials); advance, or the
+epilogue after the last step, finishes it (the first block holding the row's largest
+maximum, through the id map if any) and writes the token into the table before using
+it. The step then has no argmax launch of its own: the kernel that reads the token
+anyway does the reduction (a ticket for the last column block to do it instead
+serialises one atomic per block: bench/NOTES.md, stops 36 and 39).
+
 Row slots: -1 marks a padding row (it writes nothing and reads the null row); `null_row`
 marks a dummy row used while capturing (it runs like a real row over the null row's
 all-zero block table, so it writes no KV, and it never updates a length).
@@ -26,6 +34,8 @@ table's width, maps to slot -1 (nothing written).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -33,7 +43,7 @@ import triton.language as tl
 from .guard import check_tensors_runnable
 from .launch import CachedLaunch
 
-__all__ = ["DraftRoundBuffers", "DraftRoundKernels"]
+__all__ = ["ArgmaxParts", "DraftRoundBuffers", "DraftRoundKernels", "check_argmax_parts"]
 
 
 @triton.jit
@@ -166,10 +176,42 @@ def _draft_prepare_kernel(
 
 
 @triton.jit
+def _token_of_parts(
+    val_ptr, idx_ptr, stride_p, blocks, ri, in_batch, off_ptr,
+    HAS_OFF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+):  # fmt: skip
+    """Rows ri's greedy tokens from linear_int8_partials' (maximum, first column) per
+    column block: the column of the first block holding the largest maximum, mapped
+    through the id map with HAS_OFF."""
+    best = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    tok = tl.zeros([BLOCK_R], tl.int32)
+    row = ri[:, None].to(tl.int64) * stride_p
+    for b0 in range(0, blocks, BLOCK_P):
+        bb = b0 + tl.arange(0, BLOCK_P)
+        m = in_batch[:, None] & (bb < blocks)[None, :]
+        v = tl.load(val_ptr + row + bb[None, :], mask=m, other=float("-inf"))
+        i = tl.load(idx_ptr + row + bb[None, :], mask=m, other=2147483647)
+        top = tl.max(v, axis=1)
+        first = tl.min(tl.where((v == top[:, None]) & m, i, 2147483647), axis=1)
+        take = top > best  # a later chunk wins only by a larger value: earlier columns
+        tok = tl.where(take, first, tok)
+        best = tl.where(take, top, best)
+    tok = tok.to(tl.int64)
+    if HAS_OFF:
+        tok += tl.load(off_ptr + tok, mask=in_batch, other=0)
+    return tok
+
+
+@triton.jit
 def _draft_advance_kernel(
     slots_ptr,  # int64 [R]
     tok_ptr,  # int64: the previous step's token of row r at tok_ptr + r * stride_tok
     stride_tok,
+    val_ptr,  # FROM_PARTS: float32 / int32 [R, >= blocks] partials of the previous step,
+    idx_ptr,  # whose token is written at tok_ptr first
+    stride_p,
+    blocks,
+    off_ptr,  # HAS_OFF: int64 id map
     base_ptr,  # int32 [num_slots] (unused slots' rows are never read)
     rows_ptr,
     stride_rows,
@@ -184,13 +226,22 @@ def _draft_advance_kernel(
     null_row,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    FROM_PARTS: tl.constexpr,
+    HAS_OFF: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
     ri = tl.arange(0, BLOCK_R)
     in_batch = ri < num_rows
     slot = tl.load(slots_ptr + ri, mask=in_batch, other=-1)
     real = in_batch & (slot >= 0)
     src_row = tl.where(real, slot, null_row).to(tl.int64)
-    tok = tl.load(tok_ptr + ri.to(tl.int64) * stride_tok, mask=real, other=0)
+    if FROM_PARTS:  # the previous step's argmax finishes here: token table, then input
+        tok = _token_of_parts(val_ptr, idx_ptr, stride_p, blocks, ri, in_batch, off_ptr,
+                              HAS_OFF, BLOCK_R, BLOCK_P)  # fmt: skip
+        tl.store(tok_ptr + ri.to(tl.int64) * stride_tok, tok, mask=in_batch)
+        tok = tl.where(real, tok, 0)
+    else:
+        tok = tl.load(tok_ptr + ri.to(tl.int64) * stride_tok, mask=real, other=0)
     tok = tl.minimum(tl.maximum(tok, 0), vocab_size - 1)
     pos = tl.load(cur_pos_ptr + ri, mask=real, other=0) + 1
     tl.store(cur_pos_ptr + ri, pos, mask=real)
@@ -206,10 +257,18 @@ def _draft_epilogue_kernel(
     slots_ptr,  # int64 [R]
     k_ptr,  # int64 [R]
     tok_ptr,  # int64 [R, K] contiguous (in/out)
+    val_ptr,  # FROM_PARTS: the last step's partials (as advance's); its token is
+    idx_ptr,  # written into column K - 1 here
+    stride_p,
+    blocks,
+    off_ptr,
     num_rows,
     K,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    FROM_PARTS: tl.constexpr,
+    HAS_OFF: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
     ri = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_batch = ri < num_rows
@@ -220,7 +279,14 @@ def _draft_epilogue_kernel(
     m = in_batch[:, None] & (kk[None, :] < K)
     drop = kk[None, :] >= k[:, None]
     ptrs = tok_ptr + ri[:, None].to(tl.int64) * K + kk[None, :]
-    tl.store(ptrs, tl.full([BLOCK_R, BLOCK_K], -1, tl.int64), mask=m & drop)
+    if FROM_PARTS:  # column K - 1 written once: its token, or -1 where dropped
+        tok = _token_of_parts(val_ptr, idx_ptr, stride_p, blocks, ri, in_batch, off_ptr,
+                              HAS_OFF, BLOCK_R, BLOCK_P)  # fmt: skip
+        last = kk[None, :] == K - 1
+        vals = tl.where(drop, -1, tl.broadcast_to(tok[:, None], [BLOCK_R, BLOCK_K]))
+        tl.store(ptrs, vals, mask=m & (drop | last))
+    else:
+        tl.store(ptrs, tl.full([BLOCK_R, BLOCK_K], -1, tl.int64), mask=m & drop)
 
 
 def _pow2(n: int, lo: int = 2) -> int:
@@ -401,16 +467,20 @@ class DraftRoundKernels:
         warps = 4 if block_r >= 256 else 1  # each program reduces over all rows
         self._prepare(("prepare", num_rows), (num_rows,), args, {"num_warps": warps})
 
-    def advance(self, num_rows: int, step: int, k_max: int) -> None:
-        """Inputs of decode step `step` (1 .. k_max - 1) from the tokens of step - 1."""
+    def advance(self, num_rows: int, step: int, k_max: int, parts: ArgmaxParts | None = None):
+        """Inputs of decode step `step` (1 .. k_max - 1) from the tokens of step - 1;
+        with `parts`, those tokens are first reduced from the step's argmax partials and
+        written into the token table."""
         if not 1 <= step < k_max <= self.k_cap:
             raise ValueError(f"step {step} must be in [1, k_max {k_max}) and k_max <= {self.k_cap}")
         b, block_r = self.b, self._rows(num_rows)
         tok = b.tokens[: num_rows * k_max].view(num_rows, k_max)[:, step - 1]
+        pa = _parts_args(parts, num_rows, tok)
         args = (
             b.slots,
             tok,
             k_max,
+            *pa[:5],
             b.base,
             b.rows,
             b.rows.stride(0),
@@ -425,20 +495,82 @@ class DraftRoundKernels:
             self.null_row,
             self.block_size,
             block_r,
+            *pa[5:],
         )
         # The token pointer moves with (rows, k_max, step): part of the key.
         self._advance(
-            ("advance", num_rows, k_max, step),
+            ("advance", num_rows, k_max, step) + _parts_key(parts),
             (1,),
             args,
-            {"num_warps": 4 if block_r >= 128 else 1},
+            {"num_warps": 4 if block_r >= 128 or parts is not None else 1},
         )
 
-    def epilogue(self, num_rows: int, k_max: int) -> None:
+    def epilogue(self, num_rows: int, k_max: int, parts: ArgmaxParts | None = None) -> None:
+        """Tokens past each row's k (and every token of a padding row) become -1; with
+        `parts`, column k_max - 1 is first reduced from the last step's partials."""
         if not 1 <= k_max <= self.k_cap:
             raise ValueError(f"k_max {k_max} must be in [1, {self.k_cap}]")
         self._rows(num_rows)
         b, block_r = self.b, min(64, _pow2(num_rows))
-        args = (b.slots, b.k, b.tokens, num_rows, k_max, block_r, _pow2(self.k_cap))
+        pa = _parts_args(parts, num_rows, b.tokens)
+        args = (b.slots, b.k, b.tokens, *pa[:5], num_rows, k_max, block_r,
+                _pow2(self.k_cap), *pa[5:])  # fmt: skip
         grid = (triton.cdiv(num_rows, block_r),)
-        self._epilogue(("epilogue", num_rows, k_max), grid, args, {"num_warps": 1})
+        warps = 4 if parts is not None else 1
+        self._epilogue(("epilogue", num_rows, k_max) + _parts_key(parts), grid, args,
+                       {"num_warps": warps})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ArgmaxParts:
+    """A greedy step's argmax left unfinished by kernels.linear_int8_partials: val /
+    idx [>= rows, >= blocks] float32 / int32 (one row stride), `blocks` of them per row,
+    and the id map (EAGLE-3's d2t) to apply to the column found, or None."""
+
+    val: torch.Tensor
+    idx: torch.Tensor
+    blocks: int
+    offsets: torch.Tensor | None = None
+
+
+def _parts_key(parts: ArgmaxParts | None) -> tuple:
+    if parts is None:
+        return ()
+    return (parts.blocks, parts.val.stride(0), parts.offsets is not None)
+
+
+def _parts_args(parts: ArgmaxParts | None, num_rows: int, dummy: torch.Tensor) -> tuple:
+    """(val, idx, stride, blocks, offsets, FROM_PARTS, HAS_OFF, BLOCK_P)."""
+    if parts is None:
+        return (dummy, dummy, 0, 0, dummy, False, False, 16)
+    check_argmax_parts(parts, num_rows, dummy.device)
+    off = parts.offsets if parts.offsets is not None else dummy
+    block_p = min(128, _pow2(parts.blocks, 16))
+    return (parts.val, parts.idx, parts.val.stride(0), parts.blocks, off, True,
+            parts.offsets is not None, block_p)  # fmt: skip
+
+
+def check_argmax_parts(parts: ArgmaxParts, num_rows: int, device: torch.device) -> None:
+    """Types, shapes and device of a round step's argmax partials (ValueError /
+    TypeError naming the field)."""
+    if not isinstance(parts, ArgmaxParts):
+        raise TypeError(f"parts must be an ArgmaxParts, got {type(parts).__name__}")
+    for name, t, dtype in (("val", parts.val, torch.float32), ("idx", parts.idx, torch.int32)):
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 2:
+            raise TypeError(f"parts.{name} must be a 2-D {dtype} tensor")
+        if t.device != device or t.stride(1) != 1:
+            raise ValueError(f"parts.{name} must be on {device} with unit column stride")
+        if t.shape[0] < num_rows or t.shape[1] < parts.blocks:
+            raise ValueError(
+                f"parts.{name} {tuple(t.shape)} must be at least [{num_rows}, {parts.blocks}]"
+            )
+    if parts.idx.stride(0) != parts.val.stride(0):
+        raise ValueError("parts.idx and parts.val must share one row stride")
+    if isinstance(parts.blocks, bool) or not isinstance(parts.blocks, int) or parts.blocks < 1:
+        raise ValueError(f"parts.blocks must be a positive int, got {parts.blocks!r}")
+    off = parts.offsets
+    if off is not None and (
+        not isinstance(off, torch.Tensor) or off.dtype != torch.int64 or off.dim() != 1
+        or off.device != device or off.stride(0) != 1
+    ):  # fmt: skip
+        raise ValueError(f"parts.offsets must be a contiguous 1-D int64 id map on {device}")

@@ -32,9 +32,9 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def _linear_int8_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o,
+    x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o, idx_ptr,
     IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    ROWS: tl.constexpr, GDC: tl.constexpr,
+    ROWS: tl.constexpr, GDC: tl.constexpr, PARTS: tl.constexpr,
 ):  # fmt: skip
     if GDC:  # x comes from the kernel before
         tl.extra.cuda.gdc_wait()
@@ -57,9 +57,21 @@ def _linear_int8_kernel(
         else:
             acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
     scale = tl.load(s_ptr + cols, mask=cmask, other=0.0)
-    y = acc * scale[None, :]
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :],
-             y.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])  # fmt: skip
+    y = (acc * scale[None, :]).to(x_ptr.dtype.element_ty)
+    if not PARTS:
+        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :], y,
+                 mask=rmask[:, None] & cmask[None, :])  # fmt: skip
+    else:  # greedy: this block's maximum of each row and its first column, no logits
+        # The rounded logits compared in float32 (their order kept), NaN highest: the
+        # ranking of kernels.argmax_rows over linear_int8's output.
+        v = y.to(tl.float32)
+        v = tl.where(v != v, float("inf"), v)
+        v = tl.where(cmask[None, :], v, float("-inf"))
+        best = tl.max(v, axis=1)
+        first = tl.min(tl.where((v == best[:, None]) & cmask[None, :], cols[None, :], N), axis=1)
+        at = rows.to(tl.int64) * stride_o + tl.program_id(0)
+        tl.store(out_ptr + at, best, mask=rmask)
+        tl.store(idx_ptr + at, first, mask=rmask)
 
 
 _LAUNCH = CachedLaunch(_linear_int8_kernel)
@@ -118,13 +130,62 @@ def linear_int8(x, weight, scale, *, out=None, pdl: bool = False) -> torch.Tenso
         return out
     if k == 0:
         return out.zero_()
+    _launch(x, weight, scale, out, out, pdl)
+    return out
+
+
+def _launch(x, weight, scale, out, idx, pdl: bool) -> None:
+    """out: the logits, or (idx not out) the partial maxima, idx their columns."""
+    m, k = x.shape
+    n = weight.shape[0]
     block_n, block_k, stages, warps, rows = _config(m, n, k)
     gdc, opts = pdl_launch(pdl)
-    args = (x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-            x.dtype == torch.float32, block_n, block_k, stages, rows, gdc)  # fmt: skip
+    args = (x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), idx,
+            x.dtype == torch.float32, block_n, block_k, stages, rows, gdc,
+            idx is not out)  # fmt: skip
     key = specialization_key(args) + (x.device.index, warps)
     _LAUNCH(key, (cdiv(n, block_n), cdiv(m, rows)), args, {"num_warps": warps, **opts})
-    return out
+
+
+def argmax_blocks(m: int, n: int, k: int) -> int:
+    """Column blocks per row that linear_int8_partials writes for x [m, k], weight
+    [n, k] (0 when there is nothing to rank)."""
+    return cdiv(n, _config(m, n, k)[0]) if m > 0 and n > 0 and k > 0 else 0
+
+
+def check_linear_int8_partials_args(x, weight, scale, part_val, part_idx) -> None:
+    """linear_int8_partials' argument checks (nothing launched)."""
+    check_linear_int8_args(x, weight, scale)
+    m, k = x.shape
+    n = weight.shape[0]
+    if n == 0 or k == 0:
+        raise ValueError(f"weight {tuple(weight.shape)}: an argmax needs logits (N, K >= 1)")
+    blocks = argmax_blocks(m, n, k)
+    _check_tensor("part_val", part_val, 2, (torch.float32,))
+    _check_tensor("part_idx", part_idx, 2, (torch.int32,))
+    for name, t in (("part_val", part_val), ("part_idx", part_idx)):
+        if t.shape[0] < m or t.shape[1] < blocks or t.device != x.device:
+            raise ValueError(
+                f"{name} {tuple(t.shape)} on {t.device} must be at least [{m}, {blocks}] "
+                f"on {x.device}"
+            )
+    if part_idx.stride(0) != part_val.stride(0):
+        raise ValueError(
+            f"part_idx's row stride {part_idx.stride(0)} must be part_val's {part_val.stride(0)}"
+        )
+
+
+def linear_int8_partials(x, weight, scale, part_val, part_idx, *, pdl: bool = False) -> int:
+    """The first half of a greedy argmax over x (weight * scale)^T without writing the
+    logits: for row i and column block b, part_val[i, b] = the block's maximum of the
+    logits rounded to x's dtype (compared in float32; NaN ranks highest) and part_idx[i,
+    b] its first column. Returns the number of blocks; the token is the part_idx of the
+    first block holding the row's largest part_val (reduce_argmax_parts, or the draft
+    round's advance / epilogue, which need the token anyway)."""
+    check_linear_int8_partials_args(x, weight, scale, part_val, part_idx)
+    if x.shape[0] > 0:
+        _launch(x, weight, scale, part_val, part_idx, pdl)
+    return argmax_blocks(x.shape[0], weight.shape[0], x.shape[1])
 
 
 def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import ops
+from . import kernels, ops
 from .attn_metadata import AttentionMetadata, MetadataBuilder
 from .batch import ScheduledBatch
 from .block_table import BlockTables
@@ -23,7 +23,9 @@ from .draft_buffers import HostStage, SamplingMode, make_round_buffers
 from .draft_inputs import DraftKind
 from .draft_round_ops import draft_round_ops
 from .input_buffers import InputBuffers
+from .kernels.draft_round import ArgmaxParts
 from .kv_cache import KVCache
+from .layers import Int8Linear
 from .sampling import DRAFT_PROPOSAL, SamplingTensors, sample
 
 
@@ -39,6 +41,7 @@ class RoundState:
     params: SamplingTensors | None
     hidden: torch.Tensor | None  # EAGLE: the head's state carried to the next step
     hidden_rows: torch.Tensor | None = None  # its rows, when hidden holds others too
+    parts: ArgmaxParts | None = None  # the last step's unfinished greedy argmax
 
 
 class DraftLoop:
@@ -109,6 +112,14 @@ class DraftLoop:
         self.map_tokens = mapped
         self.q = torch.zeros(r * k_cap * self.q_vocab, dtype=torch.float32, device=self.device)
         self._tickets = torch.zeros(r, dtype=torch.int32, device=self.device)  # the argmax's
+        # A greedy step over an int8 lm_head leaves its argmax as partials (_partials_head)
+        self._part_val = self._part_idx = None
+        lm_head = getattr(model, "lm_head", None)
+        if isinstance(lm_head, Int8Linear):
+            n, k = lm_head.out_features, lm_head.in_features
+            blocks = max(kernels.argmax_blocks(m, n, k) for m in (1, r))
+            self._part_val = torch.empty(r, blocks, dtype=torch.float32, device=self.device)
+            self._part_idx = torch.empty(r, blocks, dtype=torch.int32, device=self.device)
         # Prompt prefill graphs (Drafter sets the manager up); the target states of a
         # prompt chunk go to prompt_hidden first, graph or not.
         self.prompt_graphs = None
@@ -142,31 +153,61 @@ class DraftLoop:
         meta = self.metadata("prefill", rows)
         # The model gathers its input states (hidden_rows): no gather launch here.
         rows_src = None if self.hidden is None else b.p_src[: rows * w]
-        out, logits = self._forward(meta, self.hidden, rows_src)
+        head = self._partials_head(state)
+        out, logits = self._forward(meta, self.hidden, rows_src, head=head)
         if self.hidden is not None and k_max > 1:  # a round of one draft carries nothing on
             # the state that drew token 0: the next step reads row p_last of out
             state.hidden, state.hidden_rows = out, b.p_last[:rows]
-        self._sample(state, logits, 0)
+        if head is None:
+            self._sample(state, logits, 0)
         return state
 
     def step(self, state: RoundState, step: int) -> None:
         """advance, one decode step, draft token `step`."""
-        self.ops.advance(state.rows, step, state.k_max)
+        self.ops.advance(state.rows, step, state.k_max, state.parts)
         meta = self.metadata("decode", state.rows)  # one row per request: every row's logits
-        state.hidden, logits = self._forward(meta, state.hidden, state.hidden_rows, all_logits=True)
+        head = self._partials_head(state)
+        state.hidden, logits = self._forward(
+            meta, state.hidden, state.hidden_rows, all_logits=True, head=head
+        )
         state.hidden_rows = None  # the step's own output: one row per request
-        self._sample(state, logits, step)
+        if head is None:
+            self._sample(state, logits, step)
 
     def finish(self, state: RoundState):
-        self.ops.epilogue(state.rows, state.k_max)
+        self.ops.epilogue(state.rows, state.k_max, state.parts)
         return state.tokens, state.q
 
-    def _forward(self, meta: AttentionMetadata, hidden, hidden_rows=None, *, all_logits=False):
+    def _forward(
+        self, meta: AttentionMetadata, hidden, hidden_rows=None, *, all_logits=False, head=None
+    ):
         if self.kind is DraftKind.LLAMA:
-            return self.model(meta.input_ids, meta, self.cache, all_logits=all_logits)
+            return self.model(meta.input_ids, meta, self.cache, all_logits=all_logits, head=head)
         return self.model(
-            meta.input_ids, hidden, meta, self.cache, all_logits=all_logits, hidden_rows=hidden_rows
-        )
+            meta.input_ids, hidden, meta, self.cache, all_logits=all_logits,
+            hidden_rows=hidden_rows, head=head,
+        )  # fmt: skip
+
+    def _partials_head(self, state: RoundState):
+        """A greedy round over an int8 lm_head (layers.quantize_lm_head) leaves each
+        step's argmax as per-block partials (ops.linear_int8_partials: no logits, no
+        argmax launch) and finishes it in the kernel that needs the token anyway: the
+        next step's advance, or the epilogue after the last step (state.parts). Returns
+        the lm_head's replacement for the model's forward, or None (the model's lm_head,
+        then _sample)."""
+        if state.mode is not SamplingMode.GREEDY or self._part_val is None:
+            return None
+        head = self.model.lm_head
+        offsets = self.model.d2t if self.map_tokens else None
+
+        def partials(rows: torch.Tensor) -> None:
+            blocks = ops.linear_int8_partials(
+                rows, head.weight, head.scale, self._part_val, self._part_idx,
+                pdl=kernels.pdl_supported(rows.device),
+            )  # fmt: skip
+            state.parts = ArgmaxParts(self._part_val, self._part_idx, blocks, offsets)
+
+        return partials
 
     def _sample(self, state: RoundState, logits: torch.Tensor, step: int) -> None:
         """Draft token `step` of every row into tokens[:, step] (target ids) and the

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from specdraft.kernels.draft_round import DraftRoundBuffers, DraftRoundKernels
+from specdraft import torch_ops
+from specdraft.kernels.draft_round import (
+    ArgmaxParts,
+    DraftRoundBuffers,
+    DraftRoundKernels,
+    check_argmax_parts,
+)
 from specdraft.ops import backend_for
 
 
@@ -101,12 +107,21 @@ class TorchDraftRound:
         b.counters[1] += rows_counted
         b.counters[2 : 2 + self.k_cap] += per_pos
 
-    def advance(self, num_rows: int, step: int, k_max: int) -> None:
+    def _finish_argmax(self, parts: ArgmaxParts | None, r: int, column: torch.Tensor) -> None:
+        if parts is not None:
+            check_argmax_parts(parts, r, column.device)
+            column.copy_(
+                torch_ops.reduce_argmax_parts(parts.val, parts.idx, r, parts.blocks, parts.offsets)
+            )
+
+    def advance(self, num_rows: int, step: int, k_max: int, parts: ArgmaxParts | None = None):
         b, r = self.b, num_rows
         slots = b.slots[:r]
         real = slots >= 0
         src = torch.where(real, slots, self.null_row)
-        tok = b.tokens[: r * k_max].view(r, k_max)[:, step - 1].clamp(0, self.vocab_size - 1)
+        column = b.tokens[: r * k_max].view(r, k_max)[:, step - 1]
+        self._finish_argmax(parts, r, column)
+        tok = column.clamp(0, self.vocab_size - 1)
         pos = torch.where(real, b.cur_pos[:r] + 1, b.cur_pos[:r])
         b.cur_pos[:r].copy_(pos)
         slot_map = self._slot_of(src, pos.view(r, 1), real.view(r, 1)).view(r)
@@ -115,10 +130,11 @@ class TorchDraftRound:
         b.d_seq[:r].copy_(torch.where(real, pos + 1, 0))
         b.d_slot[:r].copy_(slot_map)
 
-    def epilogue(self, num_rows: int, k_max: int) -> None:
+    def epilogue(self, num_rows: int, k_max: int, parts: ArgmaxParts | None = None) -> None:
         b, r = self.b, num_rows
         k = torch.where(b.slots[:r] >= 0, b.k[:r], 0)
         toks = b.tokens[: r * k_max].view(r, k_max)
+        self._finish_argmax(parts, r, toks[:, k_max - 1])
         kk = torch.arange(k_max, device=toks.device)
         toks.masked_fill_(kk[None, :] >= k[:, None], -1)
 

@@ -14,6 +14,7 @@ never require grad: these modules are for inference only.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -516,7 +517,7 @@ def check_row_index(name: str, idx, *, device, bound: int, length: int | None = 
 
 def select_logits(
     hidden: torch.Tensor,
-    lm_head: Linear,
+    lm_head: Callable[[torch.Tensor], torch.Tensor],
     meta: AttentionMetadata,
     logits_indices: torch.Tensor | None,
     all_logits: bool,

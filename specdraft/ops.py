@@ -220,6 +220,16 @@ def linear_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, **kw
     return torch_ops.linear_int8(x, weight, scale, **kw)
 
 
+def linear_int8_partials(x, weight, scale, part_val, part_idx, *, pdl=False) -> int:
+    """A greedy argmax over x (weight * scale)^T left as (maximum, first column) per
+    column block in part_val / part_idx, no logits written; returns the block count
+    (kernels.linear_int8_partials; the PyTorch path writes one block)."""
+    if backend_for(x) == "triton":
+        return kernels.linear_int8_partials(x, weight, scale, part_val, part_idx, pdl=pdl)
+    kernels.check_linear_int8_partials_args(x, weight, scale, part_val, part_idx)
+    return torch_ops.linear_int8_partials(x, weight, scale, part_val, part_idx)
+
+
 def argmax(logits: torch.Tensor, *, out=None, tickets=None, offsets=None) -> torch.Tensor:
     """int64 [rows]: the first index of each row's maximum (greedy decoding), plus
     offsets[index] with an id map; into `out` (any 1-D int64 view) when given. With

@@ -188,6 +188,26 @@ def linear_int8(x, weight, scale, *, out=None, pdl: bool = False) -> torch.Tenso
     return out.copy_(y)
 
 
+def linear_int8_partials(x, weight, scale, part_val, part_idx, *, pdl: bool = False) -> int:
+    """As kernels.linear_int8_partials with one block a row: each row's maximum of the
+    rounded logits (NaN highest) and its first column; returns 1."""
+    v = linear_int8(x, weight, scale).float()
+    v = torch.where(torch.isnan(v), float("inf"), v)
+    m = x.shape[0]
+    part_val[:m, 0] = v.max(dim=1).values
+    part_idx[:m, 0] = v.argmax(dim=1).int()  # the first maximal column
+    return 1
+
+
+def reduce_argmax_parts(part_val, part_idx, rows: int, blocks: int, offsets=None):
+    """int64 [rows]: the tokens of linear_int8_partials' output (the column of the first
+    block holding each row's largest maximum), mapped through offsets when given."""
+    v, i = part_val[:rows, :blocks], part_idx[:rows, :blocks].long()
+    top = v.max(dim=1, keepdim=True).values
+    tok = torch.where(v == top, i, torch.iinfo(torch.int64).max).min(dim=1).values
+    return tok if offsets is None else tok + offsets[tok]
+
+
 def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     n = x.shape[1] // 2
     y = F.silu(x[:, :n].float()) * x[:, n:].float()

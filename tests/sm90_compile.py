@@ -157,6 +157,25 @@ def decode_path_compiles() -> list[tuple[str, object]]:
         label[0] = f"decode M {m} int8 lm_head {n} x {k}"
         q8 = torch.zeros(n, k, dtype=torch.int8)
         li.linear_int8(torch.randn(m, k).to(bf), q8, torch.ones(n), pdl=True)
+    # a greedy step's argmax partials from that lm_head, finished by advance / epilogue
+    dr = importlib.import_module("kernels.draft_round")
+    from tests.test_drafter import _random_buffers
+
+    compile_only(dr._draft_advance_kernel)
+    compile_only(dr._draft_epilogue_kernel)
+    for m in (1, 8, 64):
+        label[0] = f"decode M {m} int8 lm_head partials 49152 x 576"
+        val, idx = torch.empty(m, 384), torch.empty(m, 384, dtype=torch.int32)
+        blocks = li.linear_int8_partials(torch.randn(m, 576).to(bf), q8.new_zeros(49152, 576),
+                                         torch.ones(49152), val, idx, pdl=True)  # fmt: skip
+        b, kw = _random_buffers(0, max_rows=m)
+        parts = dr.ArgmaxParts(val, idx, blocks, torch.zeros(49152, dtype=torch.int64))
+        label[0] = f"round M {m} finishing its argmax from {blocks} blocks (no PDL)"
+        checks, dr.check_draft_round_buffers = dr.check_draft_round_buffers, lambda *a, **k: None
+        rounds = dr.DraftRoundKernels(b, **kw)  # CPU tensors: compiled, never launched
+        dr.check_draft_round_buffers = checks
+        rounds.advance(m, 1, 3, parts)
+        rounds.epilogue(m, 3, parts)
     label[0] = "decode"
     t, blocks, bs = 4, 8, 16
     q, k, v = (torch.randn(t, n, d).to(bf) for n in (hq, hkv, hkv))

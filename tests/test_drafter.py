@@ -372,6 +372,66 @@ def test_torch_round_ops_equal_triton_kernels(seed):
     same("epilogue")
 
 
+def _random_parts(seed: int, rows: int, blocks: int, vocab: int, mapped: bool):
+    """Greedy-argmax partials as linear_int8_partials leaves them (block b's column in
+    [b * w, (b + 1) * w)), with maxima repeated across blocks (ties: the first block's
+    column wins), and their tokens by a plain loop."""
+    from specdraft.kernels.draft_round import ArgmaxParts
+
+    g = torch.Generator().manual_seed(100 + seed)
+    w = -(-vocab // blocks)
+    val = torch.randint(-3, 4, (rows, blocks + 2), generator=g).float()  # few values: ties
+    val[:, blocks:] = 99.0  # past the blocks: never read
+    idx = (torch.arange(blocks + 2) * w)[None, :] + torch.randint(0, w, (rows, blocks + 2),
+                                                                   generator=g)  # fmt: skip
+    idx = idx.clamp(max=vocab - 1).int()
+    offsets = torch.randint(0, 50, (vocab,), generator=g) if mapped else None
+    want = []
+    for r in range(rows):
+        best = max(val[r, :blocks].tolist())
+        col = int(idx[r, val[r, :blocks].tolist().index(best)])
+        want.append(col + (int(offsets[col]) if mapped else 0))
+    return ArgmaxParts(val, idx, blocks, offsets), torch.tensor(want)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_round_ops_finish_the_argmax_from_parts(seed):
+    """advance / epilogue given a step's argmax partials: the token column they write is
+    the first block's column of each row's largest maximum (mapped with an id map), and
+    the rest is what the same kernels do after an argmax wrote those tokens; both paths
+    alike. 300 blocks: the kernels read them in 128-wide chunks, ties across chunks."""
+    from specdraft.draft_round_ops import TorchDraftRound
+    from specdraft.kernels.draft_round import DraftRoundKernels
+
+    max_rows = 70 if seed >= 2 else 6
+    blocks = 300 if seed % 2 else 5
+    runs = []
+    for path in ("parts", "tokens"):
+        for impl in (DraftRoundKernels, TorchDraftRound):
+            b, kw = _random_buffers(seed, max_rows=max_rows)
+            o = impl(b, **kw)
+            rows = max(1, min(int((b.slots >= 0).sum()) + seed % 2, max_rows))
+            parts, want = _random_parts(seed, max_rows, blocks, kw["vocab_size"], seed % 3 == 0)
+            o.prepare(rows)
+            tok = b.tokens[: rows * 3].view(rows, 3)
+            for step in (1, 2):
+                if path == "parts":
+                    o.advance(rows, step, 3, parts)
+                    assert torch.equal(tok[:, step - 1], want[:rows]), (impl, step)
+                else:
+                    tok[:, step - 1] = want[:rows]
+                    o.advance(rows, step, 3)
+            if path == "parts":
+                o.epilogue(rows, 3, parts)
+            else:
+                tok[:, 2] = want[:rows]
+                o.epilogue(rows, 3)
+            runs.append(b)
+    for b in runs[1:]:
+        for name in vars(b):
+            assert torch.equal(getattr(b, name), getattr(runs[0], name)), name
+
+
 # ---- an engine around it: transformers plays the target --------------------------------
 
 

@@ -77,6 +77,94 @@ def test_torch_path_matches_kernel():
     assert torch.allclose(b.double(), reference(x, q, s), rtol=1e-5, atol=1e-5)
 
 
+def check_partials_case(device, dtype, m, k, n, *, ties=False, pdl=False, seed=0):
+    """linear_int8_partials into poisoned buffers wider than needed: reduced, the tokens
+    of argmax_rows over linear_int8's logits; exactly [m, blocks] written; x unchanged."""
+    from specdraft.torch_ops import reduce_argmax_parts
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn(n, k, device=device, generator=g) / k**0.5
+    if ties:  # copies of one row at later columns (other blocks): the first wins
+        w[n // 3 :: max(1, n // 5)] = w[n // 3]
+    q, s = kernels.quantize_rows_int8(w)
+    x = torch.randn(m, k, device=device, generator=g).to(dtype)
+    if ties:  # that row the clear maximum
+        x = (x * 0.1 + q[n // 3].to(dtype)).to(dtype)
+    x0 = x.clone()
+    blocks = kernels.argmax_blocks(m, n, k)
+    val = torch.full((m + 2, blocks + 3), float("nan"), device=device)
+    idx = torch.full((m + 2, blocks + 3), -7, dtype=torch.int32, device=device)
+    assert kernels.linear_int8_partials(x, q, s, val, idx, pdl=pdl) == blocks
+    assert not val[:m, :blocks].isnan().any() and bool((idx[:m, :blocks] >= 0).all())
+    assert val[m:].isnan().all() and val[:, blocks:].isnan().all(), "nothing else written"
+    assert bool((idx[m:] == -7).all()) and bool((idx[:, blocks:] == -7).all())
+    assert torch.equal(x, x0)
+    want = kernels.argmax_rows(kernels.linear_int8(x, q, s))
+    assert torch.equal(reduce_argmax_parts(val, idx, m, blocks), want)
+    if ties:
+        assert bool((want == n // 3).all())
+    # the float64 reference ranks the chosen column first, within the output's rounding
+    ref = reference(x, q, s)
+    gap = ref.max(dim=1).values - ref.gather(1, want[:, None]).squeeze(1)
+    assert bool((gap <= 2 * rounding(ref.max(dim=1).values, dtype) + 1e-9).all()), gap.max()
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_linear_int8_partials_reduce_to_the_argmax(dtype):
+    # a 16-row tile, one and two 64-row tiles, ragged N, K past 2048, ties across blocks
+    for i, (m, k, n) in enumerate(((1, 576, 300), (3, 40, 70), (20, 64, 200), (65, 33, 16),
+                                   (2, 2112, 40))):  # fmt: skip
+        check_partials_case("cpu", dtype, m, k, n, seed=i)
+    check_partials_case("cpu", dtype, 5, 64, 500, ties=True, seed=7)
+
+
+@interp
+def test_linear_int8_partials_torch_path_reduces_alike():
+    from specdraft.torch_ops import reduce_argmax_parts
+
+    g = torch.Generator().manual_seed(6)
+    q, s = kernels.quantize_rows_int8(torch.randn(300, 48, generator=g))
+    x = torch.randn(5, 48, generator=g)
+    got = []
+    for backend in ("triton", "torch"):
+        val, idx = torch.empty(5, 8), torch.empty(5, 8, dtype=torch.int32)
+        with ops.use_backend(backend):
+            blocks = ops.linear_int8_partials(x, q, s, val, idx)
+        got.append(reduce_argmax_parts(val, idx, 5, blocks))
+    assert blocks == 1 and torch.equal(got[0], got[1])
+
+
+def _partials_args():
+    x, q, s = _args()
+    return x, q, s, torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.int32)
+
+
+BAD_PARTIALS = [
+    ("x int", lambda x, q, s, v, i: (x.long(), q, s, v, i), TypeError, "x"),
+    ("weight not int8", lambda x, q, s, v, i: (x, q.float(), s, v, i), TypeError, "weight"),
+    ("no logits", lambda x, q, s, v, i: (x, q[:0], s[:0], v, i), ValueError, "weight"),
+    ("scale length", lambda x, q, s, v, i: (x, q, s[:19], v, i), ValueError, "scale"),
+    ("part_val dtype", lambda x, q, s, v, i: (x, q, s, v.double(), i), TypeError, "part_val"),
+    ("part_val rows", lambda x, q, s, v, i: (x, q, s, v[:1], i), ValueError, "part_val"),
+    ("part_idx dtype", lambda x, q, s, v, i: (x, q, s, v, i.long()), TypeError, "part_idx"),
+    ("part_idx blocks", lambda x, q, s, v, i: (x, q, s, v, i[:, :0]), ValueError, "part_idx"),
+    ("part_idx stride", lambda x, q, s, v, i: (x, q, s, v, torch.zeros(2, 8, dtype=torch.int32)),
+     ValueError, "part_idx"),
+]  # fmt: skip
+
+
+@interp
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("case, make, exc, name", BAD_PARTIALS, ids=[b[0] for b in BAD_PARTIALS])
+def test_linear_int8_partials_bad_input(case, make, exc, name, backend):
+    args = make(*_partials_args())
+    before = [a.clone() for a in args]
+    with ops.use_backend(backend), pytest.raises(exc, match=rf"\b{name}\b"):
+        ops.linear_int8_partials(*args)
+    assert all(torch.equal(a, b) for a, b in zip(before, args)), "nothing written"
+
+
 def test_quantize_rows_int8_bounds():
     g = torch.Generator().manual_seed(2)
     w = torch.randn(12, 33, generator=g) * torch.logspace(-3, 3, 12)[:, None]
@@ -190,13 +278,15 @@ def test_quantize_lm_head_copies_the_heads_lm_head(kind):
 
 
 @interp
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_greedy_rounds_with_an_int8_lm_head_match_its_reference(kind):
+def test_greedy_rounds_with_an_int8_lm_head_match_its_reference(kind, backend, monkeypatch):
     """Ragged batches, mixed accepted counts and k, K_max 3 and 1, as test_drafter's
     greedy test, with the head's lm_head an Int8Linear of random weights (far from the
     float one, so a round that still read the float lm_head would show): the drafts are
     the greedy tokens of a float64 reference whose lm_head is those weights dequantized,
-    and they differ from the float lm_head's somewhere."""
+    and they differ from the float lm_head's somewhere. Every step leaves its argmax as
+    partials (no argmax of logits) that advance / the epilogue finish."""
     pytest.importorskip("transformers")
     from tests.drafter_helpers import EngineSim, drafter, make_setup
     from tests.model_helpers import RefEagle
@@ -220,21 +310,34 @@ def test_greedy_rounds_with_an_int8_lm_head_match_its_reference(kind):
         finally:
             s.ref = saved
 
-    d = drafter(s)
-    sim = EngineSim(s, d, seed=1)
-    rids = [sim.join(n) for n in (7, 2, 5)]
+    calls = {"partials": 0, "argmax": 0}
+
+    def spy(name, fn):
+        def wrapped(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+
+        return wrapped
+
+    monkeypatch.setattr(ops, "linear_int8_partials", spy("partials", ops.linear_int8_partials))
+    monkeypatch.setattr(ops, "argmax", spy("argmax", ops.argmax))
     differ = 0
-    for ks, k_max, width in [((3, 1, 0), 3, 4), ((2, 3, 3), 3, 3), ((1, 0, 1), 1, 4)]:
-        for r in rids:
-            sq = sim.seqs[r]
-            sq.verified = sq.verified[:width]
-        ver, acc, hid = sim.inputs(rids, width)
-        out = d.propose(rids, ver, acc, target_hidden=hid, k=list(ks), k_max=k_max)
-        check_round(sim, rids, out.tokens, ks)
-        for i, (r, k) in enumerate(zip(rids, ks)):
-            differ += float_greedy(*sim.context(r), k) != out.tokens[i].tolist()[:k]
-        sim.commit(rids)
+    with ops.use_backend(backend):
+        d = drafter(s)
+        sim = EngineSim(s, d, seed=1)
+        rids = [sim.join(n) for n in (7, 2, 5)]
+        for ks, k_max, width in [((3, 1, 0), 3, 4), ((2, 3, 3), 3, 3), ((1, 0, 1), 1, 4)]:
+            for r in rids:
+                sq = sim.seqs[r]
+                sq.verified = sq.verified[:width]
+            ver, acc, hid = sim.inputs(rids, width)
+            out = d.propose(rids, ver, acc, target_hidden=hid, k=list(ks), k_max=k_max)
+            check_round(sim, rids, out.tokens, ks)
+            for i, (r, k) in enumerate(zip(rids, ks)):
+                differ += float_greedy(*sim.context(r), k) != out.tokens[i].tolist()[:k]
+            sim.commit(rids)
     assert differ > 0, "the int8 weights gave the float lm_head's drafts everywhere"
+    assert calls["partials"] > 0 and calls["argmax"] == 0, calls
 
 
 # ---- GPU -------------------------------------------------------------------------------
@@ -268,3 +371,14 @@ def test_gpu_linear_int8_graph_replay_equals_eager():
         eager = kernels.linear_int8(x, q, s, pdl=True)
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gpu_linear_int8_partials_reduce_to_the_argmax(dtype, pdl):
+    # SmolLM2's lm_head at draft-step rows, a 64-row tile, a Llama-3-wide K; ties
+    for i, (m, k, n) in enumerate(((1, 576, 49152), (4, 576, 49152), (64, 576, 49152),
+                                   (3, 4096, 2048))):  # fmt: skip
+        check_partials_case("cuda", dtype, m, k, n, pdl=pdl, seed=i)
+    check_partials_case("cuda", dtype, 8, 576, 49152, ties=True, pdl=pdl, seed=9)

@@ -154,13 +154,16 @@ class EagleHead(nn.Module):
         logits_indices: torch.Tensor | None = None,
         all_logits: bool = False,
         hidden_rows: torch.Tensor | None = None,
+        head=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [num_tokens]; hidden_states [num_tokens, h]: the target's final
         hidden states on the first draft step, the head's own output after; or, with
         hidden_rows (int64 [num_tokens]), any [n, h] table whose rows hidden_rows picks
         (a draft round's carried states, read by fc's prologue instead of a gather).
         Rows of padded tokens must be finite. Returns (hidden [num_tokens, h], logits
-        over the target vocabulary for the chosen rows, see LlamaForCausalLM.forward)."""
+        over the target vocabulary for the chosen rows, see LlamaForCausalLM.forward);
+        head: a callable that replaces the lm_head on those rows (its result is
+        returned in place of the logits)."""
         h, n = self.cfg.hidden_size, meta.num_tokens
         rows = n if hidden_rows is None else hidden_states.shape[0]
         _check_hidden(hidden_states, rows, h, "hidden_size", self.dtype)
@@ -192,7 +195,7 @@ class EagleHead(nn.Module):
                 layer.forward_fused(x, meta, caches[i], pdl=pdl)
             else:
                 x, residual = layer(x, residual, meta, caches[i], add_residual=i == last)
-        return x, select_logits(x, self.lm_head, meta, logits_indices, all_logits)
+        return x, select_logits(x, head or self.lm_head, meta, logits_indices, all_logits)
 
 
 class Eagle3DecoderLayer(DecoderLayer):
@@ -283,12 +286,14 @@ class Eagle3Head(nn.Module):
         logits_indices: torch.Tensor | None = None,
         all_logits: bool = False,
         hidden_rows: torch.Tensor | None = None,
+        head=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden_states: [num_tokens, 3 h_t] target auxiliary states (fc is applied) or
         [num_tokens, h] (the head's own output from the previous step); with
         hidden_rows (int64 [num_tokens]), a table of such rows that it picks. Returns
         (pre-norm hidden [num_tokens, h], logits [n, draft_vocab] over the draft
-        vocabulary); map ids with draft_to_target or logits with logits_to_target."""
+        vocabulary); map ids with draft_to_target or logits with logits_to_target.
+        head: as EagleHead.forward's."""
         h = self.cfg.hidden_size
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"hidden_states must be a tensor, got {type(hidden_states).__name__}")
@@ -313,7 +318,9 @@ class Eagle3Head(nn.Module):
         embeds = self.embed_tokens(input_ids)
         x, residual = self.layers[0](embeds, hidden_states, meta, cache)
         normed, prenorm = self.norm(x, residual)
-        return prenorm, select_logits(normed, self.lm_head, meta, logits_indices, all_logits)
+        return prenorm, select_logits(
+            normed, head or self.lm_head, meta, logits_indices, all_logits
+        )
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Target token ids of draft token ids (any shape, int64), on the device."""

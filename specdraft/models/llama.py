@@ -108,6 +108,7 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor | None = None,
         all_logits: bool = False,
         aux_layers: Sequence[int] | None = None,
+        head=None,
     ):
         """input_ids int64 [num_tokens] (usually meta.input_ids); positions come from
         meta.positions; kv_caches: a KVCache or one (k_cache, v_cache) pair per layer.
@@ -117,7 +118,8 @@ class LlamaForCausalLM(nn.Module):
         `logits_indices`, or for every token with all_logits=True. With aux_layers,
         returns a third tensor [num_tokens, len(aux_layers) * hidden_size]: the
         residual stream entering each of those layers (what an EAGLE-3 head reads; vLLM
-        uses layers (2, L // 2, L - 3))."""
+        uses layers (2, L // 2, L - 3)). head: a callable that replaces the lm_head on
+        the chosen rows (its result is returned in place of the logits)."""
         # Every check before the first write: a bad argument leaves every cache as it was.
         cfg = self.cfg
         check_step_inputs(
@@ -156,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 hidden, residual = layer(hidden, residual, meta, caches[i])
         hidden = self.norm(hidden) if fused else self.norm(hidden, residual)[0]
-        logits = select_logits(hidden, self.lm_head, meta, logits_indices, all_logits)
+        logits = select_logits(hidden, head or self.lm_head, meta, logits_indices, all_logits)
         if aux_layers is None:
             return hidden, logits
         return hidden, logits, torch.cat(aux, dim=-1)
