@@ -340,6 +340,42 @@ def test_greedy_rounds_with_an_int8_lm_head_match_its_reference(kind, backend, m
     assert calls["partials"] > 0 and calls["argmax"] == 0, calls
 
 
+@interp
+@pytest.mark.parametrize("kind", ["llama", "eagle", "eagle3"])
+def test_greedy_rounds_finishing_the_argmax_from_parts_equal_the_argmax_of_logits(kind):
+    """The same engine history through two drafters over one int8 lm_head: one finishes
+    each step's argmax from partials in advance / the epilogue, the other (partials
+    switched off) writes the logits and takes ops.argmax. The same tokens, every round;
+    a Llama-style draft too."""
+    pytest.importorskip("transformers")
+    from tests.drafter_helpers import EngineSim, drafter, make_setup
+
+    s = make_setup(kind, seed=4)
+    g = torch.Generator().manual_seed(12)
+    v, h = s.model.lm_head.out_features, s.model.lm_head.in_features
+    q = torch.randint(-127, 128, (v, h), generator=g).to(torch.int8)
+    s.model.lm_head = Int8Linear(q, torch.rand(v, generator=g) / 64 + 1 / 256)
+    runs = []
+    for fold in (True, False):
+        d = drafter(s)
+        assert d.loop._part_val is not None
+        if not fold:
+            d.loop._part_val = d.loop._part_idx = None
+        sim = EngineSim(s, d, seed=2)
+        rids = [sim.join(n) for n in (6, 3, 4)]
+        tokens = []
+        for ks, k_max, width in [((3, 2, 1), 3, 4), ((0, 3, 3), 3, 2), ((1, 1, 0), 1, 3)]:
+            for r in rids:
+                sim.seqs[r].verified = sim.seqs[r].verified[:width]
+            ver, acc, hid = sim.inputs(rids, width)
+            out = d.propose(rids, ver, acc, target_hidden=hid, k=list(ks), k_max=k_max)
+            tokens.append(out.tokens.clone())
+            sim.commit(rids)
+        runs.append(tokens)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 # ---- GPU -------------------------------------------------------------------------------
 
 
