@@ -375,23 +375,16 @@ def smollm2_step(ctx: int):
     return lambda: model(meta.input_ids, meta, runner.cache)
 
 
-def smollm2_decode_us(ctx: int) -> float:
-    """smollm2_step under graph replay, µs."""
-    from bench.common import time_graph_us
-
-    return time_graph_us([smollm2_step(ctx)])
-
-
-def alternated_ratio(args, lm_heads: list[str], repeats: int, room: int) -> dict:
+def alternated_ratio(args, step, lm_heads: list[str], repeats: int, room: int) -> dict:
     """Issue 11's ratio with both sides timed in turn, `repeats` times in one process:
-    SmolLM2's step (graph replay), then the SmolLM2-shaped head's b1 K3 greedy round of
-    each lm_head. One step timing against one round timing moved the ratio 0.198-0.226
-    between runs (stop 39: the step took 427-482 µs, the round 94-96), so the bar is read
-    from the medians. Returns {"runs": [...], "median": {...}}."""
+    SmolLM2's step (`step`, smollm2_step's callable, under graph replay), then the
+    SmolLM2-shaped head's b1 K3 greedy round of each lm_head. One step timing against
+    one round timing moved the ratio 0.198-0.226 between runs (stop 39: the step took
+    427-482 µs, the round 94-96), so the bar is read from the medians. Returns
+    {"runs": [...], "median": {...}}."""
     from bench.common import time_graph_us
     from specdraft.draft_buffers import MODE_NAMES
 
-    step = smollm2_step(args.ctx)
     rounds = {}
     for lm_head in lm_heads:
         bench = Bench(build("eagle-smollm2-135m", args.ctx + room, lm_head), 1, [3], args.ctx,
@@ -525,13 +518,16 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     count_launches(rows, args, ks, room)
 
-    smol_us = smollm2_decode_us(args.ctx)
+    from bench.common import time_graph_us
+
+    step = smollm2_step(args.ctx)  # one SmolLM2 model for both figures
+    smol_us = time_graph_us([step])
     alt = None
     if args.bar_repeats and any(
         r["model"] == "eagle-smollm2-135m" and r["batch"] == 1 and r["k"] == 3
         and r["mode"] == "greedy" for r in rows
     ):  # fmt: skip
-        alt = alternated_ratio(args, args.lm_head.split(","), args.bar_repeats, room)
+        alt = alternated_ratio(args, step, args.lm_head.split(","), args.bar_repeats, room)
     bars = check_bars(rows, smol_us, alt)
     table = markdown_table(rows, COLUMNS)
     head = (

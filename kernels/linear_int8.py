@@ -130,19 +130,19 @@ def linear_int8(x, weight, scale, *, out=None, pdl: bool = False) -> torch.Tenso
         return out
     if k == 0:
         return out.zero_()
-    _launch(x, weight, scale, out, out, pdl)
+    _launch(x, weight, scale, out, pdl)
     return out
 
 
-def _launch(x, weight, scale, out, idx, pdl: bool) -> None:
-    """out: the logits, or (idx not out) the partial maxima, idx their columns."""
+def _launch(x, weight, scale, out, pdl: bool, idx=None) -> None:
+    """out: the logits; with idx, the partial maxima instead, idx their columns."""
     m, k = x.shape
     n = weight.shape[0]
     block_n, block_k, stages, warps, rows = _config(m, n, k)
     gdc, opts = pdl_launch(pdl)
-    args = (x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), idx,
-            x.dtype == torch.float32, block_n, block_k, stages, rows, gdc,
-            idx is not out)  # fmt: skip
+    args = (x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+            out if idx is None else idx, x.dtype == torch.float32, block_n, block_k, stages,
+            rows, gdc, idx is not None)  # fmt: skip
     key = specialization_key(args) + (x.device.index, warps)
     _LAUNCH(key, (cdiv(n, block_n), cdiv(m, rows)), args, {"num_warps": warps, **opts})
 
@@ -184,7 +184,7 @@ def linear_int8_partials(x, weight, scale, part_val, part_idx, *, pdl: bool = Fa
     round's advance / epilogue, which need the token anyway)."""
     check_linear_int8_partials_args(x, weight, scale, part_val, part_idx)
     if x.shape[0] > 0:
-        _launch(x, weight, scale, part_val, part_idx, pdl)
+        _launch(x, weight, scale, part_val, pdl, idx=part_idx)
     return argmax_blocks(x.shape[0], weight.shape[0], x.shape[1])
 
 
