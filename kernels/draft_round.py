@@ -25,6 +25,10 @@ it. The step then has no argmax launch of its own: the kernel that reads the tok
 anyway does the reduction (a ticket for the last column block to do it instead
 serialises one atomic per block: bench/NOTES.md, stops 36 and 39).
 
+With programmatic dependent launch (kernels.pdl_supported) each of the three waits
+before anything else, so the kernel after it (a step's first projection) may launch and
+load its weights while it runs.
+
 Row slots: -1 marks a padding row (it writes nothing and reads the null row); `null_row`
 marks a dummy row used while capturing (it runs like a real row over the null row's
 all-zero block table, so it writes no KV, and it never updates a length).
@@ -41,7 +45,7 @@ import triton
 import triton.language as tl
 
 from .guard import check_tensors_runnable
-from .launch import CachedLaunch
+from .launch import CachedLaunch, pdl_launch, pdl_supported
 
 __all__ = ["ArgmaxParts", "DraftRoundBuffers", "DraftRoundKernels", "check_argmax_parts"]
 
@@ -92,7 +96,11 @@ def _draft_prepare_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
+    GDC: tl.constexpr,
 ):
+    if GDC:  # the inputs come from the kernels (or copies) before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0)
     width = tl.load(width_ptr)
     width = tl.minimum(tl.maximum(width, 1), W)
@@ -229,7 +237,11 @@ def _draft_advance_kernel(
     FROM_PARTS: tl.constexpr,
     HAS_OFF: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    GDC: tl.constexpr,
 ):
+    if GDC:  # the token (or its partials) comes from the step's last kernel
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     ri = tl.arange(0, BLOCK_R)
     in_batch = ri < num_rows
     slot = tl.load(slots_ptr + ri, mask=in_batch, other=-1)
@@ -269,7 +281,11 @@ def _draft_epilogue_kernel(
     FROM_PARTS: tl.constexpr,
     HAS_OFF: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    GDC: tl.constexpr,
 ):
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     ri = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_batch = ri < num_rows
     slot = tl.load(slots_ptr + ri, mask=in_batch, other=-1)
@@ -421,6 +437,9 @@ class DraftRoundKernels:
         self._prepare = CachedLaunch(_draft_prepare_kernel)
         self._advance = CachedLaunch(_draft_advance_kernel)
         self._epilogue = CachedLaunch(_draft_epilogue_kernel)
+        # Programmatic dependent launch: each kernel waits first, so the next step's
+        # first kernel can launch and load its weights while this one runs.
+        self._gdc, self._opts = pdl_launch(pdl_supported(buffers.slots.device))
 
     def _rows(self, num_rows: int) -> int:
         if not 1 <= num_rows <= self.max_rows:
@@ -463,9 +482,10 @@ class DraftRoundKernels:
             block_r,
             _pow2(self.width),
             self._row_block,
+            self._gdc,
         )
         warps = 4 if block_r >= 256 else 1  # each program reduces over all rows
-        self._prepare(("prepare", num_rows), (num_rows,), args, {"num_warps": warps})
+        self._prepare(("prepare", num_rows), (num_rows,), args, {"num_warps": warps, **self._opts})
 
     def advance(self, num_rows: int, step: int, k_max: int, parts: ArgmaxParts | None = None):
         """Inputs of decode step `step` (1 .. k_max - 1) from the tokens of step - 1;
@@ -496,13 +516,14 @@ class DraftRoundKernels:
             self.block_size,
             block_r,
             *pa[5:],
+            self._gdc,
         )
         # The token pointer moves with (rows, k_max, step): part of the key.
         self._advance(
             ("advance", num_rows, k_max, step) + _parts_key(parts),
             (1,),
             args,
-            {"num_warps": 4 if block_r >= 128 or parts is not None else 1},
+            {"num_warps": 4 if block_r >= 128 or parts is not None else 1, **self._opts},
         )
 
     def epilogue(self, num_rows: int, k_max: int, parts: ArgmaxParts | None = None) -> None:
@@ -514,11 +535,11 @@ class DraftRoundKernels:
         b, block_r = self.b, min(64, _pow2(num_rows))
         pa = _parts_args(parts, num_rows, b.tokens)
         args = (b.slots, b.k, b.tokens, *pa[:5], num_rows, k_max, block_r,
-                _pow2(self.k_cap), *pa[5:])  # fmt: skip
+                _pow2(self.k_cap), *pa[5:], self._gdc)  # fmt: skip
         grid = (triton.cdiv(num_rows, block_r),)
         warps = 4 if parts is not None else 1
         self._epilogue(("epilogue", num_rows, k_max) + _parts_key(parts), grid, args,
-                       {"num_warps": warps})  # fmt: skip
+                       {"num_warps": warps, **self._opts})  # fmt: skip
 
 
 @dataclass(frozen=True)

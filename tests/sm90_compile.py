@@ -161,8 +161,8 @@ def decode_path_compiles() -> list[tuple[str, object]]:
     dr = importlib.import_module("kernels.draft_round")
     from tests.test_drafter import _random_buffers
 
-    compile_only(dr._draft_advance_kernel)
-    compile_only(dr._draft_epilogue_kernel)
+    for jit in (dr._draft_prepare_kernel, dr._draft_advance_kernel, dr._draft_epilogue_kernel):
+        compile_only(jit)
     for m in (1, 8, 64):
         label[0] = f"decode M {m} int8 lm_head partials 49152 x 576"
         val, idx = torch.empty(m, 384), torch.empty(m, 384, dtype=torch.int32)
@@ -170,10 +170,12 @@ def decode_path_compiles() -> list[tuple[str, object]]:
                                          torch.ones(49152), val, idx, pdl=True)  # fmt: skip
         b, kw = _random_buffers(0, max_rows=m)
         parts = dr.ArgmaxParts(val, idx, blocks, torch.zeros(49152, dtype=torch.int64))
-        label[0] = f"round M {m} finishing its argmax from {blocks} blocks (no PDL)"
+        label[0] = f"round M {m} finishing its argmax from {blocks} blocks"
         checks, dr.check_draft_round_buffers = dr.check_draft_round_buffers, lambda *a, **k: None
         rounds = dr.DraftRoundKernels(b, **kw)  # CPU tensors: compiled, never launched
         dr.check_draft_round_buffers = checks
+        rounds._gdc, rounds._opts = dr.pdl_launch(True)  # as on an sm_90 device
+        rounds.prepare(m)
         rounds.advance(m, 1, 3, parts)
         rounds.epilogue(m, 3, parts)
     label[0] = "decode"

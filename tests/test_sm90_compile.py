@@ -50,9 +50,13 @@ def test_decode_path_compiles_for_sm90_with_pdl():
     assert names.count("_fused_qkv_rope_kernel") == 2, out[-4000:]
     # the int8 lm_head: 5 shapes, then its greedy argmax partials at 1 / 8 / 64 rows ...
     assert names.count("_linear_int8_kernel") == 8, out[-4000:]
-    # ... that the round's bookkeeping kernels finish (launched without PDL)
-    done = re.findall(r"^ok   round M \d+ .*(_draft_\w+_kernel): cubin", proc.stdout, re.M)
-    assert sorted(done) == ["_draft_advance_kernel"] * 3 + ["_draft_epilogue_kernel"] * 3, done
+    # ... that the round's bookkeeping kernels finish (each waiting first, as on the GPU)
+    done = re.findall(
+        r"^ok   round M \d+ .*(_draft_\w+_kernel): cubin \d+ bytes, griddepcontrol.wait (\w+)",
+        proc.stdout, re.M,
+    )  # fmt: skip
+    kinds = ("_draft_advance_kernel", "_draft_epilogue_kernel", "_draft_prepare_kernel")
+    assert sorted(done) == sorted((kind, "True") for kind in kinds for _ in range(3)), done
     assert {"_rotary_store_kv_kernel", "_paged_attention_kernel", "_combine_splits_kernel"} <= set(
         names
     ), names
