@@ -32,11 +32,12 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def _linear_int8_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o, idx_ptr,
-    IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    ROWS: tl.constexpr, GDC: tl.constexpr, PARTS: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o, idx_ptr, xr_ptr,
+    x_len, IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr, ROWS: tl.constexpr, GDC: tl.constexpr, PARTS: tl.constexpr,
+    GATHER: tl.constexpr,
 ):  # fmt: skip
-    if GDC:  # x comes from the kernel before
+    if GDC:  # x (and its row index) comes from the kernels before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -44,7 +45,11 @@ def _linear_int8_kernel(
     rmask = rows < M
     cmask = cols < N
     wrow = w_ptr + cols[:, None].to(tl.int64) * stride_w
-    xrow = x_ptr + rows[:, None].to(tl.int64) * stride_x
+    src = rows.to(tl.int64)
+    if GATHER:  # output row i reads x[x_rows[i]], clamped into x
+        src = tl.load(xr_ptr + rows, mask=rmask, other=0)
+        src = tl.minimum(tl.maximum(src, 0), x_len - 1)
+    xrow = x_ptr + src[:, None] * stride_x
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -77,12 +82,13 @@ def _linear_int8_kernel(
 _LAUNCH = CachedLaunch(_linear_int8_kernel)
 
 
-def check_linear_int8_args(x, weight, scale, *, out=None) -> None:
-    """linear_int8's argument checks (nothing launched)."""
+def check_linear_int8_args(x, weight, scale, *, out=None, x_rows=None) -> None:
+    """linear_int8's argument checks (nothing launched; x_rows' values are clamped by
+    the kernel, checked by its callers)."""
     _check_tensor("x", x, 2, _DTYPES)
     _check_tensor("weight", weight, 2, (torch.int8,))
     _check_tensor("scale", scale, 1, (torch.float32,))
-    m, k = x.shape
+    m, k = _rows_of(x, x_rows), x.shape[1]
     n = weight.shape[0]
     if weight.shape[1] != k or weight.device != x.device:
         raise ValueError(
@@ -98,6 +104,18 @@ def check_linear_int8_args(x, weight, scale, *, out=None) -> None:
             raise ValueError(
                 f"out {tuple(out.shape)} on {out.device} must be [{m}, {n}] on {x.device}"
             )
+
+
+def _rows_of(x, x_rows) -> int:
+    """The output's row count: x's, or with x_rows (int64 [M] on x's device) M."""
+    if x_rows is None:
+        return x.shape[0]
+    _check_tensor("x_rows", x_rows, 1, (torch.int64,))
+    if x_rows.device != x.device:
+        raise ValueError(f"x_rows is on {x_rows.device}, x on {x.device}")
+    if x_rows.shape[0] and not x.shape[0]:
+        raise ValueError(f"x_rows has {x_rows.shape[0]} rows to read from an empty x")
+    return x_rows.shape[0]
 
 
 def _config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
@@ -118,11 +136,13 @@ def _config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     return fit(128, n), fit(128, k), 3, 8, 16
 
 
-def linear_int8(x, weight, scale, *, out=None, pdl: bool = False) -> torch.Tensor:
+def linear_int8(x, weight, scale, *, out=None, x_rows=None, pdl: bool = False) -> torch.Tensor:
     """x [M, K] @ (weight [N, K] int8 * scale [N, 1])^T -> [M, N] in x's dtype, the sums
-    in float32 and each scaled once. pdl: launch with programmatic dependent launch."""
-    check_linear_int8_args(x, weight, scale, out=out)
-    m, k = x.shape
+    in float32 and each scaled once. x_rows (int64 [M'], values in [0, M); outside,
+    clamped): the product of x's rows x_rows instead, [M', N], read in place (no
+    gather launch). pdl: launch with programmatic dependent launch."""
+    check_linear_int8_args(x, weight, scale, out=out, x_rows=x_rows)
+    m, k = _rows_of(x, x_rows), x.shape[1]
     n = weight.shape[0]
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -130,19 +150,21 @@ def linear_int8(x, weight, scale, *, out=None, pdl: bool = False) -> torch.Tenso
         return out
     if k == 0:
         return out.zero_()
-    _launch(x, weight, scale, out, pdl)
+    _launch(x, weight, scale, out, pdl, x_rows=x_rows)
     return out
 
 
-def _launch(x, weight, scale, out, pdl: bool, idx=None) -> None:
+def _launch(x, weight, scale, out, pdl: bool, idx=None, x_rows=None) -> None:
     """out: the logits; with idx, the partial maxima instead, idx their columns."""
-    m, k = x.shape
+    m, k = _rows_of(x, x_rows), x.shape[1]
     n = weight.shape[0]
     block_n, block_k, stages, warps, rows = _config(m, n, k)
     gdc, opts = pdl_launch(pdl)
+    gather = x_rows is not None
     args = (x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-            out if idx is None else idx, x.dtype == torch.float32, block_n, block_k, stages,
-            rows, gdc, idx is not None)  # fmt: skip
+            out if idx is None else idx, x_rows if gather else out, x.shape[0],
+            x.dtype == torch.float32, block_n, block_k, stages, rows, gdc, idx is not None,
+            gather)  # fmt: skip
     key = specialization_key(args) + (x.device.index, warps)
     _LAUNCH(key, (cdiv(n, block_n), cdiv(m, rows)), args, {"num_warps": warps, **opts})
 
@@ -153,10 +175,10 @@ def argmax_blocks(m: int, n: int, k: int) -> int:
     return cdiv(n, _config(m, n, k)[0]) if m > 0 and n > 0 and k > 0 else 0
 
 
-def check_linear_int8_partials_args(x, weight, scale, part_val, part_idx) -> None:
+def check_linear_int8_partials_args(x, weight, scale, part_val, part_idx, x_rows=None) -> None:
     """linear_int8_partials' argument checks (nothing launched)."""
-    check_linear_int8_args(x, weight, scale)
-    m, k = x.shape
+    check_linear_int8_args(x, weight, scale, x_rows=x_rows)
+    m, k = _rows_of(x, x_rows), x.shape[1]
     n = weight.shape[0]
     if n == 0 or k == 0:
         raise ValueError(f"weight {tuple(weight.shape)}: an argmax needs logits (N, K >= 1)")
@@ -175,17 +197,20 @@ def check_linear_int8_partials_args(x, weight, scale, part_val, part_idx) -> Non
         )
 
 
-def linear_int8_partials(x, weight, scale, part_val, part_idx, *, pdl: bool = False) -> int:
+def linear_int8_partials(
+    x, weight, scale, part_val, part_idx, *, x_rows=None, pdl: bool = False
+) -> int:
     """The first half of a greedy argmax over x (weight * scale)^T without writing the
     logits: for row i and column block b, part_val[i, b] = the block's maximum of the
     logits rounded to x's dtype (compared in float32; NaN ranks highest) and part_idx[i,
     b] its first column. Returns the number of blocks; the token is the part_idx of the
     first block holding the row's largest part_val (reduce_argmax_parts, or the draft
-    round's advance / epilogue, which need the token anyway)."""
-    check_linear_int8_partials_args(x, weight, scale, part_val, part_idx)
-    if x.shape[0] > 0:
-        _launch(x, weight, scale, part_val, pdl, idx=part_idx)
-    return argmax_blocks(x.shape[0], weight.shape[0], x.shape[1])
+    round's advance / epilogue, which need the token anyway). x_rows: as linear_int8's."""
+    check_linear_int8_partials_args(x, weight, scale, part_val, part_idx, x_rows)
+    m = _rows_of(x, x_rows)
+    if m > 0:
+        _launch(x, weight, scale, part_val, pdl, idx=part_idx, x_rows=x_rows)
+    return argmax_blocks(m, weight.shape[0], x.shape[1])
 
 
 def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -200,13 +200,14 @@ class DraftLoop:
         head = self.model.lm_head
         offsets = self.model.d2t if self.map_tokens else None
 
-        def partials(rows: torch.Tensor) -> None:
+        def partials(x: torch.Tensor, *, x_rows: torch.Tensor | None = None) -> None:
             blocks = ops.linear_int8_partials(
-                rows, head.weight, head.scale, self._part_val, self._part_idx,
-                pdl=kernels.pdl_supported(rows.device),
+                x, head.weight, head.scale, self._part_val, self._part_idx, x_rows=x_rows,
+                pdl=kernels.pdl_supported(x.device),
             )  # fmt: skip
             state.parts = ArgmaxParts(self._part_val, self._part_idx, blocks, offsets)
 
+        partials.takes_x_rows = True  # the prefill's last rows read in place (select_logits)
         return partials
 
     def _sample(self, state: RoundState, logits: torch.Tensor, step: int) -> None:

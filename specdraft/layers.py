@@ -80,8 +80,13 @@ class Int8Linear(nn.Module):
             self.scale.data = scale.to(self.scale.device)
         return self
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear_int8(x, self.weight, self.scale, pdl=kernels.pdl_supported(x.device))
+    # select_logits hands it the rows it needs (x_rows) instead of gathering them first
+    takes_x_rows = True
+
+    def forward(self, x: torch.Tensor, *, x_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x's rows (all, or x_rows: int64 row indices) through the int8 projection."""
+        pdl = kernels.pdl_supported(x.device)
+        return ops.linear_int8(x, self.weight, self.scale, x_rows=x_rows, pdl=pdl)
 
 
 def quantize_lm_head(model: nn.Module) -> nn.Module:
@@ -526,8 +531,12 @@ def select_logits(
     else logits_indices (a device int64 tensor of row indices, checked by
     check_step_inputs), else each request's last token (meta.last_token_idx; padded
     requests read row 0, or with meta.last_is_row, a decode step's, their own padding
-    row: every row as it is, no gather launch)."""
+    row: every row as it is, no gather launch). An lm_head with `takes_x_rows` set
+    (Int8Linear, a draft round's partials head) reads those rows itself (x_rows=):
+    no gather launch either."""
     if all_logits or (logits_indices is None and meta.last_is_row):
         return lm_head(hidden)
     idx = meta.last_token_idx if logits_indices is None else logits_indices
+    if getattr(lm_head, "takes_x_rows", False):
+        return lm_head(hidden, x_rows=idx)
     return lm_head(hidden.index_select(0, idx))

@@ -216,18 +216,19 @@ def linear_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, **kw
     """x @ (weight int8 [N, K] * scale [N, 1])^T in x's dtype (kernels.linear_int8)."""
     if backend_for(x) == "triton":
         return kernels.linear_int8(x, weight, scale, **kw)
-    kernels.check_linear_int8_args(x, weight, scale, out=kw.get("out"))
+    kernels.check_linear_int8_args(x, weight, scale, out=kw.get("out"), x_rows=kw.get("x_rows"))
     return torch_ops.linear_int8(x, weight, scale, **kw)
 
 
-def linear_int8_partials(x, weight, scale, part_val, part_idx, *, pdl=False) -> int:
-    """A greedy argmax over x (weight * scale)^T left as (maximum, first column) per
-    column block in part_val / part_idx, no logits written; returns the block count
-    (kernels.linear_int8_partials; the PyTorch path writes one block)."""
+def linear_int8_partials(x, weight, scale, part_val, part_idx, *, x_rows=None, pdl=False) -> int:
+    """A greedy argmax over x (weight * scale)^T (x's rows x_rows) left as (maximum,
+    first column) per column block in part_val / part_idx, no logits written; returns
+    the block count (kernels.linear_int8_partials; the PyTorch path writes one block)."""
+    args = (x, weight, scale, part_val, part_idx)
     if backend_for(x) == "triton":
-        return kernels.linear_int8_partials(x, weight, scale, part_val, part_idx, pdl=pdl)
-    kernels.check_linear_int8_partials_args(x, weight, scale, part_val, part_idx)
-    return torch_ops.linear_int8_partials(x, weight, scale, part_val, part_idx)
+        return kernels.linear_int8_partials(*args, x_rows=x_rows, pdl=pdl)
+    kernels.check_linear_int8_partials_args(*args, x_rows)
+    return torch_ops.linear_int8_partials(*args, x_rows=x_rows)
 
 
 def argmax(logits: torch.Tensor, *, out=None, tickets=None, offsets=None) -> torch.Tensor:

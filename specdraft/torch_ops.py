@@ -179,18 +179,29 @@ def embed_concat(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor) -
     return torch.cat([F.embedding(ids, table), hidden], dim=-1)
 
 
-def linear_int8(x, weight, scale, *, out=None, pdl: bool = False) -> torch.Tensor:
-    """As kernels.linear_int8: float32 sums of x times the int8 weights, then each
-    column scaled once, rounded to x's dtype."""
+def _gathered(x, x_rows):
+    """x's rows x_rows (clamped into x, as the kernels do), or x."""
+    if x_rows is None:
+        return x
+    return x.index_select(0, x_rows.clamp(0, max(x.shape[0] - 1, 0)))
+
+
+def linear_int8(x, weight, scale, *, out=None, x_rows=None, pdl: bool = False) -> torch.Tensor:
+    """As kernels.linear_int8: float32 sums of x (its rows x_rows) times the int8
+    weights, then each column scaled once, rounded to x's dtype."""
+    x = _gathered(x, x_rows)
     y = (F.linear(x.float(), weight.float()) * scale).to(x.dtype)
     if out is None:
         return y
     return out.copy_(y)
 
 
-def linear_int8_partials(x, weight, scale, part_val, part_idx, *, pdl: bool = False) -> int:
+def linear_int8_partials(
+    x, weight, scale, part_val, part_idx, *, x_rows=None, pdl: bool = False
+) -> int:
     """As kernels.linear_int8_partials with one block a row: each row's maximum of the
     rounded logits (NaN highest) and its first column; returns 1."""
+    x = _gathered(x, x_rows)
     v = linear_int8(x, weight, scale).float()
     v = torch.where(torch.isnan(v), float("inf"), v)
     m = x.shape[0]

@@ -135,6 +135,102 @@ def test_linear_int8_partials_torch_path_reduces_alike():
     assert blocks == 1 and torch.equal(got[0], got[1])
 
 
+def check_x_rows_case(device, dtype, *, pdl=False, seed=0):
+    """linear_int8 / linear_int8_partials over x's rows x_rows (repeated, out of order,
+    and outside x: clamped into it) equal the same call on the gathered rows, bit for
+    bit, into poisoned outputs; x and x_rows unchanged."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    m, k, n = 7, 576, 300
+    q, s = kernels.quantize_rows_int8(torch.randn(n, k, device=device, generator=g))
+    x = torch.randn(m, k, device=device, generator=g).to(dtype)
+    x_rows = torch.tensor([6, 0, 6, 3, -4, 99], device=device)
+    gathered = x[x_rows.clamp(0, m - 1)]
+    x0, r0 = x.clone(), x_rows.clone()
+    out = torch.full((6, n), float("nan"), device=device, dtype=dtype)
+    got = ops.linear_int8(x, q, s, out=out, x_rows=x_rows, pdl=pdl)
+    assert got.data_ptr() == out.data_ptr() and not out.isnan().any(), "every element written"
+    assert torch.equal(got, ops.linear_int8(gathered, q, s, pdl=pdl))
+    if device == "cpu":  # and the float64 reference of those rows
+        err = (got.double() - reference(gathered, q, s)).abs().max().item()
+        assert err <= 1e-3 if dtype == torch.float32 else err <= 0.05, err
+    parts = []
+    for rows in (x_rows, None):
+        val = torch.full((6, 8), float("nan"), device=device)
+        idx = torch.full((6, 8), -7, dtype=torch.int32, device=device)
+        src = x if rows is not None else gathered
+        blocks = ops.linear_int8_partials(src, q, s, val, idx, x_rows=rows, pdl=pdl)
+        parts.append((val[:, :blocks], idx[:, :blocks]))
+    assert torch.equal(parts[0][0], parts[1][0]) and torch.equal(parts[0][1], parts[1][1])
+    assert torch.equal(x, x0) and torch.equal(x_rows, r0)
+
+
+@interp
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_x_rows_are_read_in_place(backend, dtype):
+    with ops.use_backend(backend):
+        check_x_rows_case("cpu", dtype, seed=3)
+
+
+BAD_X_ROWS = [
+    ("int32", lambda x: torch.tensor([0, 1], dtype=torch.int32), TypeError),
+    ("2-D", lambda x: torch.zeros(1, 2, dtype=torch.int64), ValueError),
+    ("float", lambda x: torch.zeros(2), TypeError),
+    ("list", lambda x: [0, 1], TypeError),
+]
+
+
+@interp
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("case, make, exc", BAD_X_ROWS, ids=[b[0] for b in BAD_X_ROWS])
+def test_bad_x_rows_names_it_and_writes_nothing(case, make, exc, backend):
+    x, q, s = _args()
+    x_rows = make(x)
+    out = torch.full((2, 20), 7.0)
+    val, idx = torch.full((2, 4), 7.0), torch.full((2, 4), 7, dtype=torch.int32)
+    with ops.use_backend(backend):
+        with pytest.raises(exc, match=r"\bx_rows\b"):
+            ops.linear_int8(x, q, s, out=out, x_rows=x_rows)
+        with pytest.raises(exc, match=r"\bx_rows\b"):
+            ops.linear_int8_partials(x, q, s, val, idx, x_rows=x_rows)
+        # rows to read from an empty x
+        with pytest.raises(ValueError, match=r"\bx_rows\b"):
+            ops.linear_int8(x[:0], q, s, x_rows=torch.zeros(2, dtype=torch.int64))
+    assert bool((out == 7).all()) and bool((val == 7).all()) and bool((idx == 7).all())
+
+
+@interp
+def test_select_logits_hands_an_int8_head_its_rows():
+    """select_logits gives an lm_head with takes_x_rows its row indices (no gather
+    launch); the result equals the plain head on the gathered rows."""
+    from types import SimpleNamespace
+
+    from specdraft.layers import select_logits
+
+    g = torch.Generator().manual_seed(8)
+    head = Int8Linear(*kernels.quantize_rows_int8(torch.randn(50, 16, generator=g)))
+    hidden = torch.randn(5, 16, generator=g)
+    idx = torch.tensor([4, 1])
+    seen = []
+    calls = []
+
+    def plain(x):
+        calls.append(x.shape[0])
+        return head(x)
+
+    meta = SimpleNamespace(last_is_row=False)  # the rows come from logits_indices
+    orig = torch.Tensor.index_select
+    try:
+        torch.Tensor.index_select = lambda *a, **k: seen.append(1) or orig(*a, **k)
+        got = select_logits(hidden, head, meta, idx, False)
+        assert not seen, "no gather"
+        want = select_logits(hidden, plain, meta, idx, False)
+        assert seen and calls == [2]
+    finally:
+        torch.Tensor.index_select = orig
+    assert torch.equal(got, want) and torch.equal(got, head(hidden[idx]))
+
+
 def _partials_args():
     x, q, s = _args()
     return x, q, s, torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.int32)
@@ -418,3 +514,9 @@ def test_gpu_linear_int8_partials_reduce_to_the_argmax(dtype, pdl):
                                    (3, 4096, 2048))):  # fmt: skip
         check_partials_case("cuda", dtype, m, k, n, pdl=pdl, seed=i)
     check_partials_case("cuda", dtype, 8, 576, 49152, ties=True, pdl=pdl, seed=9)
+
+
+@gpu
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gpu_x_rows_are_read_in_place(pdl):
+    check_x_rows_case("cuda", torch.bfloat16, pdl=pdl, seed=5)
