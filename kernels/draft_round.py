@@ -239,14 +239,20 @@ def _draft_advance_kernel(
     BLOCK_P: tl.constexpr,
     GDC: tl.constexpr,
 ):
-    if GDC:  # the token (or its partials) comes from the step's last kernel
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     ri = tl.arange(0, BLOCK_R)
     in_batch = ri < num_rows
     slot = tl.load(slots_ptr + ri, mask=in_batch, other=-1)
     real = in_batch & (slot >= 0)
     src_row = tl.where(real, slot, null_row).to(tl.int64)
+    # The next position and its slot before the PDL wait: cur_pos was last written by
+    # prepare or the previous advance, a whole step back (a PDL kernel starts only once
+    # the one two back has finished: kernels/paged_attention.py), the table rows before
+    # the round.
+    pos = tl.load(cur_pos_ptr + ri, mask=real, other=0) + 1
+    slot_out = _slot_of(rows_ptr, src_row * stride_rows, pos, real, max_blocks, BLOCK_SIZE)
+    if GDC:  # the token (or its partials) comes from the step's last kernel
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if FROM_PARTS:  # the previous step's argmax finishes here: token table, then input
         tok = _token_of_parts(val_ptr, idx_ptr, stride_p, blocks, ri, in_batch, off_ptr,
                               HAS_OFF, BLOCK_R, BLOCK_P)  # fmt: skip
@@ -255,9 +261,7 @@ def _draft_advance_kernel(
     else:
         tok = tl.load(tok_ptr + ri.to(tl.int64) * stride_tok, mask=real, other=0)
     tok = tl.minimum(tl.maximum(tok, 0), vocab_size - 1)
-    pos = tl.load(cur_pos_ptr + ri, mask=real, other=0) + 1
     tl.store(cur_pos_ptr + ri, pos, mask=real)
-    slot_out = _slot_of(rows_ptr, src_row * stride_rows, pos, real, max_blocks, BLOCK_SIZE)
     tl.store(d_ids_ptr + ri, tl.where(real, tok, 0), mask=in_batch)
     tl.store(d_pos_ptr + ri, tl.where(real, pos, 0), mask=in_batch)
     tl.store(d_seq_ptr + ri, tl.where(real, pos + 1, 0).to(tl.int32), mask=in_batch)
