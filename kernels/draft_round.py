@@ -580,6 +580,8 @@ def check_argmax_parts(parts: ArgmaxParts, num_rows: int, device: torch.device) 
     TypeError naming the field)."""
     if not isinstance(parts, ArgmaxParts):
         raise TypeError(f"parts must be an ArgmaxParts, got {type(parts).__name__}")
+    if isinstance(parts.blocks, bool) or not isinstance(parts.blocks, int) or parts.blocks < 1:
+        raise ValueError(f"parts.blocks must be a positive int, got {parts.blocks!r}")
     for name, t, dtype in (("val", parts.val, torch.float32), ("idx", parts.idx, torch.int32)):
         if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 2:
             raise TypeError(f"parts.{name} must be a 2-D {dtype} tensor")
@@ -591,8 +593,6 @@ def check_argmax_parts(parts: ArgmaxParts, num_rows: int, device: torch.device) 
             )
     if parts.idx.stride(0) != parts.val.stride(0):
         raise ValueError("parts.idx and parts.val must share one row stride")
-    if isinstance(parts.blocks, bool) or not isinstance(parts.blocks, int) or parts.blocks < 1:
-        raise ValueError(f"parts.blocks must be a positive int, got {parts.blocks!r}")
     off = parts.offsets
     if off is not None and (
         not isinstance(off, torch.Tensor) or off.dtype != torch.int64 or off.dim() != 1

@@ -432,6 +432,61 @@ def test_round_ops_finish_the_argmax_from_parts(seed):
             assert torch.equal(getattr(b, name), getattr(runs[0], name)), name
 
 
+def _bad_parts(case: str, parts):
+    """`parts` (6 rows, 5 blocks, an id map) with one field broken as `case` says."""
+    from dataclasses import replace
+
+    from specdraft.kernels.draft_round import ArgmaxParts
+
+    v, i = parts.val, parts.idx
+    return {
+        "a tuple": lambda: (v, i, parts.blocks),
+        "val float64": lambda: replace(parts, val=v.double()),
+        "val 1-D": lambda: replace(parts, val=v[:, 0].contiguous()),
+        "val rows": lambda: replace(parts, val=v[:2]),
+        "val strided": lambda: replace(parts, val=v.t().contiguous().t()),
+        "idx int64": lambda: replace(parts, idx=i.long()),
+        "idx blocks": lambda: replace(parts, idx=i[:, :3].contiguous()),
+        "idx row stride": lambda: replace(parts, idx=torch.zeros(6, 40, dtype=torch.int32)),
+        "blocks 0": lambda: ArgmaxParts(v, i, 0, parts.offsets),
+        "blocks bool": lambda: ArgmaxParts(v, i, True, parts.offsets),
+        "blocks str": lambda: ArgmaxParts(v, i, "5", parts.offsets),
+        "offsets int32": lambda: replace(parts, offsets=parts.offsets.int()),
+    }[case]()
+
+
+BAD_PARTS = [
+    ("a tuple", TypeError, r"\bparts must"), ("val float64", TypeError, r"parts\.val"),
+    ("val 1-D", TypeError, r"parts\.val"), ("val rows", ValueError, r"parts\.val"),
+    ("val strided", ValueError, r"parts\.val"), ("idx int64", TypeError, r"parts\.idx"),
+    ("idx blocks", ValueError, r"parts\.idx"), ("idx row stride", ValueError, r"parts\.idx"),
+    ("blocks 0", ValueError, r"parts\.blocks"), ("blocks bool", ValueError, r"parts\.blocks"),
+    ("blocks str", ValueError, r"parts\.blocks"), ("offsets int32", ValueError, r"parts\.offsets"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", ["kernels", "torch"])
+@pytest.mark.parametrize("case, exc, match", BAD_PARTS, ids=[c[0] for c in BAD_PARTS])
+def test_bad_argmax_parts_are_refused_before_any_write(case, exc, match, impl):
+    """advance / epilogue given broken partials: the exception type, a message naming the
+    field, and every round buffer as it was."""
+    from specdraft.draft_round_ops import TorchDraftRound
+    from specdraft.kernels.draft_round import DraftRoundKernels
+
+    b, kw = _random_buffers(0, max_rows=6)
+    o = (DraftRoundKernels if impl == "kernels" else TorchDraftRound)(b, **kw)
+    parts, _ = _random_parts(0, 6, 5, kw["vocab_size"], True)
+    o.prepare(6)
+    before = {name: t.clone() for name, t in vars(b).items() if isinstance(t, torch.Tensor)}
+    bad = _bad_parts(case, parts)
+    with pytest.raises(exc, match=match):
+        o.advance(6, 1, 3, bad)
+    with pytest.raises(exc, match=match):
+        o.epilogue(6, 3, bad)
+    for name, t in before.items():
+        assert torch.equal(getattr(b, name), t), name
+
+
 # ---- an engine around it: transformers plays the target --------------------------------
 
 
