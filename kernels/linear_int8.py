@@ -88,7 +88,7 @@ def check_linear_int8_args(x, weight, scale, *, out=None, x_rows=None) -> None:
     _check_tensor("x", x, 2, _DTYPES)
     _check_tensor("weight", weight, 2, (torch.int8,))
     _check_tensor("scale", scale, 1, (torch.float32,))
-    m, k = _rows_of(x, x_rows), x.shape[1]
+    m, k = _checked_rows(x, x_rows), x.shape[1]
     n = weight.shape[0]
     if weight.shape[1] != k or weight.device != x.device:
         raise ValueError(
@@ -106,16 +106,21 @@ def check_linear_int8_args(x, weight, scale, *, out=None, x_rows=None) -> None:
             )
 
 
+def _checked_rows(x, x_rows) -> int:
+    """x_rows' checks (int64 [M] on x's device, nothing read from an empty x); returns
+    the output's row count (_rows_of)."""
+    if x_rows is not None:
+        _check_tensor("x_rows", x_rows, 1, (torch.int64,))
+        if x_rows.device != x.device:
+            raise ValueError(f"x_rows is on {x_rows.device}, x on {x.device}")
+        if x_rows.shape[0] and not x.shape[0]:
+            raise ValueError(f"x_rows has {x_rows.shape[0]} rows to read from an empty x")
+    return _rows_of(x, x_rows)
+
+
 def _rows_of(x, x_rows) -> int:
-    """The output's row count: x's, or with x_rows (int64 [M] on x's device) M."""
-    if x_rows is None:
-        return x.shape[0]
-    _check_tensor("x_rows", x_rows, 1, (torch.int64,))
-    if x_rows.device != x.device:
-        raise ValueError(f"x_rows is on {x_rows.device}, x on {x.device}")
-    if x_rows.shape[0] and not x.shape[0]:
-        raise ValueError(f"x_rows has {x_rows.shape[0]} rows to read from an empty x")
-    return x_rows.shape[0]
+    """The output's row count: x's, or with x_rows (checked) its length."""
+    return x.shape[0] if x_rows is None else x_rows.shape[0]
 
 
 def _config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
