@@ -13,9 +13,11 @@ invariant 5) and a launch captured for (num_rows, W, K) serves any contents.
   last-token indices and the step's block table; the decode steps' query_start_loc and
   last-token indices; the sampling-parameter row of each batch row; advances L by
   a + 1 (the new committed length); and, in program 0, the round counters.
-- advance (one program): before decode step s, each row's last sampled token becomes
-  its input, its position moves by one, its seq_len and slot follow.
-- epilogue (one program): tokens at j >= k[row] and on padding rows become -1.
+- advance: before decode step s, each row's last sampled token becomes its input, its
+  position moves by one, its seq_len and slot follow. Rows are independent: one program
+  takes every row, or PARTS_ROWS of them when it also finishes an argmax.
+- epilogue: tokens at j >= k[row] and on padding rows become -1 (up to 64 rows a
+  program, PARTS_ROWS when it finishes an argmax).
 
 A greedy step over an int8 lm_head leaves its argmax unfinished (ArgmaxParts: each
 column block's maximum and first column, kernels.linear_int8_partials); advance, or the
@@ -38,6 +40,7 @@ table's width, maps to slot -1 (nothing written).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,9 +48,15 @@ import triton
 import triton.language as tl
 
 from .guard import check_tensors_runnable
-from .launch import CachedLaunch, pdl_launch, pdl_supported
+from .launch import CachedLaunch, pdl_launch, pdl_supported, specialization_key
 
-__all__ = ["ArgmaxParts", "DraftRoundBuffers", "DraftRoundKernels", "check_argmax_parts"]
+__all__ = [
+    "ArgmaxParts",
+    "DraftRoundBuffers",
+    "DraftRoundKernels",
+    "check_argmax_parts",
+    "check_stage_inputs",
+]
 
 
 @triton.jit
@@ -239,7 +248,7 @@ def _draft_advance_kernel(
     BLOCK_P: tl.constexpr,
     GDC: tl.constexpr,
 ):
-    ri = tl.arange(0, BLOCK_R)
+    ri = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_batch = ri < num_rows
     slot = tl.load(slots_ptr + ri, mask=in_batch, other=-1)
     real = in_batch & (slot >= 0)
@@ -307,6 +316,55 @@ def _draft_epilogue_kernel(
         tl.store(ptrs, vals, mask=m & (drop | last))
     else:
         tl.store(ptrs, tl.full([BLOCK_R, BLOCK_K], -1, tl.int64), mask=m & drop)
+
+
+@triton.jit
+def _stage_inputs_kernel(
+    ver_ptr,  # int32 / int64 [n, w] at strides (ver_s0, ver_s1)
+    ver_s0,
+    ver_s1,
+    acc_ptr,  # int32 / int64 [n] at stride acc_s0
+    acc_s0,
+    hid_ptr,  # [n, w, h] at strides (hid_s0, hid_s1, hid_s2)
+    hid_s0,
+    hid_s1,
+    hid_s2,
+    ver_out_ptr,  # int64 [>= n, W] contiguous rows of W
+    acc_out_ptr,  # int64 [>= n]
+    hid_out_ptr,  # [>= n * W, h] contiguous
+    w,
+    h,
+    W: tl.constexpr,
+    COPY_VER: tl.constexpr,
+    COPY_ACC: tl.constexpr,
+    COPY_HID: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """One program per (row, verified column): the round's inputs into its buffers."""
+    pid = tl.program_id(0)
+    row = (pid // w).to(tl.int64)
+    j = (pid % w).to(tl.int64)
+    if COPY_VER:
+        tok = tl.load(ver_ptr + row * ver_s0 + j * ver_s1)
+        tl.store(ver_out_ptr + row * W + j, tok.to(tl.int64))
+    if COPY_ACC:  # once a row
+        first = j == 0
+        acc = tl.load(acc_ptr + row * acc_s0, mask=first)
+        tl.store(acc_out_ptr + row, acc.to(tl.int64), mask=first)
+    if COPY_HID:
+        src = hid_ptr + row * hid_s0 + j * hid_s1
+        dst = hid_out_ptr + (row * W + j) * h
+        for h0 in range(0, h, BLOCK_H):
+            hh = h0 + tl.arange(0, BLOCK_H)
+            x = tl.load(src + hh.to(tl.int64) * hid_s2, mask=hh < h)
+            tl.store(dst + hh, x, mask=hh < h)
+
+
+# Rows a program takes in advance / epilogue when it also finishes an argmax from
+# partials ([PARTS_ROWS, <= 1024] loads): the batch spreads over SMs instead of one
+# program reducing every row's blocks (batch 64: 64 x 384 partials in one program made
+# the batch-64 round 5 % slower than its steps; bench/NOTES.md, stop 40).
+PARTS_ROWS = 4
 
 
 def _pow2(n: int, lo: int = 2) -> int:
@@ -441,6 +499,7 @@ class DraftRoundKernels:
         self._prepare = CachedLaunch(_draft_prepare_kernel)
         self._advance = CachedLaunch(_draft_advance_kernel)
         self._epilogue = CachedLaunch(_draft_epilogue_kernel)
+        self._stage = CachedLaunch(_stage_inputs_kernel)
         # Programmatic dependent launch: each kernel waits first, so the next step's
         # first kernel can launch and load its weights while this one runs.
         self._gdc, self._opts = pdl_launch(pdl_supported(buffers.slots.device))
@@ -498,6 +557,8 @@ class DraftRoundKernels:
         if not 1 <= step < k_max <= self.k_cap:
             raise ValueError(f"step {step} must be in [1, k_max {k_max}) and k_max <= {self.k_cap}")
         b, block_r = self.b, self._rows(num_rows)
+        if parts is not None:  # each program reduces its rows' partials
+            block_r = min(PARTS_ROWS, block_r)
         tok = b.tokens[: num_rows * k_max].view(num_rows, k_max)[:, step - 1]
         pa = _parts_args(parts, num_rows, tok)
         args = (
@@ -525,7 +586,7 @@ class DraftRoundKernels:
         # The token pointer moves with (rows, k_max, step): part of the key.
         self._advance(
             ("advance", num_rows, k_max, step) + _parts_key(parts),
-            (1,),
+            (triton.cdiv(num_rows, block_r),),
             args,
             {"num_warps": 4 if block_r >= 128 or parts is not None else 1, **self._opts},
         )
@@ -536,7 +597,7 @@ class DraftRoundKernels:
         if not 1 <= k_max <= self.k_cap:
             raise ValueError(f"k_max {k_max} must be in [1, {self.k_cap}]")
         self._rows(num_rows)
-        b, block_r = self.b, min(64, _pow2(num_rows))
+        b, block_r = self.b, min(64 if parts is None else PARTS_ROWS, _pow2(num_rows))
         pa = _parts_args(parts, num_rows, b.tokens)
         args = (b.slots, b.k, b.tokens, *pa[:5], num_rows, k_max, block_r,
                 _pow2(self.k_cap), *pa[5:], self._gdc)  # fmt: skip
@@ -544,6 +605,90 @@ class DraftRoundKernels:
         warps = 4 if parts is not None else 1
         self._epilogue(("epilogue", num_rows, k_max) + _parts_key(parts), grid, args,
                        {"num_warps": warps, **self._opts})  # fmt: skip
+
+    def stage_inputs(
+        self,
+        verified: torch.Tensor | None,
+        accepted: torch.Tensor | None,
+        hidden: torch.Tensor | None = None,
+        hidden_out: torch.Tensor | None = None,
+    ) -> Callable[[], None] | None:
+        """A launch that copies a round's inputs into its buffers: verified [n, w] into
+        verified[:n, :w], accepted [n] into accepted[:n], hidden [n, w, h] into rows
+        b * W + j of hidden_out [>= n * W, h] (None: that input is already in place).
+        Returns a callable that runs the copy (one launch, arguments bound: calling it
+        again copies whatever the same source tensors hold then), or None when there is
+        nothing to copy. Checked here, once; the callable checks nothing."""
+        n, w = check_stage_inputs(self, verified, accepted, hidden, hidden_out)
+        if n == 0:
+            return None
+        check_tensors_runnable(
+            "stage_inputs", [("verified", verified), ("accepted", accepted), ("hidden", hidden)]
+        )
+        b, dummy = self.b, self.b.accepted
+        ver = verified if verified is not None else b.verified
+        acc = accepted if accepted is not None else dummy
+        hid = hidden if hidden is not None else hidden_out if hidden_out is not None else dummy
+        hid_s = tuple(hid.stride()) if hidden is not None else (0, 0, 0)
+        h = hid.shape[-1] if hidden is not None else 1
+        out = hidden_out if hidden_out is not None else hid
+        args = (ver, ver.stride(0) if verified is not None else 0,
+                ver.stride(1) if verified is not None else 0,
+                acc, acc.stride(0) if accepted is not None else 0,
+                hid, *hid_s, b.verified, b.accepted, out, w, h, self.width,
+                verified is not None, accepted is not None, hidden is not None,
+                min(1024, _pow2(h, 16)))  # fmt: skip
+        launch, key, grid = self._stage, ("stage", *specialization_key(args)), (n * w, 1, 1)
+        warps = {"num_warps": 4 if h >= 512 else 1}
+        return lambda: launch(key, grid, args, warps)
+
+
+def check_stage_inputs(kernels, verified, accepted, hidden, hidden_out) -> tuple[int, int]:
+    """(rows, width) of stage_inputs' sources; ValueError / TypeError naming the
+    argument for a wrong type, dtype, device, shape or a size past the buffers."""
+    device, n, w, first = kernels.b.slots.device, None, None, None
+    ints = (torch.int32, torch.int64)
+    for name, t, ndim, dtypes in (
+        ("verified", verified, 2, ints),
+        ("accepted", accepted, 1, ints),
+        ("hidden", hidden, 3, None),
+    ):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor or None, got {type(t).__name__}")
+        if t.dim() != ndim or (dtypes is not None and t.dtype not in dtypes):
+            want = f"{ndim}-D" + ("" if dtypes is None else " int32 / int64")
+            raise TypeError(f"{name} must be a {want} tensor, got {t.dim()}-D {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, the round's buffers on {device}")
+        if n is not None and t.shape[0] != n:
+            raise ValueError(f"{name} has {t.shape[0]} rows, {first} {n}")
+        if not 1 <= t.shape[0] <= kernels.max_rows:
+            raise ValueError(f"{name} has {t.shape[0]} rows, must be in [1, {kernels.max_rows}]")
+        if ndim > 1:
+            if w is not None and t.shape[1] != w:
+                raise ValueError(f"{name} has width {t.shape[1]}, verified {w}")
+            if not 1 <= t.shape[1] <= kernels.width:
+                raise ValueError(
+                    f"{name} has width {t.shape[1]}, must be in [1, W = {kernels.width}]"
+                )
+            w = t.shape[1]
+        n, first = t.shape[0], first or name
+    if hidden is not None:
+        out = hidden_out
+        if not isinstance(out, torch.Tensor) or out.dim() != 2 or not out.is_contiguous():
+            raise ValueError("hidden_out must be a contiguous 2-D tensor when hidden is given")
+        if out.dtype != hidden.dtype or out.device != device or out.shape[1] != hidden.shape[2]:
+            raise ValueError(
+                f"hidden_out {tuple(out.shape)} {out.dtype} on {out.device} does not take hidden "
+                f"{tuple(hidden.shape)} {hidden.dtype}"
+            )
+        if out.shape[0] < n * kernels.width:
+            raise ValueError(f"hidden_out has {out.shape[0]} rows, needs {n} x W {kernels.width}")
+    if n is None:
+        return 0, 0
+    return n, 1 if w is None else w
 
 
 @dataclass(frozen=True)
@@ -570,7 +715,7 @@ def _parts_args(parts: ArgmaxParts | None, num_rows: int, dummy: torch.Tensor) -
         return (dummy, dummy, 0, 0, dummy, False, False, 16)
     check_argmax_parts(parts, num_rows, dummy.device)
     off = parts.offsets if parts.offsets is not None else dummy
-    block_p = min(128, _pow2(parts.blocks, 16))
+    block_p = min(1024, _pow2(parts.blocks, 16))  # a row's blocks in one load if they fit
     return (parts.val, parts.idx, parts.val.stride(0), parts.blocks, off, True,
             parts.offsets is not None, block_p)  # fmt: skip
 

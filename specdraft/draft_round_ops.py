@@ -17,6 +17,7 @@ from specdraft.kernels.draft_round import (
     DraftRoundBuffers,
     DraftRoundKernels,
     check_argmax_parts,
+    check_stage_inputs,
 )
 from specdraft.ops import backend_for
 
@@ -137,6 +138,26 @@ class TorchDraftRound:
         self._finish_argmax(parts, r, toks[:, k_max - 1])
         kk = torch.arange(k_max, device=toks.device)
         toks.masked_fill_(kk[None, :] >= k[:, None], -1)
+
+    def stage_inputs(self, verified, accepted, hidden=None, hidden_out=None):
+        """DraftRoundKernels.stage_inputs' copies in PyTorch: the destination views are
+        cut once, here; the callable only copies."""
+        n, w = check_stage_inputs(self, verified, accepted, hidden, hidden_out)
+        if n == 0:
+            return None
+        pairs = []
+        if verified is not None:
+            pairs.append((self.b.verified[:n, :w], verified))
+        if accepted is not None:
+            pairs.append((self.b.accepted[:n], accepted))
+        if hidden is not None:
+            pairs.append((hidden_out[: n * self.width].view(n, self.width, -1)[:, :w], hidden))
+
+        def copy():
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+
+        return copy
 
 
 def draft_round_ops(buffers: DraftRoundBuffers, **kw) -> DraftRoundKernels | TorchDraftRound:

@@ -448,7 +448,7 @@ class Drafter:
         if (st is not None and not eager
                 and st.repeats(req_ids, verified_tokens, num_accepted, target_hidden, k, k_max)
                 and not kernels.validation_enabled(self.device)):  # fmt: skip
-            return self._steady_round(st, verified_tokens, num_accepted, target_hidden)
+            return self._steady_round(st)
         self._leave_steady()
         self.lengths.poll()
         inp = check_propose_inputs(
@@ -480,7 +480,9 @@ class Drafter:
             _is_view_of(num_accepted, own[1]),
             target_hidden is not None and _is_view_of(target_hidden, own[2]),
         )
-        self._copy_inputs(b, w, verified_tokens, num_accepted, target_hidden, in_place)
+        stage = self._stage_inputs(verified_tokens, num_accepted, target_hidden, in_place)
+        if stage is not None:
+            stage()
         if desc is not None and not eager:
             tokens, q = self._managers[(kk, run_mode)].replay(desc)
             self.graph_rounds += 1
@@ -500,7 +502,7 @@ class Drafter:
             if budget > 0:
                 self._steady = _Steady(
                     inp, k, k_max, verified_tokens, num_accepted, target_hidden,
-                    self._managers[(kk, run_mode)], desc, out, budget, in_place,
+                    self._managers[(kk, run_mode)], desc, out, budget, stage,
                 )  # fmt: skip
         return out
 
@@ -516,20 +518,20 @@ class Drafter:
         in_len = (self.max_model_len - 1 - upper) // w + 1
         return int(max(0, min(fits.min(), in_len.min())))
 
-    def _copy_inputs(self, b: int, w: int, verified, accepted, hidden, in_place) -> None:
-        """The round's inputs into its buffers, except those already written there."""
-        bufs = self.buffers
-        if not in_place[0]:
-            bufs.verified[:b, :w].copy_(verified, non_blocking=True)
-        if not in_place[1]:
-            bufs.accepted[:b].copy_(accepted, non_blocking=True)
-        if hidden is not None and not in_place[2]:
-            self.loop.hidden.view(-1, self.width, self.hidden_in)[:b, :w].copy_(
-                hidden, non_blocking=True
-            )
+    def _stage_inputs(self, verified, accepted, hidden, in_place):
+        """The copy of the round's inputs into its buffers, except those already written
+        there (input_views): one launch, bound to these sources, or None."""
+        copy_hidden = hidden is not None and not in_place[2]
+        return self.loop.ops.stage_inputs(
+            None if in_place[0] else verified,
+            None if in_place[1] else accepted,
+            hidden if copy_hidden else None,
+            self.loop.hidden if copy_hidden else None,
+        )
 
-    def _steady_round(self, st: _Steady, verified, accepted, hidden) -> Proposal:
-        self._copy_inputs(st.b, st.w, verified, accepted, hidden, st.own)
+    def _steady_round(self, st: _Steady) -> Proposal:
+        if st.stage is not None:  # the same sources as the round that set st up
+            st.stage()
         st.manager.replay(st.desc)
         st.budget -= 1
         st.rounds += 1
@@ -624,11 +626,11 @@ class _Steady:
     replay: its arguments (copies of the host ones, the tensors' geometry), what it
     dispatched to and how many more rounds its KV blocks and max_model_len allow."""
 
-    __slots__ = ("ids", "k", "k_max", "geo", "objs", "slots", "b", "w", "own", "manager",
+    __slots__ = ("ids", "k", "k_max", "geo", "objs", "slots", "b", "w", "stage", "manager",
                  "desc", "out", "budget", "rounds")  # fmt: skip
 
     def __init__(self, inp, k, k_max, verified, accepted, hidden, manager, desc, out, budget,
-                 own):  # fmt: skip
+                 stage):  # fmt: skip
         self.ids = list(inp.req_ids)
         # values that cannot change behind our back: None, an int, a copied list (an
         # array or tensor could be rewritten in place: such a k never matches)
@@ -638,7 +640,7 @@ class _Steady:
         self.objs = (verified, accepted, hidden)  # the same objects again: same geometry
         self.slots, self.b, self.w = inp.slots.copy(), inp.num_reqs, inp.width
         self.manager, self.desc, self.out = manager, desc, out
-        self.budget, self.rounds, self.own = budget, 0, own
+        self.budget, self.rounds, self.stage = budget, 0, stage
 
     def repeats(self, req_ids, verified, accepted, hidden, k, k_max) -> bool:
         if self.budget <= 0 or k_max != self.k_max or req_ids != self.ids:

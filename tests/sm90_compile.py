@@ -161,7 +161,8 @@ def decode_path_compiles() -> list[tuple[str, object]]:
     dr = importlib.import_module("kernels.draft_round")
     from tests.test_drafter import _random_buffers
 
-    for jit in (dr._draft_prepare_kernel, dr._draft_advance_kernel, dr._draft_epilogue_kernel):
+    for jit in (dr._draft_prepare_kernel, dr._draft_advance_kernel, dr._draft_epilogue_kernel,
+                dr._stage_inputs_kernel):  # fmt: skip
         compile_only(jit)
     for m in (1, 8, 64):
         label[0] = f"decode M {m} int8 lm_head partials 49152 x 576"
@@ -178,6 +179,13 @@ def decode_path_compiles() -> list[tuple[str, object]]:
         rounds.prepare(m)
         rounds.advance(m, 1, 3, parts)
         rounds.epilogue(m, 3, parts)
+        label[0] = f"round M {m} staging its inputs (EAGLE-3-wide bf16 hidden states)"
+        hid_out = torch.zeros(m * kw["width"], 3 * 576).to(bf)
+        runnable, dr.check_tensors_runnable = dr.check_tensors_runnable, lambda *a: None
+        stage = rounds.stage_inputs(torch.zeros(m, 4, dtype=torch.int32), torch.zeros(m).long(),
+                                    torch.randn(m, 4, 3 * 576).to(bf), hid_out)  # fmt: skip
+        dr.check_tensors_runnable = runnable
+        stage()
     label[0] = "decode"
     t, blocks, bs = 4, 8, 16
     q, k, v = (torch.randn(t, n, d).to(bf) for n in (hq, hkv, hkv))

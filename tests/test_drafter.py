@@ -399,12 +399,14 @@ def test_round_ops_finish_the_argmax_from_parts(seed):
     """advance / epilogue given a step's argmax partials: the token column they write is
     the first block's column of each row's largest maximum (mapped with an id map), and
     the rest is what the same kernels do after an argmax wrote those tokens; both paths
-    alike. 300 blocks: the kernels read them in 128-wide chunks, ties across chunks."""
+    alike. The kernels take PARTS_ROWS rows a program (70 rows: a partial last program)
+    and read a row's blocks in chunks of up to 1024: 1100 blocks take two, with ties
+    across them."""
     from specdraft.draft_round_ops import TorchDraftRound
     from specdraft.kernels.draft_round import DraftRoundKernels
 
     max_rows = 70 if seed >= 2 else 6
-    blocks = 300 if seed % 2 else 5
+    blocks = (5, 300, 7, 1100)[seed]
     runs = []
     for path in ("parts", "tokens"):
         for impl in (DraftRoundKernels, TorchDraftRound):
@@ -485,6 +487,103 @@ def test_bad_argmax_parts_are_refused_before_any_write(case, exc, match, impl):
         o.epilogue(6, 3, bad)
     for name, t in before.items():
         assert torch.equal(getattr(b, name), t), name
+
+
+def _stage_sources(seed: int, n: int, w: int, h: int, in_place: tuple):
+    """Round inputs in awkward layouts (int32, strided, permuted), None where in place."""
+    g = torch.Generator().manual_seed(200 + seed)
+    ver = torch.randint(0, 100, (w, n), generator=g, dtype=torch.int32).t()  # strided
+    acc = torch.randint(0, w, (2 * n,), generator=g)[::2]  # int64, stride 2
+    hid = torch.randn(w, h, n, generator=g).permute(2, 0, 1)  # strides (1, h * n, n)
+    return tuple(None if skip else t for t, skip in zip((ver, acc, hid), in_place))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_stage_inputs_copies_the_inputs_not_in_place(seed):
+    """stage_inputs on both paths: verified / accepted / hidden land in their buffers
+    (verified[:n, :w], accepted[:n], hidden rows b * W + j) as int64 / as they are; every
+    other element of every buffer keeps its poison; the callable copies whatever the
+    same sources hold when it runs again; nothing to copy gives None."""
+    from specdraft.draft_round_ops import TorchDraftRound
+    from specdraft.kernels.draft_round import DraftRoundKernels
+
+    max_rows, width, h = 6, 4, 40
+    n, w = (6, 4) if seed == 0 else (1 + seed, 1 + seed % 4)
+    in_place = [(False,) * 3, (True, False, False), (False, True, True), (False, False, True)]
+    in_place = in_place[seed]
+    for impl in (DraftRoundKernels, TorchDraftRound):
+        b, kw = _random_buffers(seed, max_rows=max_rows, width=width)
+        hid_out = torch.full((max_rows * width, h), -7.0)
+        o = impl(b, **kw)
+        ver, acc, hid = _stage_sources(seed, n, w, h, in_place)
+        before = {k: t.clone() for k, t in vars(b).items() if isinstance(t, torch.Tensor)}
+        stage = o.stage_inputs(ver, acc, hid, None if hid is None else hid_out)
+        for again in range(2):
+            want = {k: t.clone() for k, t in before.items()}
+            want_h = torch.full_like(hid_out, -7.0)
+            if ver is not None:
+                want["verified"][:n, :w] = ver.long()
+            if acc is not None:
+                want["accepted"][:n] = acc
+            if hid is not None:
+                want_h.view(max_rows, width, h)[:n, :w] = hid
+            stage()
+            for k, t in want.items():
+                assert torch.equal(getattr(b, k), t), (impl.__name__, again, k)
+            assert torch.equal(hid_out, want_h), (impl.__name__, again)
+            for src in (ver, acc, hid):  # new contents, same tensors: copied on the next call
+                if src is not None:
+                    src.copy_(src.double().neg().to(src.dtype) - 1)
+            before, hid_out = want, hid_out
+            hid_out.copy_(want_h)
+        assert o.stage_inputs(None, None) is None
+
+
+BAD_STAGE = [
+    ("verified float", TypeError, "verified"), ("verified 1-D", TypeError, "verified"),
+    ("verified wide", ValueError, "verified has width 5"),
+    ("verified rows", ValueError, "accepted has 3 rows, verified 2"),
+    ("accepted 2-D", TypeError, "accepted"), ("accepted rows", ValueError, "accepted"),
+    ("hidden width", ValueError, "hidden"), ("hidden list", TypeError, "hidden"),
+    ("hidden_out missing", ValueError, "hidden_out"), ("hidden_out dtype", ValueError,
+    "hidden_out"), ("hidden_out short", ValueError, "hidden_out"), ("too many rows",
+    ValueError, "verified has 7 rows"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", ["kernels", "torch"])
+@pytest.mark.parametrize("case, exc, match", BAD_STAGE, ids=[c[0] for c in BAD_STAGE])
+def test_bad_stage_inputs_are_refused_before_any_write(case, exc, match, impl):
+    """stage_inputs given a broken source: the exception type, a message naming it, and
+    every round buffer (and the hidden buffer) as it was."""
+    from specdraft.draft_round_ops import TorchDraftRound
+    from specdraft.kernels.draft_round import DraftRoundKernels
+
+    b, kw = _random_buffers(1, max_rows=6, width=4)
+    o = (DraftRoundKernels if impl == "kernels" else TorchDraftRound)(b, **kw)
+    hid_out = torch.randn(24, 8)
+    ver, acc, hid = _stage_sources(1, 3, 2, 8, (False,) * 3)
+    args = {
+        "verified float": (ver.float(), acc, hid, hid_out),
+        "verified 1-D": (ver[:, 0], acc, hid, hid_out),
+        "verified wide": (torch.zeros(3, 5, dtype=torch.long), acc, None, None),
+        "verified rows": (ver[:2], acc, hid, hid_out),
+        "accepted 2-D": (ver, acc[:, None], hid, hid_out),
+        "accepted rows": (ver, acc[:2], hid, hid_out),
+        "hidden width": (ver, acc, hid[:, :1], hid_out),
+        "hidden list": (ver, acc, hid.tolist(), hid_out),
+        "hidden_out missing": (ver, acc, hid, None),
+        "hidden_out dtype": (ver, acc, hid, hid_out.double()),
+        "hidden_out short": (ver, acc, hid, hid_out[:11]),
+        "too many rows": (torch.zeros(7, 2, dtype=torch.long), None, None, None),
+    }[case]
+    before = {k: t.clone() for k, t in vars(b).items() if isinstance(t, torch.Tensor)}
+    out_before = hid_out.clone()
+    with pytest.raises(exc, match=match):
+        o.stage_inputs(*args)
+    for k, t in before.items():
+        assert torch.equal(getattr(b, k), t), k
+    assert torch.equal(hid_out, out_before)
 
 
 # ---- an engine around it: transformers plays the target --------------------------------
