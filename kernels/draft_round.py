@@ -12,7 +12,12 @@ invariant 5) and a launch captured for (num_rows, W, K) serves any contents.
   (a + 1 tokens per row, padding rows 0, padded tokens only at the tail), seq_lens,
   last-token indices and the step's block table; the decode steps' query_start_loc and
   last-token indices; the sampling-parameter row of each batch row; advances L by
-  a + 1 (the new committed length); and, in program 0, the round counters.
+  a + 1 (the new committed length); and, in program 0, the round counters. It reads
+  the verified tokens, accepted counts and (EAGLE) hidden states either from the
+  round's own buffers or, where buffers.src holds their address and strides
+  (DraftRoundKernels.sources), straight from the engine's tensors, copying them into
+  the buffers as it goes: the copy is part of the round's graph, so a round whose
+  inputs sit where the last one's did costs the host one graph launch and nothing else.
 - advance: before decode step s, each row's last sampled token becomes its input, its
   position moves by one, its seq_len and slot follow. Rows are independent: one program
   takes every row, or PARTS_ROWS of them when it also finishes an argmax.
@@ -40,22 +45,23 @@ table's width, maps to slot -1 (nothing written).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from .guard import check_tensors_runnable
-from .launch import CachedLaunch, pdl_launch, pdl_supported, specialization_key
+from .launch import CachedLaunch, pdl_launch, pdl_supported
 
 __all__ = [
     "ArgmaxParts",
     "DraftRoundBuffers",
     "DraftRoundKernels",
     "check_argmax_parts",
-    "check_stage_inputs",
+    "check_hidden_buffer",
+    "check_round_sources",
 ]
 
 
@@ -95,6 +101,9 @@ def _draft_prepare_kernel(
     param_ptr,  # int64 [R] sampling-parameter row (null_row for padding)
     cur_pos_ptr,  # int64 [R] position of each row's last written token
     counters_ptr,  # int64 [2 + K_CAP]: rounds, rows drafted, drafts per position
+    src_ptr,  # int64 [SOURCE_FIELDS]: where the engine keeps the inputs (sources())
+    hidden_ptr,  # HAS_HID: [R * W, hidden] the round's hidden states (out, from source)
+    hidden,
     num_rows,
     max_blocks,
     vocab_size,
@@ -105,6 +114,8 @@ def _draft_prepare_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
+    HAS_HID: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     GDC: tl.constexpr,
 ):
     if GDC:  # the inputs come from the kernels (or copies) before
@@ -113,6 +124,10 @@ def _draft_prepare_kernel(
     r = tl.program_id(0)
     width = tl.load(width_ptr)
     width = tl.minimum(tl.maximum(width, 1), W)
+    # Rows [0, n_src) read each input whose address is set from the engine's tensor,
+    # and copy it into the round's buffer as they go; address 0: already in place.
+    n_src = tl.load(src_ptr)
+    acc_addr = tl.load(src_ptr + 5)
 
     # Every program computes the prefix sums it needs from all rows (rows <= a few
     # hundred): no second launch and no inter-program ordering.
@@ -120,7 +135,18 @@ def _draft_prepare_kernel(
     in_batch = ri < num_rows
     slot_all = tl.load(slots_ptr + ri, mask=in_batch, other=-1)
     real_all = in_batch & (slot_all >= 0)
-    acc_all = tl.load(accepted_ptr + ri, mask=real_all, other=0).to(tl.int64)
+    acc_rows = tl.where(acc_addr != 0, n_src, 0)  # rows whose count comes from the source
+    acc_from = in_batch & (ri < acc_rows)
+    acc_all = tl.load(accepted_ptr + ri, mask=real_all & (ri >= acc_rows), other=0)
+    acc_all = acc_all.to(tl.int64)
+    acc_off = ri.to(tl.int64) * tl.load(src_ptr + 6)
+    if tl.load(src_ptr + 7) != 0:  # int32 counts
+        got = tl.load(acc_addr.to(tl.pointer_type(tl.int32)) + acc_off, mask=acc_from, other=0)
+        got = got.to(tl.int64)
+    else:
+        got = tl.load(acc_addr.to(tl.pointer_type(tl.int64)) + acc_off, mask=acc_from, other=0)
+    acc_all = tl.where(acc_from, got, acc_all)
+    tl.store(accepted_ptr + ri, acc_all, mask=acc_from & (ri == r))  # row r's copy
     # Clamped: a count outside [0, width - 1] never reads or writes outside the buffers.
     acc_all = tl.minimum(tl.maximum(acc_all, 0), width - 1)
     cnt_all = tl.where(real_all, acc_all + 1, 0)
@@ -146,7 +172,33 @@ def _draft_prepare_kernel(
     # Real tokens of row r go to [start, start + cnt); token j sits at position base + j.
     j = tl.arange(0, BLOCK_W)
     is_tok = j < cnt
-    ids = tl.load(verified_ptr + r.to(tl.int64) * stride_ver + j, mask=is_tok, other=0)
+    ver_row = verified_ptr + r.to(tl.int64) * stride_ver
+    ver_addr = tl.load(src_ptr + 1)
+    if (r < n_src) & (ver_addr != 0):  # row r's verified tokens from the engine's tensor
+        in_w = j < width
+        off = r.to(tl.int64) * tl.load(src_ptr + 2) + j.to(tl.int64) * tl.load(src_ptr + 3)
+        if tl.load(src_ptr + 4) != 0:
+            ids = tl.load(ver_addr.to(tl.pointer_type(tl.int32)) + off, mask=in_w, other=0)
+            ids = ids.to(tl.int64)
+        else:
+            ids = tl.load(ver_addr.to(tl.pointer_type(tl.int64)) + off, mask=in_w, other=0)
+        tl.store(ver_row + j, ids, mask=in_w)
+        ids = tl.where(is_tok, ids, 0)
+    else:
+        ids = tl.load(ver_row + j, mask=is_tok, other=0)
+    if HAS_HID:  # row r's hidden states, rows r * W + j of the round's buffer
+        hid_addr = tl.load(src_ptr + 8)
+        if (r < n_src) & (hid_addr != 0):
+            hs = hid_addr.to(hidden_ptr.dtype)
+            h_row = r.to(tl.int64) * tl.load(src_ptr + 9)
+            s1, s2 = tl.load(src_ptr + 10), tl.load(src_ptr + 11)
+            hh = tl.arange(0, BLOCK_H)
+            for jj in range(0, width):
+                dst = hidden_ptr + (r.to(tl.int64) * W + jj) * hidden
+                for h0 in range(0, hidden, BLOCK_H):
+                    m = h0 + hh < hidden
+                    x = tl.load(hs + h_row + jj * s1 + (h0 + hh).to(tl.int64) * s2, mask=m)
+                    tl.store(dst + h0 + hh, x, mask=m)
     ids = tl.minimum(tl.maximum(ids, 0), vocab_size - 1)
     pos = base + j
     dst = start + j
@@ -318,47 +370,9 @@ def _draft_epilogue_kernel(
         tl.store(ptrs, tl.full([BLOCK_R, BLOCK_K], -1, tl.int64), mask=m & drop)
 
 
-@triton.jit
-def _stage_inputs_kernel(
-    ver_ptr,  # int32 / int64 [n, w] at strides (ver_s0, ver_s1)
-    ver_s0,
-    ver_s1,
-    acc_ptr,  # int32 / int64 [n] at stride acc_s0
-    acc_s0,
-    hid_ptr,  # [n, w, h] at strides (hid_s0, hid_s1, hid_s2)
-    hid_s0,
-    hid_s1,
-    hid_s2,
-    ver_out_ptr,  # int64 [>= n, W] contiguous rows of W
-    acc_out_ptr,  # int64 [>= n]
-    hid_out_ptr,  # [>= n * W, h] contiguous
-    w,
-    h,
-    W: tl.constexpr,
-    COPY_VER: tl.constexpr,
-    COPY_ACC: tl.constexpr,
-    COPY_HID: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """One program per (row, verified column): the round's inputs into its buffers."""
-    pid = tl.program_id(0)
-    row = (pid // w).to(tl.int64)
-    j = (pid % w).to(tl.int64)
-    if COPY_VER:
-        tok = tl.load(ver_ptr + row * ver_s0 + j * ver_s1)
-        tl.store(ver_out_ptr + row * W + j, tok.to(tl.int64))
-    if COPY_ACC:  # once a row
-        first = j == 0
-        acc = tl.load(acc_ptr + row * acc_s0, mask=first)
-        tl.store(acc_out_ptr + row, acc.to(tl.int64), mask=first)
-    if COPY_HID:
-        src = hid_ptr + row * hid_s0 + j * hid_s1
-        dst = hid_out_ptr + (row * W + j) * h
-        for h0 in range(0, h, BLOCK_H):
-            hh = h0 + tl.arange(0, BLOCK_H)
-            x = tl.load(src + hh.to(tl.int64) * hid_s2, mask=hh < h)
-            tl.store(dst + hh, x, mask=hh < h)
-
+# buffers.src: [n, verified (address, row stride, column stride, int32?), accepted
+# (address, stride, int32?), hidden (address, 3 strides)]; see DraftRoundKernels.sources.
+SOURCE_FIELDS = 12
 
 # Rows a program takes in advance / epilogue when it also finishes an argmax from
 # partials ([PARTS_ROWS, <= 1024] loads): the batch spreads over SMs instead of one
@@ -406,6 +420,7 @@ _SPEC = {
     "cur_pos": (torch.int64, 1),
     "counters": (torch.int64, 1),
     "tokens": (torch.int64, 1),
+    "src": (torch.int64, 1),
 }
 
 
@@ -450,6 +465,7 @@ def check_draft_round_buffers(
         "cur_pos": max_rows,
         "counters": 2 + k_cap,
         "tokens": max_rows * k_cap,
+        "src": SOURCE_FIELDS,
     }
     for name, n in need.items():
         if getattr(b, name).numel() < n:
@@ -470,6 +486,19 @@ def check_draft_round_buffers(
     check_tensors_runnable("draft round", list(vars(b).items()))
 
 
+def check_hidden_buffer(hidden, rows: int, device: torch.device) -> None:
+    """An EAGLE round's hidden-state buffer: None, or a contiguous [>= rows, h] tensor on
+    `device` (rows b * W + j hold batch row b's verified row j)."""
+    if hidden is None:
+        return
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or not hidden.is_contiguous():
+        raise TypeError("hidden must be None or a contiguous 2-D tensor")
+    if hidden.device != device or hidden.shape[0] < rows:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} on {hidden.device} needs >= {rows} rows on {device}"
+        )
+
+
 class DraftRoundKernels:
     """Launchers of the three kernels over one set of checked persistent buffers.
     Per call only the row count (and step / K) varies, each fixed by a graph's
@@ -485,13 +514,16 @@ class DraftRoundKernels:
         block_size: int,
         vocab_size: int,
         null_row: int,
+        hidden: torch.Tensor | None = None,
     ):
         check_draft_round_buffers(
             buffers, max_rows=max_rows, width=width, k_cap=k_cap, null_row=null_row
         )
+        check_hidden_buffer(hidden, max_rows * width, buffers.slots.device)
+        check_tensors_runnable("draft round", [("hidden", hidden)])
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
-        self.b = buffers
+        self.b, self.hidden = buffers, hidden
         self.max_rows, self.width, self.k_cap = max_rows, width, k_cap
         self.block_size, self.vocab_size, self.null_row = block_size, vocab_size, null_row
         self.max_blocks = buffers.rows.shape[1]
@@ -499,7 +531,6 @@ class DraftRoundKernels:
         self._prepare = CachedLaunch(_draft_prepare_kernel)
         self._advance = CachedLaunch(_draft_advance_kernel)
         self._epilogue = CachedLaunch(_draft_epilogue_kernel)
-        self._stage = CachedLaunch(_stage_inputs_kernel)
         # Programmatic dependent launch: each kernel waits first, so the next step's
         # first kernel can launch and load its weights while this one runs.
         self._gdc, self._opts = pdl_launch(pdl_supported(buffers.slots.device))
@@ -510,7 +541,7 @@ class DraftRoundKernels:
         return _pow2(num_rows)
 
     def prepare(self, num_rows: int) -> None:
-        b, block_r = self.b, self._rows(num_rows)
+        b, block_r, hid = self.b, self._rows(num_rows), self.hidden
         args = (
             b.slots,
             b.k,
@@ -535,6 +566,9 @@ class DraftRoundKernels:
             b.param,
             b.cur_pos,
             b.counters,
+            b.src,
+            hid if hid is not None else b.src,
+            0 if hid is None else hid.shape[1],
             num_rows,
             self.max_blocks,
             self.vocab_size,
@@ -545,9 +579,13 @@ class DraftRoundKernels:
             block_r,
             _pow2(self.width),
             self._row_block,
+            hid is not None,
+            16 if hid is None else min(1024, _pow2(hid.shape[1], 16)),
             self._gdc,
         )
-        warps = 4 if block_r >= 256 else 1  # each program reduces over all rows
+        # each program reduces over all rows, and may copy its row's hidden states
+        big = block_r >= 256 or (hid is not None and hid.shape[1] * self.width >= 2048)
+        warps = 4 if big else 1
         self._prepare(("prepare", num_rows), (num_rows,), args, {"num_warps": warps, **self._opts})
 
     def advance(self, num_rows: int, step: int, k_max: int, parts: ArgmaxParts | None = None):
@@ -606,86 +644,67 @@ class DraftRoundKernels:
         self._epilogue(("epilogue", num_rows, k_max) + _parts_key(parts), grid, args,
                        {"num_warps": warps, **self._opts})  # fmt: skip
 
-    def stage_inputs(
-        self,
-        verified: torch.Tensor | None,
-        accepted: torch.Tensor | None,
-        hidden: torch.Tensor | None = None,
-        hidden_out: torch.Tensor | None = None,
-    ) -> Callable[[], None] | None:
-        """A launch that copies a round's inputs into its buffers: verified [n, w] into
-        verified[:n, :w], accepted [n] into accepted[:n], hidden [n, w, h] into rows
-        b * W + j of hidden_out [>= n * W, h] (None: that input is already in place).
-        Returns a callable that runs the copy (one launch, arguments bound: calling it
-        again copies whatever the same source tensors hold then), or None when there is
-        nothing to copy. Checked here, once; the callable checks nothing."""
-        n, w = check_stage_inputs(self, verified, accepted, hidden, hidden_out)
+    def sources(self, verified, accepted, hidden=None) -> np.ndarray:
+        """The SOURCE_FIELDS int64 values (for buffers.src, uploaded with the round's host
+        inputs) that make prepare read the round's inputs where the engine keeps them:
+        verified [n, w] (int32 / int64, any strides), accepted [n], hidden [n, w, h] (the
+        hidden buffer's dtype); None: already in the round's own buffer. prepare copies
+        each into its buffer (verified[:n, :w], accepted[:n], hidden rows b * W + j) as
+        it reads it, inside the round's graph: a round whose inputs sit at the same
+        addresses as the last one's needs no upload and no launch. The caller keeps the
+        tensors alive while the fields are in buffers.src."""
+        n, _ = check_round_sources(self, verified, accepted, hidden)
+        f = np.zeros(SOURCE_FIELDS, dtype=np.int64)
         if n == 0:
-            return None
-        check_tensors_runnable(
-            "stage_inputs", [("verified", verified), ("accepted", accepted), ("hidden", hidden)]
-        )
-        b, dummy = self.b, self.b.accepted
-        ver = verified if verified is not None else b.verified
-        acc = accepted if accepted is not None else dummy
-        hid = hidden if hidden is not None else hidden_out if hidden_out is not None else dummy
-        hid_s = tuple(hid.stride()) if hidden is not None else (0, 0, 0)
-        h = hid.shape[-1] if hidden is not None else 1
-        out = hidden_out if hidden_out is not None else hid
-        args = (ver, ver.stride(0) if verified is not None else 0,
-                ver.stride(1) if verified is not None else 0,
-                acc, acc.stride(0) if accepted is not None else 0,
-                hid, *hid_s, b.verified, b.accepted, out, w, h, self.width,
-                verified is not None, accepted is not None, hidden is not None,
-                min(1024, _pow2(h, 16)))  # fmt: skip
-        launch, key, grid = self._stage, ("stage", *specialization_key(args)), (n * w, 1, 1)
-        warps = {"num_warps": 4 if h >= 512 else 1}
-        return lambda: launch(key, grid, args, warps)
+            return f
+        f[0] = n
+        if verified is not None:
+            f[1:5] = (verified.data_ptr(), *verified.stride(), verified.dtype == torch.int32)
+        if accepted is not None:
+            f[5:8] = (accepted.data_ptr(), accepted.stride(0), accepted.dtype == torch.int32)
+        if hidden is not None:
+            f[8:12] = (hidden.data_ptr(), *hidden.stride())
+        return f
 
 
-def check_stage_inputs(kernels, verified, accepted, hidden, hidden_out) -> tuple[int, int]:
-    """(rows, width) of stage_inputs' sources; ValueError / TypeError naming the
-    argument for a wrong type, dtype, device, shape or a size past the buffers."""
-    device, n, w, first = kernels.b.slots.device, None, None, None
+def check_round_sources(ops, verified, accepted, hidden) -> tuple[int, int]:
+    """(rows, width) of a round's input sources (None: in place); ValueError / TypeError
+    naming the argument for a wrong type, dtype, device or shape, or a size past the
+    round's buffers."""
+    device, n, w, first = ops.b.slots.device, None, None, None
+    hid_buf = ops.hidden
     ints = (torch.int32, torch.int64)
     for name, t, ndim, dtypes in (
         ("verified", verified, 2, ints),
         ("accepted", accepted, 1, ints),
-        ("hidden", hidden, 3, None),
+        ("hidden", hidden, 3, None if hid_buf is None else (hid_buf.dtype,)),
     ):
         if t is None:
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor or None, got {type(t).__name__}")
+        if name == "hidden" and hid_buf is None:
+            raise ValueError("hidden is for EAGLE heads: this round has no hidden buffer")
         if t.dim() != ndim or (dtypes is not None and t.dtype not in dtypes):
-            want = f"{ndim}-D" + ("" if dtypes is None else " int32 / int64")
+            want = f"{ndim}-D" + "".join(f" {d}" for d in dtypes or ())
             raise TypeError(f"{name} must be a {want} tensor, got {t.dim()}-D {t.dtype}")
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, the round's buffers on {device}")
         if n is not None and t.shape[0] != n:
             raise ValueError(f"{name} has {t.shape[0]} rows, {first} {n}")
-        if not 1 <= t.shape[0] <= kernels.max_rows:
-            raise ValueError(f"{name} has {t.shape[0]} rows, must be in [1, {kernels.max_rows}]")
+        if not 1 <= t.shape[0] <= ops.max_rows:
+            raise ValueError(f"{name} has {t.shape[0]} rows, must be in [1, {ops.max_rows}]")
         if ndim > 1:
             if w is not None and t.shape[1] != w:
                 raise ValueError(f"{name} has width {t.shape[1]}, verified {w}")
-            if not 1 <= t.shape[1] <= kernels.width:
-                raise ValueError(
-                    f"{name} has width {t.shape[1]}, must be in [1, W = {kernels.width}]"
-                )
+            if not 1 <= t.shape[1] <= ops.width:
+                raise ValueError(f"{name} has width {t.shape[1]}, must be in [1, W = {ops.width}]")
             w = t.shape[1]
-        n, first = t.shape[0], first or name
-    if hidden is not None:
-        out = hidden_out
-        if not isinstance(out, torch.Tensor) or out.dim() != 2 or not out.is_contiguous():
-            raise ValueError("hidden_out must be a contiguous 2-D tensor when hidden is given")
-        if out.dtype != hidden.dtype or out.device != device or out.shape[1] != hidden.shape[2]:
+        if name == "hidden" and t.shape[2] != hid_buf.shape[1]:
             raise ValueError(
-                f"hidden_out {tuple(out.shape)} {out.dtype} on {out.device} does not take hidden "
-                f"{tuple(hidden.shape)} {hidden.dtype}"
+                f"hidden has {t.shape[2]} features, the hidden buffer {hid_buf.shape[1]}"
             )
-        if out.shape[0] < n * kernels.width:
-            raise ValueError(f"hidden_out has {out.shape[0]} rows, needs {n} x W {kernels.width}")
+        n, first = t.shape[0], first or name
     if n is None:
         return 0, 0
     return n, 1 if w is None else w

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdraft.kernels.draft_round import DraftRoundBuffers
+from specdraft.kernels.draft_round import SOURCE_FIELDS, DraftRoundBuffers
 
 from .staging import CurrentStream, PinnedRing
 
@@ -46,18 +46,20 @@ def make_round_buffers(
     table: torch.Tensor,
     device: torch.device,
 ) -> tuple[DraftRoundBuffers, torch.Tensor]:
-    """All round buffers, the host-filled ones (slots, k, width) packed into one int64
-    tensor so that a round's host inputs travel in one copy. Returns (buffers, packed)."""
+    """All round buffers, the host-filled ones (width, slots, k, src) packed into one
+    int64 tensor so that a round's host inputs travel in one copy. Returns (buffers,
+    packed)."""
 
     def z(n: int, dtype=torch.int64) -> torch.Tensor:
         return torch.zeros(n, dtype=dtype, device=device)
 
-    packed = z(1 + 2 * max_rows)
+    packed = z(1 + 2 * max_rows + SOURCE_FIELDS)
     tokens = max_rows * width
     b = DraftRoundBuffers(
         width=packed[:1],
         slots=packed[1 : 1 + max_rows],
-        k=packed[1 + max_rows :],
+        k=packed[1 + max_rows : 1 + 2 * max_rows],
+        src=packed[1 + 2 * max_rows :],
         verified=z(max_rows * width).view(max_rows, width),
         accepted=z(max_rows),
         base=z(null_row + 1, torch.int32),
@@ -84,11 +86,14 @@ def make_round_buffers(
     return b, packed
 
 
+_NO_SOURCES = np.zeros(SOURCE_FIELDS, dtype=np.int64)
+
+
 class HostStage:
-    """Pinned staging of a round's host inputs [width, slots..., k...] (int64), one
-    non-blocking copy into the packed device tensor. The ring is deep (128 rounds) so
-    that the host can run that many rounds ahead of the GPU before it waits for a
-    staging buffer's copy to have run (128 x 8 x (1 + 2 max_num_reqs) bytes pinned)."""
+    """Pinned staging of a round's host inputs [width, slots..., k..., src...] (int64),
+    one non-blocking copy into the packed device tensor. The ring is deep (128 rounds)
+    so that the host can run that many rounds ahead of the GPU before it waits for a
+    staging buffer's copy to have run (128 x 8 x (13 + 2 max_num_reqs) bytes pinned)."""
 
     def __init__(self, packed: torch.Tensor, max_rows: int, depth: int = 128):
         self.packed, self.max_rows = packed, max_rows
@@ -99,9 +104,15 @@ class HostStage:
         self._last: tuple | None = None
         self.skipped = 0
 
-    def upload(self, width: int, slots: np.ndarray, k: np.ndarray, pad_to: int) -> None:
-        """slots / k of the real rows; rows [len(slots), pad_to) become padding (-1)."""
-        key = (int(width), int(pad_to), slots.dtype, slots.tobytes(), k.dtype, k.tobytes())
+    def upload(
+        self, width: int, slots: np.ndarray, k: np.ndarray, pad_to: int, src: np.ndarray | None
+    ) -> None:
+        """slots / k of the real rows; rows [len(slots), pad_to) become padding (-1);
+        src: the SOURCE_FIELDS values of the round's input sources (None: every input in
+        place)."""
+        src = _NO_SOURCES if src is None else src
+        key = (int(width), int(pad_to), slots.dtype, slots.tobytes(), k.dtype, k.tobytes(),
+               src.tobytes())  # fmt: skip
         if key == self._last:
             self.skipped += 1
             return
@@ -114,6 +125,7 @@ class HostStage:
         host[1 + n : 1 + pad_to] = -1
         host[1 + m : 1 + m + n] = k
         host[1 + m + n : 1 + m + pad_to] = 0
+        host[1 + 2 * m :] = src
         self.ring.copy_to(i, self.packed, self.packed.numel())
 
 

@@ -88,6 +88,9 @@ class DraftLoop:
             device=self.device,
         )
         self.stage = HostStage(packed, r)
+        self.hidden = None
+        if kind is not DraftKind.LLAMA:
+            self.hidden = torch.zeros(r * width, hidden_in, dtype=self.dtype, device=self.device)
         self.ops = draft_round_ops(
             self.buffers,
             max_rows=r,
@@ -96,10 +99,8 @@ class DraftLoop:
             block_size=bs,
             vocab_size=self.vocab_size,
             null_row=self.null_row,
+            hidden=self.hidden,
         )
-        self.hidden = None
-        if kind is not DraftKind.LLAMA:
-            self.hidden = torch.zeros(r * width, hidden_in, dtype=self.dtype, device=self.device)
         # An EAGLE-3 head samples in its own vocabulary; d2t maps to target ids. q is
         # flat, viewed as [rows, k_max, V] per round; over the target vocabulary, the
         # columns outside the draft vocabulary are never written (column = flat index
@@ -286,7 +287,7 @@ class DraftLoop:
         is advanced), every verified row accepted, k = k_max."""
         b, w = self.buffers, self.width
         slots = np.full(rows, self.null_row, dtype=np.int64)
-        self.stage.upload(w, slots, np.full(rows, k_max), rows)
+        self.stage.upload(w, slots, np.full(rows, k_max), rows, self.ops.sources(None, None))
         b.accepted[:rows].fill_(w - 1)
         pattern = torch.arange(rows * w, device=self.device).view(rows, w) % 7 + 1
         b.verified[:rows].copy_(pattern)

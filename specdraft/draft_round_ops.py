@@ -9,15 +9,18 @@ path as it does for every other kernel call.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specdraft import torch_ops
 from specdraft.kernels.draft_round import (
+    SOURCE_FIELDS,
     ArgmaxParts,
     DraftRoundBuffers,
     DraftRoundKernels,
     check_argmax_parts,
-    check_stage_inputs,
+    check_hidden_buffer,
+    check_round_sources,
 )
 from specdraft.ops import backend_for
 
@@ -35,8 +38,10 @@ class TorchDraftRound:
         block_size: int,
         vocab_size: int,
         null_row: int,
+        hidden: torch.Tensor | None = None,
     ):
-        self.b = buffers
+        check_hidden_buffer(hidden, max_rows * width, buffers.slots.device)
+        self.b, self.hidden, self._src = buffers, hidden, None
         self.max_rows, self.width, self.k_cap = max_rows, width, k_cap
         self.block_size, self.vocab_size, self.null_row = block_size, vocab_size, null_row
         self.max_blocks = buffers.rows.shape[1]
@@ -51,6 +56,8 @@ class TorchDraftRound:
         return torch.where(ok & (blk > 0), blk * bs + pos % bs, -1)
 
     def prepare(self, num_rows: int) -> None:
+        for dst, src in self._src or ():  # the inputs not written in place
+            dst.copy_(src)
         b, r, w = self.b, num_rows, self.width
         width = b.width[:1].clamp(1, w)
         slots = b.slots[:r]
@@ -139,25 +146,19 @@ class TorchDraftRound:
         kk = torch.arange(k_max, device=toks.device)
         toks.masked_fill_(kk[None, :] >= k[:, None], -1)
 
-    def stage_inputs(self, verified, accepted, hidden=None, hidden_out=None):
-        """DraftRoundKernels.stage_inputs' copies in PyTorch: the destination views are
-        cut once, here; the callable only copies."""
-        n, w = check_stage_inputs(self, verified, accepted, hidden, hidden_out)
-        if n == 0:
-            return None
-        pairs = []
-        if verified is not None:
-            pairs.append((self.b.verified[:n, :w], verified))
-        if accepted is not None:
-            pairs.append((self.b.accepted[:n], accepted))
-        if hidden is not None:
-            pairs.append((hidden_out[: n * self.width].view(n, self.width, -1)[:, :w], hidden))
-
-        def copy():
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
-
-        return copy
+    def sources(self, verified, accepted, hidden=None) -> np.ndarray:
+        """DraftRoundKernels.sources on the PyTorch path: the tensors are kept here and
+        prepare copies them into the buffers first. Returns all-zero fields."""
+        n, w = check_round_sources(self, verified, accepted, hidden)
+        self._src = None
+        if n:
+            self._src = [(dst, src) for dst, src in (
+                (self.b.verified[:n, :w], verified),
+                (self.b.accepted[:n], accepted),
+                (None if hidden is None else self.hidden[: n * self.width].view(
+                    n, self.width, -1)[:, :w], hidden),
+            ) if src is not None]  # fmt: skip
+        return np.zeros(SOURCE_FIELDS, dtype=np.int64)
 
 
 def draft_round_ops(buffers: DraftRoundBuffers, **kw) -> DraftRoundKernels | TorchDraftRound:

@@ -35,8 +35,12 @@ Contract with the engine (the host never reads num_accepted):
   pinned memory a round or more later (draft_buffers.LengthBook: it only queries an
   event, never waits) and tighten the bound. Running out of blocks raises
   DraftOutOfBlocksError before anything is written: free a request and call again;
-- outputs are views of persistent buffers, valid until the next propose(). Zero-copy
-  inputs: write into `input_views(B, W_in)` and pass those views.
+- outputs are views of persistent buffers, valid until the next propose(). Inputs are
+  read where they are: the round's first kernel (prepare) takes their addresses and
+  strides from a small device table uploaded with the round's host inputs and copies
+  them into the round's buffers, inside the graph. Inputs written into
+  `input_views(B, W_in)` are not copied at all. propose() keeps a reference to its
+  input tensors until the next propose(), so the table never points at freed memory.
 """
 
 from __future__ import annotations
@@ -212,6 +216,7 @@ class Drafter:
         self.rounds = self.graph_rounds = self.steady_rounds = 0
         self._views: dict[tuple, Proposal] = {}
         self._steady: _Steady | None = None  # the last graph round, while it may repeat
+        self._sources: tuple = ()  # the last round's input tensors (the device reads them)
         # (data pointer, strides) of input_views(): inputs written there are not copied
         self._own = [(t.data_ptr(), t.stride()) for t in self.input_views(1) if t is not None]
         self._own += [(0, ())] * (3 - len(self._own))
@@ -404,7 +409,7 @@ class Drafter:
     def input_views(self, num_reqs: int, width: int | None = None):
         """(verified [B, W_in], num_accepted [B], target_hidden [B, W_in, h_in] or None):
         views of the round's own input buffers. An engine that writes its inputs there
-        and passes these views to propose() saves the copies."""
+        and passes these views to propose() saves the round's copy of them."""
         w = self.width if width is None else width
         b = self.buffers
         hid = None
@@ -443,7 +448,7 @@ class Drafter:
         A round that repeats the previous graph round (the same req_ids, k and k_max,
         inputs at the same addresses and shapes, no request added, removed or grown
         since, and KV blocks known to suffice) skips the checks and the bookkeeping:
-        it copies the inputs that are not already in place and replays the graph."""
+        it replays the graph, which reads the inputs where they are."""
         st = self._steady
         if (st is not None and not eager
                 and st.repeats(req_ids, verified_tokens, num_accepted, target_hidden, k, k_max)
@@ -473,16 +478,16 @@ class Drafter:
         # ---- from here on state changes; nothing below raises on valid input ----
         self.tables.commit()
         rows = desc.num_reqs if desc is not None else b
-        self.loop.stage.upload(w, slots, inp.k, rows)
-        own = self._own
-        in_place = (
-            _is_view_of(verified_tokens, own[0]),
-            _is_view_of(num_accepted, own[1]),
-            target_hidden is not None and _is_view_of(target_hidden, own[2]),
-        )
-        stage = self._stage_inputs(verified_tokens, num_accepted, target_hidden, in_place)
-        if stage is not None:
-            stage()
+        own = self._own  # inputs written into input_views() are read in place
+        src = self.loop.ops.sources(
+            None if _is_view_of(verified_tokens, own[0]) else verified_tokens,
+            None if _is_view_of(num_accepted, own[1]) else num_accepted,
+            None if target_hidden is None or _is_view_of(target_hidden, own[2])
+            else target_hidden,
+        )  # fmt: skip
+        # The round reads these tensors where they are: alive until the next upload.
+        self._sources = (verified_tokens, num_accepted, target_hidden)
+        self.loop.stage.upload(w, slots, inp.k, rows, src)
         if desc is not None and not eager:
             tokens, q = self._managers[(kk, run_mode)].replay(desc)
             self.graph_rounds += 1
@@ -502,7 +507,7 @@ class Drafter:
             if budget > 0:
                 self._steady = _Steady(
                     inp, k, k_max, verified_tokens, num_accepted, target_hidden,
-                    self._managers[(kk, run_mode)], desc, out, budget, stage,
+                    self._managers[(kk, run_mode)], desc, out, budget,
                 )  # fmt: skip
         return out
 
@@ -518,21 +523,8 @@ class Drafter:
         in_len = (self.max_model_len - 1 - upper) // w + 1
         return int(max(0, min(fits.min(), in_len.min())))
 
-    def _stage_inputs(self, verified, accepted, hidden, in_place):
-        """The copy of the round's inputs into its buffers, except those already written
-        there (input_views): one launch, bound to these sources, or None."""
-        copy_hidden = hidden is not None and not in_place[2]
-        return self.loop.ops.stage_inputs(
-            None if in_place[0] else verified,
-            None if in_place[1] else accepted,
-            hidden if copy_hidden else None,
-            self.loop.hidden if copy_hidden else None,
-        )
-
     def _steady_round(self, st: _Steady) -> Proposal:
-        if st.stage is not None:  # the same sources as the round that set st up
-            st.stage()
-        st.manager.replay(st.desc)
+        st.manager.replay(st.desc)  # its inputs sit where the last round read them
         st.budget -= 1
         st.rounds += 1
         self.rounds += 1
@@ -626,11 +618,10 @@ class _Steady:
     replay: its arguments (copies of the host ones, the tensors' geometry), what it
     dispatched to and how many more rounds its KV blocks and max_model_len allow."""
 
-    __slots__ = ("ids", "k", "k_max", "geo", "objs", "slots", "b", "w", "stage", "manager",
-                 "desc", "out", "budget", "rounds")  # fmt: skip
+    __slots__ = ("ids", "k", "k_max", "geo", "objs", "slots", "b", "w", "manager", "desc",
+                 "out", "budget", "rounds")  # fmt: skip
 
-    def __init__(self, inp, k, k_max, verified, accepted, hidden, manager, desc, out, budget,
-                 stage):  # fmt: skip
+    def __init__(self, inp, k, k_max, verified, accepted, hidden, manager, desc, out, budget):
         self.ids = list(inp.req_ids)
         # values that cannot change behind our back: None, an int, a copied list (an
         # array or tensor could be rewritten in place: such a k never matches)
@@ -640,7 +631,7 @@ class _Steady:
         self.objs = (verified, accepted, hidden)  # the same objects again: same geometry
         self.slots, self.b, self.w = inp.slots.copy(), inp.num_reqs, inp.width
         self.manager, self.desc, self.out = manager, desc, out
-        self.budget, self.rounds, self.stage = budget, 0, stage
+        self.budget, self.rounds = budget, 0
 
     def repeats(self, req_ids, verified, accepted, hidden, k, k_max) -> bool:
         if self.budget <= 0 or k_max != self.k_max or req_ids != self.ids:

@@ -307,7 +307,7 @@ def test_sampled_rows_q_and_tokens(setup):
 # ---- the round kernels: PyTorch path against Triton -----------------------------------
 
 
-def _random_buffers(seed: int, max_rows=6, width=4, k_cap=3, vocab=100):
+def _random_buffers(seed: int, max_rows=6, width=4, k_cap=3, vocab=100, device="cpu"):
     from specdraft.draft_buffers import make_round_buffers
 
     g = torch.Generator().manual_seed(seed)
@@ -319,9 +319,9 @@ def _random_buffers(seed: int, max_rows=6, width=4, k_cap=3, vocab=100):
         width=width,
         k_cap=k_cap,
         null_row=null,
-        rows=rows,
-        table=torch.zeros(max_rows, 5, dtype=torch.int32),
-        device=torch.device("cpu"),
+        rows=rows.to(device),
+        table=torch.zeros(max_rows, 5, dtype=torch.int32, device=device),
+        device=torch.device(device),
     )
     n_real = int(torch.randint(1, max_rows + 1, (), generator=g))
     slots = torch.randperm(null, generator=g)[:max_rows]
@@ -489,101 +489,124 @@ def test_bad_argmax_parts_are_refused_before_any_write(case, exc, match, impl):
         assert torch.equal(getattr(b, name), t), name
 
 
-def _stage_sources(seed: int, n: int, w: int, h: int, in_place: tuple):
-    """Round inputs in awkward layouts (int32, strided, permuted), None where in place."""
-    g = torch.Generator().manual_seed(200 + seed)
-    ver = torch.randint(0, 100, (w, n), generator=g, dtype=torch.int32).t()  # strided
-    acc = torch.randint(0, w, (2 * n,), generator=g)[::2]  # int64, stride 2
-    hid = torch.randn(w, h, n, generator=g).permute(2, 0, 1)  # strides (1, h * n, n)
+def _sources(seed: int, n: int, w: int, h: int, in_place: tuple, device="cpu", dtype=None):
+    """Round inputs in awkward layouts (int32 with a row stride, int64 with stride 2,
+    hidden states permuted), None where in place."""
+    g = torch.Generator(device=device).manual_seed(200 + seed)
+    ver = torch.randint(-3, 105, (n, w + 3), generator=g, device=device, dtype=torch.int32)
+    ver = ver[:, 1 : w + 1]
+    acc = torch.randint(-1, w + 1, (2 * n,), generator=g, device=device)[::2]
+    hid = torch.randn(w, h, n, generator=g, device=device).to(dtype or torch.float32)
+    hid = hid.permute(2, 0, 1)  # strides (1, h * n, n)
     return tuple(None if skip else t for t, skip in zip((ver, acc, hid), in_place))
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_stage_inputs_copies_the_inputs_not_in_place(seed):
-    """stage_inputs on both paths: verified / accepted / hidden land in their buffers
-    (verified[:n, :w], accepted[:n], hidden rows b * W + j) as int64 / as they are; every
-    other element of every buffer keeps its poison; the callable copies whatever the
-    same sources hold when it runs again; nothing to copy gives None."""
+def check_prepare_reads_sources(seed: int, device="cpu", dtype=torch.float32, h=24):
+    """prepare given the inputs' addresses (sources(), uploaded into buffers.src) against
+    prepare after the same inputs were copied into the buffers by hand: every buffer and
+    the hidden buffer equal, on both paths, twice (new contents in the same tensors the
+    second time). Returns the number of rows read from sources."""
     from specdraft.draft_round_ops import TorchDraftRound
     from specdraft.kernels.draft_round import DraftRoundKernels
 
-    max_rows, width, h = 6, 4, 40
-    n, w = (6, 4) if seed == 0 else (1 + seed, 1 + seed % 4)
+    max_rows = 70 if seed >= 6 else 6
     in_place = [(False,) * 3, (True, False, False), (False, True, True), (False, False, True)]
-    in_place = in_place[seed]
+    in_place = in_place[seed % 4]
+    runs = []
     for impl in (DraftRoundKernels, TorchDraftRound):
-        b, kw = _random_buffers(seed, max_rows=max_rows, width=width)
-        hid_out = torch.full((max_rows * width, h), -7.0)
-        o = impl(b, **kw)
-        ver, acc, hid = _stage_sources(seed, n, w, h, in_place)
-        before = {k: t.clone() for k, t in vars(b).items() if isinstance(t, torch.Tensor)}
-        stage = o.stage_inputs(ver, acc, hid, None if hid is None else hid_out)
-        for again in range(2):
-            want = {k: t.clone() for k, t in before.items()}
-            want_h = torch.full_like(hid_out, -7.0)
-            if ver is not None:
-                want["verified"][:n, :w] = ver.long()
-            if acc is not None:
-                want["accepted"][:n] = acc
-            if hid is not None:
-                want_h.view(max_rows, width, h)[:n, :w] = hid
-            stage()
-            for k, t in want.items():
-                assert torch.equal(getattr(b, k), t), (impl.__name__, again, k)
-            assert torch.equal(hid_out, want_h), (impl.__name__, again)
-            for src in (ver, acc, hid):  # new contents, same tensors: copied on the next call
-                if src is not None:
-                    src.copy_(src.double().neg().to(src.dtype) - 1)
-            before, hid_out = want, hid_out
-            hid_out.copy_(want_h)
-        assert o.stage_inputs(None, None) is None
+        for by_hand in (False, True):
+            b, kw = _random_buffers(seed, max_rows=max_rows, device=device)
+            w = int(b.width[0])
+            n = int((b.slots >= 0).sum())  # the real rows (padding rows sit at the tail)
+            rows = max(1, min(n + seed % 2, max_rows))  # padded or not
+            hid_buf = torch.full((max_rows * kw["width"], h), -7.0, device=device).to(dtype)
+            o = impl(b, hidden=hid_buf, **kw)
+            src = _sources(seed, n, w, h, in_place, device, dtype)
+            for again in range(2):
+                if by_hand:
+                    if src[0] is not None:
+                        b.verified[:n, :w] = src[0]
+                    if src[1] is not None:
+                        b.accepted[:n] = src[1]
+                    if src[2] is not None:
+                        hid_buf.view(max_rows, kw["width"], h)[:n, :w] = src[2]
+                    b.src.copy_(torch.from_numpy(o.sources(None, None)))
+                elif again == 0:
+                    b.src.copy_(torch.from_numpy(o.sources(*src)))
+                o.prepare(rows)
+                runs.append([t.clone() for t in vars(b).values()] + [hid_buf.clone()])
+                for t in src:  # new contents, same tensors
+                    if t is not None:
+                        t.copy_((t.double() * 3 + 1).to(t.dtype))
+            if not by_hand and impl is DraftRoundKernels:
+                assert int(b.src[0]) == n  # the rows read from their sources
+    names = [*vars(b), "hidden"]
+    # runs: kernels from sources (calls 0, 1), kernels by hand (2, 3), then the same two
+    # on the PyTorch path (4 .. 7): every call against the kernels' by-hand twin
+    for k in range(2):
+        want = runs[2 + k]
+        for got in (runs[k], runs[4 + k], runs[6 + k]):
+            for name, x, y in zip(names, want, got):
+                if name != "src":
+                    assert torch.equal(x, y), (seed, k, name)
+    return n
 
 
-BAD_STAGE = [
+@pytest.mark.parametrize("seed", range(8))
+def test_prepare_reads_the_inputs_where_they_are(seed):
+    """The round's inputs taken from the engine's tensors (int32 / int64, strided,
+    permuted hidden states; some in place), copied into the buffers by prepare: the same
+    buffers as copying them by hand first, on both paths; 70 rows for seeds 6 and 7."""
+    check_prepare_reads_sources(seed)
+
+
+BAD_SOURCES = [
     ("verified float", TypeError, "verified"), ("verified 1-D", TypeError, "verified"),
     ("verified wide", ValueError, "verified has width 5"),
     ("verified rows", ValueError, "accepted has 3 rows, verified 2"),
     ("accepted 2-D", TypeError, "accepted"), ("accepted rows", ValueError, "accepted"),
-    ("hidden width", ValueError, "hidden"), ("hidden list", TypeError, "hidden"),
-    ("hidden_out missing", ValueError, "hidden_out"), ("hidden_out dtype", ValueError,
-    "hidden_out"), ("hidden_out short", ValueError, "hidden_out"), ("too many rows",
-    ValueError, "verified has 7 rows"),
+    ("hidden width", ValueError, "hidden has width 1"), ("hidden list", TypeError, "hidden"),
+    ("hidden dtype", TypeError, "hidden"), ("hidden features", ValueError, "hidden has 9"),
+    ("too many rows", ValueError, "verified has 7 rows"),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("impl", ["kernels", "torch"])
-@pytest.mark.parametrize("case, exc, match", BAD_STAGE, ids=[c[0] for c in BAD_STAGE])
-def test_bad_stage_inputs_are_refused_before_any_write(case, exc, match, impl):
-    """stage_inputs given a broken source: the exception type, a message naming it, and
-    every round buffer (and the hidden buffer) as it was."""
+@pytest.mark.parametrize("case, exc, match", BAD_SOURCES, ids=[c[0] for c in BAD_SOURCES])
+def test_bad_round_sources_are_refused_before_any_change(case, exc, match, impl):
+    """sources() given a broken input: the exception type, a message naming it, every
+    round buffer and the hidden buffer as they were, and the sources kept before."""
     from specdraft.draft_round_ops import TorchDraftRound
     from specdraft.kernels.draft_round import DraftRoundKernels
 
     b, kw = _random_buffers(1, max_rows=6, width=4)
-    o = (DraftRoundKernels if impl == "kernels" else TorchDraftRound)(b, **kw)
-    hid_out = torch.randn(24, 8)
-    ver, acc, hid = _stage_sources(1, 3, 2, 8, (False,) * 3)
+    hid_buf = torch.randn(24, 8)
+    o = (DraftRoundKernels if impl == "kernels" else TorchDraftRound)(b, hidden=hid_buf, **kw)
+    ver, acc, hid = _sources(1, 2, 2, 8, (False,) * 3)
+    o.sources(ver, acc, hid)
+    kept = getattr(o, "_src", None)
+    ver, acc, hid = _sources(1, 3, 2, 8, (False,) * 3)
     args = {
-        "verified float": (ver.float(), acc, hid, hid_out),
-        "verified 1-D": (ver[:, 0], acc, hid, hid_out),
-        "verified wide": (torch.zeros(3, 5, dtype=torch.long), acc, None, None),
-        "verified rows": (ver[:2], acc, hid, hid_out),
-        "accepted 2-D": (ver, acc[:, None], hid, hid_out),
-        "accepted rows": (ver, acc[:2], hid, hid_out),
-        "hidden width": (ver, acc, hid[:, :1], hid_out),
-        "hidden list": (ver, acc, hid.tolist(), hid_out),
-        "hidden_out missing": (ver, acc, hid, None),
-        "hidden_out dtype": (ver, acc, hid, hid_out.double()),
-        "hidden_out short": (ver, acc, hid, hid_out[:11]),
-        "too many rows": (torch.zeros(7, 2, dtype=torch.long), None, None, None),
+        "verified float": (ver.float(), acc, hid),
+        "verified 1-D": (ver[:, 0], acc, hid),
+        "verified wide": (torch.zeros(3, 5, dtype=torch.long), acc, None),
+        "verified rows": (ver[:2], acc, hid),
+        "accepted 2-D": (ver, acc[:, None], hid),
+        "accepted rows": (ver, acc[:2], hid),
+        "hidden width": (ver, acc, hid[:, :1]),
+        "hidden list": (ver, acc, hid.tolist()),
+        "hidden dtype": (ver, acc, hid.double()),
+        "hidden features": (ver, acc, torch.zeros(3, 2, 9)),
+        "too many rows": (torch.zeros(7, 2, dtype=torch.long), None, None),
     }[case]
-    before = {k: t.clone() for k, t in vars(b).items() if isinstance(t, torch.Tensor)}
-    out_before = hid_out.clone()
+    before = {k: t.clone() for k, t in vars(b).items()}
+    hid_before = hid_buf.clone()
     with pytest.raises(exc, match=match):
-        o.stage_inputs(*args)
+        o.sources(*args)
     for k, t in before.items():
         assert torch.equal(getattr(b, k), t), k
-    assert torch.equal(hid_out, out_before)
+    assert torch.equal(hid_buf, hid_before)
+    assert getattr(o, "_src", None) is kept
 
 
 # ---- an engine around it: transformers plays the target --------------------------------

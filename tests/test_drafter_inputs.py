@@ -258,24 +258,32 @@ def test_out_of_blocks_is_reported_before_any_write(setup, torch_layers):
 
 
 def test_host_stage_uploads_only_what_changed():
-    """A round's host inputs (width, slots, k) go to the device once per change: the
-    same batch with the same k again uploads nothing, any difference uploads it all."""
+    """A round's host inputs (width, slots, k, the input sources' fields) go to the
+    device once per change: the same batch with the same k and sources again uploads
+    nothing, any difference uploads it all."""
     import numpy as np
 
     from specdraft.draft_buffers import HostStage
+    from specdraft.kernels.draft_round import SOURCE_FIELDS
 
-    packed = torch.full((1 + 2 * 4,), -7, dtype=torch.int64)
+    packed = torch.full((1 + 2 * 4 + SOURCE_FIELDS,), -7, dtype=torch.int64)
     stage = HostStage(packed, 4, depth=2)
     slots, k = np.array([3, 1], dtype=np.int64), np.array([2, 0], dtype=np.int64)
-    stage.upload(4, slots, k, 3)
+    src = np.arange(SOURCE_FIELDS, dtype=np.int64) + 40
+    stage.upload(4, slots, k, 3, src)
     want = [4, 3, 1, -1]  # width, slots, padding row
     assert packed[:4].tolist() == want and packed[5:8].tolist() == [2, 0, 0]
+    assert packed[9:].tolist() == src.tolist()
     packed[0] = 99  # a write the memo cannot see would stay: upload is the only writer
-    stage.upload(4, slots.copy(), k.copy(), 3)
+    stage.upload(4, slots.copy(), k.copy(), 3, src.copy())
     assert stage.skipped == 1 and packed[0] == 99
-    for width, s, kk, pad in [(4, slots, np.array([2, 1]), 3), (3, slots, k, 3),
-                              (4, slots[::-1].copy(), k, 3), (4, slots, k, 2)]:  # fmt: skip
+    other = src.copy()
+    other[3] += 1
+    for width, s, kk, pad, sf in [(4, slots, np.array([2, 1]), 3, src), (3, slots, k, 3, src),
+                                  (4, slots[::-1].copy(), k, 3, src), (4, slots, k, 2, src),
+                                  (4, slots, k, 3, other), (4, slots, k, 3, None)]:  # fmt: skip
         before = stage.skipped
-        stage.upload(width, s, kk.astype(np.int64), pad)
+        stage.upload(width, s, kk.astype(np.int64), pad, sf)
         assert stage.skipped == before
         assert packed[0] == width and packed[1 : 1 + len(s)].tolist() == s.tolist()
+        assert packed[9:].tolist() == ([0] * SOURCE_FIELDS if sf is None else sf.tolist())
