@@ -583,8 +583,9 @@ class DraftRoundKernels:
             16 if hid is None else min(1024, _pow2(hid.shape[1], 16)),
             self._gdc,
         )
-        # each program reduces over all rows, and may copy its row's hidden states
-        big = block_r >= 256 or (hid is not None and hid.shape[1] * self.width >= 2048)
+        # Each program reduces over all rows (one warp's shuffles while they are few) and
+        # may copy its row's hidden states (W x h: more warps once that is large).
+        big = block_r >= 256 or (hid is not None and hid.shape[1] * self.width >= 8192)
         warps = 4 if big else 1
         self._prepare(("prepare", num_rows), (num_rows,), args, {"num_warps": warps, **self._opts})
 
