@@ -9,9 +9,10 @@ verified block of K + 1 rows with random accepted counts.
 
 Per (draft, batch, K): the round's graph replayed back to back (device time per round);
 the same round as K graphs (prefill step, K - 1 decode steps) replayed in sequence; each
-step graph alone; the eager round (propose(eager=True), host launches included); host
-time of propose() per round, each call behind a spin kernel that keeps the GPU busy (as
-in the engine) and each on an idle GPU (median and p90, the share of rounds that took
+step graph alone (these four timed in turns, medians of three); the eager round
+(propose(eager=True), host launches included); host time of propose() per round, each
+call behind a spin kernel that keeps the GPU busy (as in the engine) and each on an idle
+GPU (median and p90, the share of rounds that took
 the steady path: same batch and inputs as the round before), propose() as the engine
 calls it (inputs in Drafter.input_views) each after a synchronize and, the engine's
 steady state, --iters rounds enqueued back to back behind one busy stretch, and the bare
@@ -84,6 +85,9 @@ def _build(case: str, max_positions: int):
     return load_eagle_head(
         Checkpoint.from_tensors(cfg.to_hf(), w), device=DEVICE, max_positions=max_positions
     )
+
+
+TURNS, TURN_WARMUP = 3, 10
 
 
 def events_us(fn, iters: int, warmup: int = 3) -> float:
@@ -187,8 +191,6 @@ class Bench:
 
         d, b = self.d, self.batch
         graph = self.round_graph(k, mode)
-        self.reset()
-        round_us = events_us(graph.replay, iters)
 
         # The same round as K graphs: prefill step, then one graph per decode step.
         loop, carry = d.loop, None
@@ -227,11 +229,22 @@ class Bench:
         for g in graphs:
             g.replay()
         steps_match = bool(torch.equal(one, tokens))
-        self.reset()
-        steps_us = events_us(lambda: [g.replay() for g in graphs], iters)
-        self.reset()
-        prefill_us = events_us(graphs[0].replay, iters)
-        decode_us = events_us(graphs[1].replay, iters) if k > 1 else 0.0
+        # The round and its step graphs timed in turns, each after TURN_WARMUP replays,
+        # medians of TURNS: timed once each, the round first, the b64 K1 round (exactly
+        # the prefill step's kernels) read 1.05x its step; in turns, 1.00 (bench/NOTES.md,
+        # stop 41).
+        fns = {"round": graph.replay, "steps": lambda: [g.replay() for g in graphs],
+               "prefill": graphs[0].replay}  # fmt: skip
+        if k > 1:
+            fns["decode"] = graphs[1].replay
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        for _ in range(TURNS):
+            for name, fn in fns.items():
+                self.reset()
+                times[name].append(events_us(fn, iters, warmup=TURN_WARMUP))
+        med = {name: statistics.median(t) for name, t in times.items()}
+        round_us, steps_us, prefill_us = med["round"], med["steps"], med["prefill"]
+        decode_us = med.get("decode", 0.0)
         graphs.clear()  # free their pools
         self.reset()
         eager_us = events_us(lambda: self.propose(k, eager=True), max(5, iters // 3))
