@@ -128,6 +128,8 @@ def _draft_prepare_kernel(
     # and copy it into the round's buffer as they go; address 0: already in place.
     n_src = tl.load(src_ptr)
     acc_addr = tl.load(src_ptr + 5)
+    # Columns read from a source: never past its own width (whatever buffers.width says).
+    src_w = tl.minimum(width, tl.load(src_ptr + 12))
 
     # Every program computes the prefix sums it needs from all rows (rows <= a few
     # hundred): no second launch and no inter-program ordering.
@@ -175,7 +177,7 @@ def _draft_prepare_kernel(
     ver_row = verified_ptr + r.to(tl.int64) * stride_ver
     ver_addr = tl.load(src_ptr + 1)
     if (r < n_src) & (ver_addr != 0):  # row r's verified tokens from the engine's tensor
-        in_w = j < width
+        in_w = j < src_w
         off = r.to(tl.int64) * tl.load(src_ptr + 2) + j.to(tl.int64) * tl.load(src_ptr + 3)
         if tl.load(src_ptr + 4) != 0:
             ids = tl.load(ver_addr.to(tl.pointer_type(tl.int32)) + off, mask=in_w, other=0)
@@ -183,7 +185,8 @@ def _draft_prepare_kernel(
         else:
             ids = tl.load(ver_addr.to(tl.pointer_type(tl.int64)) + off, mask=in_w, other=0)
         tl.store(ver_row + j, ids, mask=in_w)
-        ids = tl.where(is_tok, ids, 0)
+        kept = tl.load(ver_row + j, mask=is_tok & (j >= src_w), other=0)  # past the source
+        ids = tl.where(is_tok, tl.where(in_w, ids, kept), 0)
     else:
         ids = tl.load(ver_row + j, mask=is_tok, other=0)
     if HAS_HID:  # row r's hidden states, rows r * W + j of the round's buffer
@@ -193,7 +196,7 @@ def _draft_prepare_kernel(
             h_row = r.to(tl.int64) * tl.load(src_ptr + 9)
             s1, s2 = tl.load(src_ptr + 10), tl.load(src_ptr + 11)
             hh = tl.arange(0, BLOCK_H)
-            for jj in range(0, width):
+            for jj in range(0, src_w):
                 dst = hidden_ptr + (r.to(tl.int64) * W + jj) * hidden
                 for h0 in range(0, hidden, BLOCK_H):
                     m = h0 + hh < hidden
@@ -371,8 +374,9 @@ def _draft_epilogue_kernel(
 
 
 # buffers.src: [n, verified (address, row stride, column stride, int32?), accepted
-# (address, stride, int32?), hidden (address, 3 strides)]; see DraftRoundKernels.sources.
-SOURCE_FIELDS = 12
+# (address, stride, int32?), hidden (address, 3 strides), the sources' width w];
+# see DraftRoundKernels.sources.
+SOURCE_FIELDS = 13
 
 # Rows a program takes in advance / epilogue when it also finishes an argmax from
 # partials ([PARTS_ROWS, <= 1024] loads): the batch spreads over SMs instead of one
@@ -654,11 +658,11 @@ class DraftRoundKernels:
         it reads it, inside the round's graph: a round whose inputs sit at the same
         addresses as the last one's needs no upload and no launch. The caller keeps the
         tensors alive while the fields are in buffers.src."""
-        n, _ = check_round_sources(self, verified, accepted, hidden)
+        n, w = check_round_sources(self, verified, accepted, hidden)
         f = np.zeros(SOURCE_FIELDS, dtype=np.int64)
         if n == 0:
             return f
-        f[0] = n
+        f[0], f[12] = n, w
         if verified is not None:
             f[1:5] = (verified.data_ptr(), *verified.stride(), verified.dtype == torch.int32)
         if accepted is not None:
