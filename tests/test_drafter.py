@@ -612,6 +612,31 @@ def test_bad_round_sources_are_refused_before_any_change(case, exc, match, impl)
     assert getattr(o, "_src", None) is kept
 
 
+@pytest.mark.parametrize("impl", ["kernels", "torch"])
+def test_bad_hidden_buffers_are_refused(impl):
+    """The round ops' hidden buffer: a list, 1-D, transposed (not contiguous) or too few
+    rows is refused naming hidden; a round built without one refuses hidden sources."""
+    from specdraft.draft_round_ops import TorchDraftRound
+    from specdraft.kernels.draft_round import DraftRoundKernels
+
+    cls = DraftRoundKernels if impl == "kernels" else TorchDraftRound
+    b, kw = _random_buffers(2, max_rows=6, width=4)
+    for bad, exc in (
+        ([[0.0] * 8] * 24, TypeError),
+        (torch.zeros(24 * 8), TypeError),
+        (torch.zeros(8, 24).t(), TypeError),
+        (torch.zeros(23, 8), ValueError),
+    ):
+        with pytest.raises(exc, match="hidden"):
+            cls(b, hidden=bad, **kw)
+    o = cls(b, **kw)
+    before = {k: t.clone() for k, t in vars(b).items()}
+    with pytest.raises(ValueError, match="hidden is for EAGLE heads"):
+        o.sources(None, None, torch.zeros(2, 2, 8))
+    for k, t in before.items():
+        assert torch.equal(getattr(b, k), t), k
+
+
 # ---- an engine around it: transformers plays the target --------------------------------
 
 
