@@ -62,6 +62,7 @@ __all__ = [
     "check_argmax_parts",
     "check_hidden_buffer",
     "check_round_sources",
+    "round_sources_shape",
 ]
 
 
@@ -649,7 +650,7 @@ class DraftRoundKernels:
         self._epilogue(("epilogue", num_rows, k_max) + _parts_key(parts), grid, args,
                        {"num_warps": warps, **self._opts})  # fmt: skip
 
-    def sources(self, verified, accepted, hidden=None) -> np.ndarray:
+    def sources(self, verified, accepted, hidden=None, *, checked: bool = False) -> np.ndarray:
         """The SOURCE_FIELDS int64 values (for buffers.src, uploaded with the round's host
         inputs) that make prepare read the round's inputs where the engine keeps them:
         verified [n, w] (int32 / int64, any strides), accepted [n], hidden [n, w, h] (the
@@ -657,8 +658,9 @@ class DraftRoundKernels:
         each into its buffer (verified[:n, :w], accepted[:n], hidden rows b * W + j) as
         it reads it, inside the round's graph: a round whose inputs sit at the same
         addresses as the last one's needs no upload and no launch. The caller keeps the
-        tensors alive while the fields are in buffers.src."""
-        n, w = check_round_sources(self, verified, accepted, hidden)
+        tensors alive while the fields are in buffers.src. checked=True: the caller has
+        already checked them as check_round_sources does (Drafter.propose)."""
+        n, w = round_sources_shape(self, verified, accepted, hidden, checked)
         f = np.zeros(SOURCE_FIELDS, dtype=np.int64)
         if n == 0:
             return f
@@ -670,6 +672,17 @@ class DraftRoundKernels:
         if hidden is not None:
             f[8:12] = (hidden.data_ptr(), *hidden.stride())
         return f
+
+
+def round_sources_shape(ops, verified, accepted, hidden, checked: bool) -> tuple[int, int]:
+    """(rows, width) of the sources, checked unless `checked` says the caller did."""
+    if not checked:
+        return check_round_sources(ops, verified, accepted, hidden)
+    t = next((x for x in (verified, accepted, hidden) if x is not None), None)
+    if t is None:
+        return 0, 0
+    wide = verified if verified is not None else hidden
+    return t.shape[0], 1 if wide is None else wide.shape[1]
 
 
 def check_round_sources(ops, verified, accepted, hidden) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from specdraft.kernels.draft_round import (
     DraftRoundKernels,
     check_argmax_parts,
     check_hidden_buffer,
-    check_round_sources,
+    round_sources_shape,
 )
 from specdraft.ops import backend_for
 
@@ -146,10 +146,10 @@ class TorchDraftRound:
         kk = torch.arange(k_max, device=toks.device)
         toks.masked_fill_(kk[None, :] >= k[:, None], -1)
 
-    def sources(self, verified, accepted, hidden=None) -> np.ndarray:
+    def sources(self, verified, accepted, hidden=None, *, checked: bool = False) -> np.ndarray:
         """DraftRoundKernels.sources on the PyTorch path: the tensors are kept here and
         prepare copies them into the buffers first. Returns all-zero fields."""
-        n, w = check_round_sources(self, verified, accepted, hidden)
+        n, w = round_sources_shape(self, verified, accepted, hidden, checked)
         self._src = None
         if n:
             self._src = [(dst, src) for dst, src in (

@@ -484,6 +484,7 @@ class Drafter:
             None if _is_view_of(num_accepted, own[1]) else num_accepted,
             None if target_hidden is None or _is_view_of(target_hidden, own[2])
             else target_hidden,
+            checked=True,  # by check_propose_inputs
         )  # fmt: skip
         # The round reads these tensors where they are: alive until the next upload.
         self._sources = (verified_tokens, num_accepted, target_hidden)

@@ -534,8 +534,10 @@ def check_prepare_reads_sources(seed: int, device="cpu", dtype=torch.float32, h=
                     if src[2] is not None:
                         hid_buf.view(max_rows, kw["width"], h)[:n, :w] = src[2]
                     b.src.copy_(torch.from_numpy(o.sources(None, None)))
-                elif again == 0:
-                    b.src.copy_(torch.from_numpy(o.sources(*src)))
+                elif again == 0:  # the fields are the same whether checked here or not
+                    f = o.sources(*src, checked=True)
+                    assert (f == o.sources(*src)).all()
+                    b.src.copy_(torch.from_numpy(f))
                 o.prepare(rows)
                 runs.append([t.clone() for t in vars(b).values()] + [hid_buf.clone()])
                 for t in src:  # new contents, same tensors
