@@ -157,9 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
         "shipped for SmolLM2, when this install has one and --gguf is not given)",
     )
     g.add_argument(
-        "--draft-lm-head-int8", action="store_true",
+        "--draft-lm-head-int8", action=argparse.BooleanOptionalAction, default=None,
         help="give the draft its own int8 copy of its lm_head (per-row scales): half the "
-        "bytes of its largest read; the output stays the target's",
+        "bytes of its largest read; the output stays the target's (default: on for the "
+        "shipped head, whose acceptance it leaves unchanged; off for --draft and "
+        "--draft-layers)",
     )  # fmt: skip
     g.add_argument("--no-draft", action="store_true", help="target-only decoding")
     g.add_argument(

@@ -193,6 +193,11 @@ def _check_k(k) -> None:
         raise SystemExit(f"--k must be a positive integer, got {k!r}")
 
 
+def _shipped(args, draft_path) -> bool:
+    """Whether the draft is the head shipped for SmolLM2 (_draft_path's default)."""
+    return draft_path is not None and args.draft is None
+
+
 def choose_k(args, batch: int, device: str, draft_path) -> tuple[int, str]:
     """(k, why) for the main job: --k when given; with the shipped head on a GPU that
     the shipped goodput table was measured on, the table's best k at the nearest
@@ -202,9 +207,8 @@ def choose_k(args, batch: int, device: str, draft_path) -> tuple[int, str]:
         return args.k, f"k {args.k} (--k)"
     from .goodput import table_for
 
-    shipped = draft_path is not None and args.draft is None  # _draft_path's default
     table = None
-    if shipped and device == "cuda":
+    if _shipped(args, draft_path) and device == "cuda":
         table = table_for(torch.cuda.get_device_name())
     if table is None:
         return 3, "k 3 (no goodput table for this device and draft)"
@@ -239,7 +243,10 @@ def speculate(job: Job, args: argparse.Namespace, k: int, why: str, target_tok_s
     else:
         draft = layer_truncated(runner.model, args.draft_layers)
         what = f"first {args.draft_layers} target layers (untrained), {why}"
-    if args.draft_lm_head_int8:
+    int8 = args.draft_lm_head_int8
+    if int8 is None:  # on for the shipped head (where its acceptance was measured)
+        int8 = _shipped(args, draft_path)
+    if int8:
         from .layers import quantize_lm_head
 
         quantize_lm_head(draft)

@@ -100,6 +100,8 @@ def test_generate_command_runs_on_this_machine():
     """The main job, shortened: one prompt, a few tokens, the real embedded model."""
     proc = _run_generate("--prompt", "Say hello.", "--max-new-tokens", "6")
     assert "tokens/s" in proc.stdout and ">>> Say hello." in proc.stdout
+    # the shipped head speculates through its own int8 lm_head unless told otherwise
+    assert "int8 lm_head" in proc.stdout, proc.stdout
 
 
 def test_plain_install_keeps_numpy_the_interpreter_can_run():
@@ -129,6 +131,7 @@ def test_generate_command_speculates_with_a_layer_truncated_draft():
     )
     assert "greedy output identical  | yes" in proc.stdout, proc.stdout
     assert "acceptance length" in proc.stdout
+    assert "int8 lm_head" not in proc.stdout  # on by default for the shipped head only
 
 
 def test_generate_command_refuses_a_draft_that_is_not_a_checkpoint(tmp_path):
@@ -145,12 +148,13 @@ def test_generate_command_refuses_a_draft_that_is_not_a_checkpoint(tmp_path):
     assert "tokens/s" not in proc.stdout
 
 
-def test_generate_command_with_an_int8_draft_lm_head():
-    """--draft-lm-head-int8: the shipped head speculates through its own int8 lm_head,
+def test_generate_command_with_a_float_draft_lm_head():
+    """--no-draft-lm-head-int8: the shipped head speculates through its float lm_head,
     and greedy output is still exactly target-only's."""
     proc = _run_generate(
         "--prompt", "Count to five.", "--max-new-tokens", "8", "--k", "2",
-        "--draft-lm-head-int8", "--quiet",
+        "--no-draft-lm-head-int8", "--quiet",
     )  # fmt: skip
-    assert "int8 lm_head" in proc.stdout, proc.stdout
+    assert "speculative: draft" in proc.stdout, proc.stdout
+    assert "int8 lm_head" not in proc.stdout, proc.stdout
     assert "greedy output identical  | yes" in proc.stdout, proc.stdout
