@@ -105,6 +105,10 @@ def events_us(fn, iters: int, warmup: int = 3) -> float:
     return start.elapsed_time(end) * 1e3 / iters
 
 
+def _noop() -> None:
+    pass
+
+
 def p90(xs: list[float]) -> float:
     return sorted(xs)[int(0.9 * (len(xs) - 1))]
 
@@ -198,7 +202,7 @@ class Bench:
         return manager._graphs[desc]
 
     def measure(self, k: int, mode, iters: int) -> dict:
-        from bench.common import host_burst_us, host_us, spin_cycles
+        from bench.common import host_burst_us, host_us_interleaved, spin_cycles
         from specdraft.draft_loop import RoundState
 
         d, b = self.d, self.batch
@@ -279,25 +283,29 @@ class Bench:
         def own():
             d.propose(self.rids, views[0], views[1], target_hidden=views[2], k_max=k)
 
-        # Pooled over TURNS turns, so that a few busy milliseconds on the host weigh on a
-        # third of a row's samples only (stop 41, timed once each: one row's bare launch
-        # read 13.5 µs busy where every other row read 4.6-7.3).
-        kinds = {
-            "host": (lambda: self.propose(k), 0), "host_busy": (lambda: self.propose(k), spin),
-            "launch_idle": (graph.replay, 0), "launch_busy": (graph.replay, spin),
-            "host_own": (own, 0), "host_own_busy": (own, spin),
-        }  # fmt: skip
-        host: dict[str, list[float]] = {name: [] for name in kinds}
+        # Each propose() timed sample by sample in turn with the bare launch of the
+        # round's graph and a call that does nothing (the host's own speed: it doubled
+        # for stretches of a second in stop 42's runs, every call with it), pooled over
+        # TURNS turns. The bare launches between steady rounds leave them steady.
+        groups = {
+            "": {"host": lambda: self.propose(k), "launch": graph.replay, "noop": _noop},
+            "own": {"host_own": own, "launch": graph.replay, "noop": _noop},
+        }
+        host: dict[str, list[float]] = {}
         steady_calls = 0
         for _ in range(TURNS):
-            for name, (fn, cycles) in kinds.items():
-                d._leave_steady()
-                self.reset()
-                fn()  # the first call after the reset checks everything: not timed
-                steady0 = d.steady_rounds
-                host[name] += host_us(fn, iters, cycles)
-                if name in ("host", "host_busy"):
-                    steady_calls += d.steady_rounds - steady0
+            for suffix in ("", "_busy"):
+                for fns in groups.values():
+                    d._leave_steady()
+                    self.reset()
+                    for fn in fns.values():
+                        fn()  # the first call after the reset checks everything: not timed
+                    steady0 = d.steady_rounds
+                    got = host_us_interleaved(fns, iters, spin if suffix else 0)
+                    if "host" in fns:
+                        steady_calls += d.steady_rounds - steady0
+                    for name, xs in got.items():
+                        host.setdefault(name + suffix, []).extend(xs)
         steady = steady_calls / (2 * TURNS * iters)
         d._leave_steady()
         self.reset()
@@ -318,8 +326,10 @@ class Bench:
             host_own_us=statistics.median(host["host_own"]),
             host_burst_us=statistics.median(burst),
             host_burst_p90_us=p90(burst),
-            launch_idle_us=statistics.median(host["launch_idle"]),
+            launch_idle_us=statistics.median(host["launch"]),
             launch_busy_us=statistics.median(host["launch_busy"]),
+            noop_idle_us=statistics.median(host["noop"]),
+            noop_busy_us=statistics.median(host["noop_busy"]),
             steady_share=steady,
             steps_match=steps_match,
         )
@@ -462,6 +472,7 @@ COLUMNS = [
     ("host_burst_p90_us", "p90"),
     ("launch_busy_us", "bare graph launch µs (busy)"),
     ("launch_idle_us", "bare graph launch µs (idle)"),
+    ("noop_busy_us", "no-op call µs (busy)"),
     ("steady_share", "steady rounds"),
     ("graph_launches", "graph launches / round"),
     ("capture_s_per_graph", "capture s / graph (first)"),
@@ -640,7 +651,9 @@ def check_bars(rows: list[dict], smol_us: float, alt: dict | None = None) -> lis
     out.append(
         f"host <= 30 µs per round, launched while the GPU works (as in the engine): "
         f"{'met' if worst['host_busy_us'] <= 30 else 'MISSED'} (worst "
-        f"{worst['host_busy_us']:.1f} µs: {worst['model']} b{worst['batch']} K{worst['k']}); "
+        f"{worst['host_busy_us']:.1f} µs: {worst['model']} b{worst['batch']} K{worst['k']}, "
+        f"its bare cudaGraphLaunch {worst['launch_busy_us']:.1f} µs, a no-op call "
+        f"{worst['noop_busy_us']:.2f} µs); "
         f"on an idle GPU worst {idle['host_us']:.1f} µs ({idle['model']} b{idle['batch']} "
         f"K{idle['k']}), of which the bare cudaGraphLaunch {idle['launch_idle_us']:.1f} µs"
     )
@@ -650,7 +663,8 @@ def check_bars(rows: list[dict], smol_us: float, alt: dict | None = None) -> lis
         f"SpeculativeEngine calls it; no input copies): "
         f"{'met' if own['host_own_busy_us'] <= 30 else 'MISSED'} (worst "
         f"{own['host_own_busy_us']:.1f} µs busy: {own['model']} b{own['batch']} K{own['k']}, "
-        f"its bare cudaGraphLaunch {own['launch_busy_us']:.1f} µs)"
+        f"its bare cudaGraphLaunch {own['launch_busy_us']:.1f} µs, a no-op call "
+        f"{own['noop_busy_us']:.2f} µs)"
     )
     burst = max(rows, key=lambda r: r["host_burst_us"])
     out.append(

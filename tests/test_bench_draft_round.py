@@ -11,6 +11,7 @@ def _row(lm_head: str, round_us: float) -> dict:
         model="eagle-smollm2-135m", batch=1, k=3, mode="greedy", lm_head=lm_head,
         round_us=round_us, graph_launches=1.0, round_over_steps_bar=1.0, host_busy_us=20.0,
         host_us=15.0, launch_idle_us=4.0, host_own_busy_us=12.0, launch_busy_us=5.0,
+        noop_busy_us=0.3,
         host_burst_us=9.0, host_burst_p90_us=10.0, capture_s_per_graph=1.0,
         capture_again_s_per_graph=0.01,
     )  # fmt: skip
