@@ -192,23 +192,6 @@ def host_us(fn, iters: int, spin: int = 0, cuda: bool = True) -> list[float]:
     return out
 
 
-def host_us_interleaved(fns: dict, iters: int, spin: int = 0) -> dict[str, list[float]]:
-    """host_us of several callables taken sample by sample in turn (each call after a
-    synchronize, behind a spin kernel of `spin` cycles when nonzero), so that a stretch
-    in which the host runs slow weighs on every one of them alike."""
-    out: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(iters):
-        for name, fn in fns.items():
-            torch.cuda.synchronize()
-            if spin:
-                torch.cuda._sleep(spin)
-            t0 = time.perf_counter()
-            fn()
-            out[name].append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return out
-
-
 def host_burst_us(fn, calls: int, spin: int) -> list[float]:
     """Host µs of each of `calls` calls of fn() made back to back, with no synchronize
     between them, all enqueued behind one spin kernel of `spin` cycles (long enough to
