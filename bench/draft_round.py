@@ -10,22 +10,22 @@ verified block of K + 1 rows with random accepted counts.
 Per (draft, batch, K): the round's graph replayed back to back (device time per round);
 the same round as K graphs (prefill step, K - 1 decode steps, captured into the round
 graphs' memory pool) replayed in sequence; each step graph alone (these four timed in
-turns, medians of three); the eager round (propose(eager=True), host launches
-included). Host µs, each call after a synchronize, on an idle GPU and behind a spin
-kernel that keeps it busy (as in the engine), pooled over three turns: propose() with
-the bench's own input tensors (median, p90, the share of rounds that took the steady
-path: same batch and inputs as the round before), propose() as the engine calls it
-(inputs in Drafter.input_views) and the bare cudaGraphLaunch of the round's graph; then
-the engine's steady state, --iters rounds enqueued back to back behind one busy
-stretch (the figure the 30 µs bar reads). Graph launches per round (the profiler's cudaGraphLaunch count, taken on
-drafters built again after every host time: the profiler slows every later launch of
-its process); capture seconds per graph, the drafter's first capture (Triton compiling
-or loading its kernels in this process) and a second one (kernels cached: the bar); the
-floor (weights and K/V one round reads over the copy bandwidth measured in the same
-run). The bars of issue 11 are checked at
-the end, against SmolLM2-135M's own decode step (30 layers, batch 1, graph) measured in
-the same run; the 0.2 bar from the medians of --bar-repeats timings of that step and of
-the SmolLM2-shaped head's b1 K3 greedy round, taken in turn.
+turns, medians of three); the eager round (propose(eager=True), host launches included).
+Host µs, each call after a synchronize, on an idle GPU and behind a spin kernel that
+keeps it busy (as in the engine), pooled over three turns: propose() with the bench's
+own input tensors (median, p90, the share of rounds that took the steady path: same
+batch and inputs as the round before), propose() as the engine calls it (inputs in
+Drafter.input_views) and the bare cudaGraphLaunch of the round's graph; then the
+engine's steady state, --iters rounds enqueued back to back behind one busy stretch (the
+figure the 30 µs bar reads). Graph launches per round (the profiler's cudaGraphLaunch
+count, taken on drafters built again after every host time: the profiler slows every
+later launch of its process); capture seconds per graph, the drafter's first capture
+(Triton compiling or loading its kernels in this process) and a second one (kernels
+cached: the bar); the floor (weights and K/V one round reads over the copy bandwidth
+measured in the same run). The bars of issue 11 are checked at the end, against
+SmolLM2-135M's own decode step (30 layers, batch 1, graph) measured in the same run; the
+0.2 bar from the medians of --bar-repeats timings of that step and of the SmolLM2-shaped
+head's b1 K3 greedy round, taken in turn.
 
     python -m bench.draft_round [--out results] [--ctx 256] [--batches 1,8,64]
         [--ks 1,3,5,7] [--cases ...] [--modes greedy] [--iters 30] [--lm-head bf16,int8]
@@ -33,11 +33,14 @@ the SmolLM2-shaped head's b1 K3 greedy round, taken in turn.
 
 --lm-head int8 gives every draft an int8 copy of its lm_head (per-row scales; bf16,int8:
 both, one after the other in the same run): the floor counts its bytes, the bars name it.
+A suffix :N (int8:16384) gives the EAGLE-1 heads a draft vocabulary of N ids
+(EagleHead.reduce_vocab), as the main job does for the shipped head.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -54,11 +57,35 @@ def smollm2_config(**overrides):
     return smollm2_135m_config(**overrides)
 
 
+LM_HEAD = re.compile(r"(bf16|int8)(?::([1-9][0-9]*))?")
+
+
+def main_job_head() -> str:
+    """The lm_head variant the main job gives the shipped head (specdraft.demo)."""
+    from specdraft.draft_vocab import DEFAULT_SIZE
+
+    return f"int8:{DEFAULT_SIZE}"
+
+
 def build(case: str, max_positions: int, lm_head: str = "bf16"):
     """The draft model (bf16, on the GPU) of a case; lm_head "int8": with an int8 copy of
-    its lm_head (layers.quantize_lm_head)."""
+    its lm_head (layers.quantize_lm_head); "<bf16|int8>:N": an EAGLE-1 head proposing
+    from a draft vocabulary of N ids (EagleHead.reduce_vocab; the shipped ranking's top N
+    for the SmolLM2 head where the install has it, else ids 0..N-1: the cost is the
+    same)."""
+    m = LM_HEAD.fullmatch(lm_head)
+    if m is None:
+        raise ValueError(f"lm_head must be bf16 or int8, optionally with :N, got {lm_head!r}")
     model = _build(case, max_positions)
-    if lm_head == "int8":
+    if m.group(2):
+        n = int(m.group(2))
+        if not hasattr(model, "reduce_vocab"):
+            raise ValueError(f"lm_head {lm_head!r}: {case} cannot reduce its vocabulary")
+        from specdraft.draft_vocab import shipped_vocab
+
+        ids = shipped_vocab(n) if case == "eagle-smollm2-135m" else None
+        model.reduce_vocab(torch.arange(n) if ids is None else ids)
+    if m.group(1) == "int8":
         from specdraft.layers import quantize_lm_head
 
         quantize_lm_head(model)
@@ -492,8 +519,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument(
         "--lm-head", default="bf16",
-        help="bf16, int8 or both (bf16,int8): int8 quantizes the drafts' lm_heads per row "
-        "(layers.quantize_lm_head)",
+        help="bf16, int8 or several (bf16,int8): int8 quantizes the drafts' lm_heads per row "
+        "(layers.quantize_lm_head); :N gives an EAGLE-1 head a draft vocabulary of N ids "
+        "(int8:16384 is the main job's shipped head)",
     )  # fmt: skip
     ap.add_argument(
         "--bar-repeats", type=int, default=5,
@@ -503,9 +531,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.bar_repeats < 0:
         ap.error(f"--bar-repeats must be >= 0, got {args.bar_repeats}")
-    bad = [h for h in args.lm_head.split(",") if h not in ("bf16", "int8")]
+    bad = [h for h in args.lm_head.split(",") if LM_HEAD.fullmatch(h) is None]
     if bad:
-        ap.error(f"--lm-head: unknown {bad}; choose from bf16, int8")
+        ap.error(f"--lm-head: unknown {bad}; choose from bf16, int8, each optionally :N")
     if not torch.cuda.is_available():
         print(
             "bench.draft_round needs an NVIDIA GPU; tests/test_drafter.py checks the round "
@@ -627,7 +655,9 @@ def check_bars(rows: list[dict], smol_us: float, alt: dict | None = None) -> lis
         r for r in rows if r["model"] == "eagle-smollm2-135m" and r["batch"] == 1 and r["k"] == 3
     ]
     for r in smol:
-        ships = " (as the main job runs the shipped head)" if r["lm_head"] == "int8" else ""
+        ships = ""
+        if r["lm_head"] == main_job_head():
+            ships = " (as the main job runs the shipped head)"
         name = f"SmolLM2-shaped EAGLE round (b1, K3, {r['mode']}, {r['lm_head']} lm_head{ships})"
         key = f"{r['lm_head']}_ratio"
         if alt is not None and r["mode"] == "greedy" and key in alt["median"]:

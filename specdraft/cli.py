@@ -163,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
         "shipped head, whose acceptance it leaves unchanged; off for --draft and "
         "--draft-layers)",
     )  # fmt: skip
+    g.add_argument(
+        "--draft-vocab", type=int, default=None,
+        help="the draft proposes only the N most frequent target tokens (its lm_head reads "
+        "N rows; specdraft.draft_vocab); 0: the whole vocabulary (default: the shipped "
+        "head keeps specdraft.draft_vocab.DEFAULT_SIZE, other drafts the whole vocabulary)",
+    )  # fmt: skip
     g.add_argument("--no-draft", action="store_true", help="target-only decoding")
     g.add_argument(
         "--k", type=int, default=None,

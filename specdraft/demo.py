@@ -85,6 +85,7 @@ def prepare_job(args: argparse.Namespace) -> Job:
 
     draft_path = _draft_path(args)  # checked before anything is loaded
     _check_k(args.k)
+    _draft_vocab(args, draft_path)  # a bad --draft-vocab stops here, before any load
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available here")
@@ -198,6 +199,29 @@ def _shipped(args, draft_path) -> bool:
     return draft_path is not None and args.draft is None
 
 
+def _draft_vocab(args, draft_path) -> torch.Tensor | None:
+    """The draft vocabulary the main job gives the draft (None: the whole vocabulary):
+    --draft-vocab N, or for the shipped head draft_vocab.DEFAULT_SIZE ids."""
+    from .draft_vocab import DEFAULT_SIZE, shipped_vocab
+
+    n, shipped = args.draft_vocab, _shipped(args, draft_path)
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+        raise SystemExit(f"--draft-vocab must be an integer >= 0, got {n!r}")
+    if n is None:
+        return shipped_vocab(DEFAULT_SIZE) if shipped else None
+    if n == 0:
+        return None
+    if not shipped:  # the counts are SmolLM2's answers, in its token ids
+        raise SystemExit(f"--draft-vocab {n}: only the shipped head takes a draft vocabulary")
+    try:
+        vocab = shipped_vocab(n)
+    except ValueError as e:
+        raise SystemExit(f"--draft-vocab {n}: {e}") from None
+    if vocab is None:
+        raise SystemExit(f"--draft-vocab {n}: this install has no shipped token counts")
+    return vocab
+
+
 def choose_k(args, batch: int, device: str, draft_path) -> tuple[int, str]:
     """(k, why) for the main job: --k when given; with the shipped head on a GPU that
     the shipped goodput table was measured on, the table's best k at the nearest
@@ -243,6 +267,10 @@ def speculate(job: Job, args: argparse.Namespace, k: int, why: str, target_tok_s
     else:
         draft = layer_truncated(runner.model, args.draft_layers)
         what = f"first {args.draft_layers} target layers (untrained), {why}"
+    vocab = _draft_vocab(args, draft_path)
+    if vocab is not None:
+        draft.reduce_vocab(vocab)
+        what += f", draft vocabulary {vocab.numel()}"
     int8 = args.draft_lm_head_int8
     if int8 is None:  # on for the shipped head (where its acceptance was measured)
         int8 = _shipped(args, draft_path)

@@ -101,11 +101,11 @@ class DraftLoop:
             null_row=self.null_row,
             hidden=self.hidden,
         )
-        # An EAGLE-3 head samples in its own vocabulary; d2t maps to target ids. q is
-        # flat, viewed as [rows, k_max, V] per round; over the target vocabulary, the
-        # columns outside the draft vocabulary are never written (column = flat index
-        # mod V in every view): zero once.
-        mapped = kind is DraftKind.EAGLE3
+        # An EAGLE-3 head, or an EAGLE-1 head after reduce_vocab, samples in its own
+        # vocabulary; d2t maps to target ids. q is flat, viewed as [rows, k_max, V] per
+        # round; over the target vocabulary, the columns outside the draft vocabulary
+        # are never written (column = flat index mod V in every view): zero once.
+        mapped = kind is DraftKind.EAGLE3 or getattr(model, "reduced", False)
         self.scatter_q = mapped and q_vocab == "target"
         self.q_vocab = self.draft_vocab if mapped and not self.scatter_q else self.vocab_size
         ids = torch.arange(self.draft_vocab, device=self.device)

@@ -130,7 +130,8 @@ class Drafter:
     (batches past every key take the last entry); measure one with bench/draft_round.py.
     graph_modes: which of "greedy", "sample", "filter" to capture (a batch replays the
     cheapest captured mode that serves it, or runs eagerly). q_vocab, for an EAGLE-3 head
-    with a reduced draft vocabulary: "target" gives q over the target vocabulary with
+    with a reduced draft vocabulary (or an EAGLE-1 head after EagleHead.reduce_vocab,
+    called before the Drafter is built): "target" gives q over the target vocabulary with
     zeros outside the draft's; "draft" gives q over the draft vocabulary, column d
     standing for target id q_token_ids[d]. cuda_graphs None: on for a CUDA model."""
 

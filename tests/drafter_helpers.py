@@ -22,7 +22,9 @@ from specdraft.models.tiny import (
 from specdraft.sampling import SamplingParams, filtered_probs
 from tests.model_helpers import RefEagle
 
-KINDS = ("llama", "eagle", "eagle3")
+KINDS = ("llama", "eagle", "eagle3", "eagle_vocab")
+# eagle_vocab: the EAGLE-1 head after reduce_vocab (80 of the 128 target ids, d2t)
+MAPPED = ("eagle3", "eagle_vocab")  # kinds that propose from a draft vocabulary
 
 
 def tiny(**kw):
@@ -57,23 +59,29 @@ class DraftSetup:
         return self.model.fc.in_features if self.kind == "eagle3" else self.cfg.hidden_size
 
     @property
+    def keep(self) -> torch.Tensor:
+        """eagle_vocab: the target ids of the draft vocabulary, ascending."""
+        return self.model.draft_to_target(torch.arange(self.model.draft_vocab_size))
+
+    @property
     def shift(self) -> int:
         return 0 if self.kind == "llama" else 1
 
     def ref(self):
         """A fresh float64 reference of the EAGLE head (None for the Llama draft)."""
-        if self.kind == "eagle":
+        if self.kind in ("eagle", "eagle_vocab"):
             t = self.target
-            return RefEagle(
-                self.weights, self.cfg, t.embed_tokens.weight, t.lm_head.weight, eagle3=False
-            )
+            head = t.lm_head.weight
+            if self.kind == "eagle_vocab":  # logits over the draft vocabulary
+                head = head[self.keep]
+            return RefEagle(self.weights, self.cfg, t.embed_tokens.weight, head, eagle3=False)
         if self.kind == "eagle3":
             w = self.weights
             return RefEagle(w, self.cfg, w["embed_tokens.weight"], w["lm_head.weight"], eagle3=True)
         return None
 
     def to_target(self, tok: int) -> int:
-        return int(self.model.draft_to_target(torch.tensor(tok))) if self.kind == "eagle3" else tok
+        return int(self.model.draft_to_target(torch.tensor(tok))) if self.kind in MAPPED else tok
 
     @torch.no_grad()
     def ref_logits(self, tokens: list[int], hiddens: torch.Tensor | None, drafts: list[int]):
@@ -116,11 +124,14 @@ def make_setup(kind: str, seed: int = 0) -> DraftSetup:
     from specdraft.loader import Checkpoint, load_eagle3_head, load_eagle_head
 
     tcfg = tiny()
-    if kind == "eagle":
+    if kind in ("eagle", "eagle_vocab"):
         target = random_causal_lm(tcfg, seed=seed + 100)
         cfg = eagle_config(tcfg)
         w = random_eagle_weights(cfg, seed=seed)
         model = load_eagle_head(Checkpoint.from_tensors(cfg.to_hf(), w), target=target)
+        if kind == "eagle_vocab":
+            g = torch.Generator().manual_seed(seed + 7)
+            model.reduce_vocab(torch.randperm(tcfg.vocab_size, generator=g)[:80])
         return DraftSetup(kind, model, cfg, w, target)
     cfg = eagle_config(tcfg, draft_vocab_size=80, target_hidden_size=24)
     w = random_eagle3_weights(cfg, seed=seed)

@@ -19,6 +19,7 @@ from specdraft.sampling import DRAFT_PROPOSAL, SamplingParams, filtered_probs, s
 
 # The fixtures `setup` and `torch_layers` come from tests/drafter_helpers.py.
 from tests.drafter_helpers import (  # noqa: F401
+    MAPPED,
     EngineSim,
     chi_limit,
     chi_square,
@@ -288,7 +289,7 @@ def test_sampled_rows_q_and_tokens(setup):
                 p = params[i]
                 want_q = filtered_probs(logits, [p] * 3)
                 got_q = q[i]
-                if setup.kind == "eagle3":  # q over the target vocabulary, zero elsewhere
+                if setup.kind in MAPPED:  # q over the target vocabulary, zero elsewhere
                     outside = torch.ones(d.vocab_size, dtype=torch.bool)
                     outside[d.q_token_ids] = False
                     assert torch.count_nonzero(got_q[:, outside]) == 0

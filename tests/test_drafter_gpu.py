@@ -56,10 +56,14 @@ def gpu_setup(kind: str, dtype=torch.bfloat16) -> DraftSetup:
     )
     if kind == "llama":
         return DraftSetup(kind, random_causal_lm(cfg, seed=1, device="cuda"), cfg, {})
-    if kind == "eagle":
+    if kind in ("eagle", "eagle_vocab"):
         target = random_causal_lm(cfg, seed=2, device="cuda")
         head_cfg = eagle_config(cfg)
-        return DraftSetup(kind, random_eagle_head(head_cfg, target, seed=3), head_cfg, {}, target)
+        head = random_eagle_head(head_cfg, target, seed=3)
+        if kind == "eagle_vocab":
+            g = torch.Generator().manual_seed(4)
+            head.reduce_vocab(torch.randperm(cfg.vocab_size, generator=g)[:500])
+        return DraftSetup(kind, head, head_cfg, {}, target)
     head_cfg = eagle_config(cfg, draft_vocab_size=500)
     return DraftSetup(kind, random_eagle3_head(head_cfg, seed=3, device="cuda"), head_cfg, {})
 

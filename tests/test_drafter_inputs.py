@@ -45,7 +45,7 @@ def _with(**over):
     return call
 
 
-EAGLE_ONLY, LLAMA_ONLY = {"eagle", "eagle3"}, {"llama"}
+EAGLE_ONLY, LLAMA_ONLY = {"eagle", "eagle3", "eagle_vocab"}, {"llama"}
 PROPOSE_CASES = [
     # (id, call, message, kinds it applies to)
     ("unknown-id", _with(req_ids=["r0", "nope"]), "unknown req_id 'nope'", None),

@@ -146,6 +146,96 @@ def test_eagle3_d2t_mapping():
     assert torch.equal(full.argmax(-1), head.draft_to_target(logits.argmax(-1)))
 
 
+def _eagle1(seed=5):
+    tcfg = tiny_config()
+    target = random_causal_lm(tcfg, seed=seed + 100)
+    hcfg = eagle_config(tcfg)
+    head = load_eagle_head(
+        Checkpoint.from_tensors(hcfg.to_hf(), random_eagle_weights(hcfg, seed=seed)),
+        target=target,
+    )
+    return head, target, tcfg
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_reduce_vocab_gives_the_head_its_rows_and_d2t(int8):
+    """reduce_vocab(ids): the head's own lm_head of those rows (an int8 one keeps its
+    rows and scales), draft id d -> the d-th smallest id, the target's lm_head left as
+    it was, and the head's logits the full head's logits at those ids."""
+    from specdraft.layers import Int8Linear, quantize_lm_head
+
+    head, target, tcfg = _eagle1()
+    before = target.lm_head.weight.clone()
+    if int8:
+        quantize_lm_head(head)
+    full = head.lm_head
+    ids = torch.randperm(tcfg.vocab_size, generator=torch.Generator().manual_seed(1))[:90]
+    assert not head.reduced and head.reduce_vocab(ids) is head and head.reduced
+    keep = ids.sort().values
+    assert head.draft_vocab_size == 90
+    assert torch.equal(head.draft_to_target(torch.arange(90)), keep)
+    lm = head.lm_head
+    if int8:
+        assert isinstance(lm, Int8Linear)
+        assert torch.equal(lm.weight, full.weight[keep]) and torch.equal(lm.scale, full.scale[keep])
+    else:
+        assert torch.equal(lm.weight, full.weight[keep]) and lm.weight is not full.weight
+    assert torch.equal(target.lm_head.weight, before) and target.lm_head is not lm
+    x = torch.randn(4, tcfg.hidden_size)
+    from specdraft import ops
+
+    with ops.use_backend("torch"):
+        want, got = full(x), lm(x)
+    torch.testing.assert_close(got, want[:, keep], rtol=0, atol=0)
+    scattered = head.logits_to_target(got)
+    assert torch.equal(scattered[:, keep], got)
+    outside = torch.ones(tcfg.vocab_size, dtype=torch.bool)
+    outside[keep] = False
+    assert torch.isneginf(scattered[:, outside]).all()
+
+
+@pytest.mark.parametrize(
+    "token_ids, exc, match",
+    [
+        ([], ValueError, "token_ids must be 1-D and non-empty"),
+        ([3, 5, 3], ValueError, "token_ids repeats token 3"),
+        ([0, -1], ValueError, r"token_ids must lie in \[0, 256\), got -1\.\.0"),
+        ([1, 256], ValueError, r"token_ids must lie in \[0, 256\), got 1\.\.256"),
+        (torch.tensor([[1, 2]]), ValueError, "token_ids must be 1-D"),
+        (torch.tensor([1.0, 2.0]), TypeError, "must hold integers, got dtype torch.float32"),
+        ([1, 2.0], TypeError, "token_ids must hold ints, got float 2.0"),
+        ([True, 2], TypeError, "token_ids must hold ints, got bool True"),
+        (7, TypeError, "token_ids must be a sequence or tensor of ints, got int"),
+    ],
+)
+def test_reduce_vocab_bad_input_changes_nothing(token_ids, exc, match):
+    head, target, tcfg = _eagle1()
+    assert tcfg.vocab_size == 256
+    lm = head.lm_head
+    w = lm.weight.clone()
+    with pytest.raises(exc, match=match):
+        head.reduce_vocab(token_ids)
+    assert head.lm_head is lm and torch.equal(lm.weight, w) and not head.reduced
+    assert not hasattr(head, "d2t") and not hasattr(head, "draft_vocab_size")
+
+
+def test_reduce_vocab_refuses_a_second_reduction_and_a_biased_head():
+    head, target, tcfg = _eagle1()
+    head.reduce_vocab([1, 2, 3])
+    lm, d2t = head.lm_head, head.d2t.clone()
+    with pytest.raises(ValueError, match="already has a draft vocabulary of 3 tokens"):
+        head.reduce_vocab([4, 5])
+    assert head.lm_head is lm and torch.equal(head.d2t, d2t)
+    other, _, _ = _eagle1()
+    from specdraft.layers import Linear
+
+    biased = Linear(tcfg.hidden_size, tcfg.vocab_size, bias=True, dtype=torch.float32, device="cpu")
+    other.lm_head = biased
+    with pytest.raises(TypeError, match="lm_head must be a bias-free"):
+        other.reduce_vocab([1, 2])
+    assert other.lm_head is biased and not other.reduced
+
+
 def test_head_checkpoint_layout_variants(tmp_path):
     """EAGLE-1 with "model."-prefixed names in shards and its own embedding and lm_head;
     EAGLE-3 spelled with layers.0 instead of midlayer and no embedding (the target's)."""

@@ -378,7 +378,7 @@ def test_quantize_lm_head_copies_the_heads_lm_head(kind):
 
 @interp
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle_vocab"])
 def test_greedy_rounds_with_an_int8_lm_head_match_its_reference(kind, backend, monkeypatch):
     """Ragged batches, mixed accepted counts and k, K_max 3 and 1, as test_drafter's
     greedy test, with the head's lm_head an Int8Linear of random weights (far from the
@@ -399,7 +399,7 @@ def test_greedy_rounds_with_an_int8_lm_head_match_its_reference(kind, backend, m
     scale = torch.rand(v, generator=g) / 64 + 1 / 256
     s.model.lm_head = Int8Linear(q, scale)
     deq = q.double() * scale.double()[:, None]
-    embed = s.target.embed_tokens.weight if kind == "eagle" else s.weights["embed_tokens.weight"]
+    embed = s.target.embed_tokens.weight if kind != "eagle3" else s.weights["embed_tokens.weight"]
     s.ref = lambda: RefEagle(s.weights, s.cfg, embed, deq, eagle3=kind == "eagle3")
 
     def float_greedy(tokens, hiddens, steps: int) -> list[int]:
@@ -440,7 +440,7 @@ def test_greedy_rounds_with_an_int8_lm_head_match_its_reference(kind, backend, m
 
 
 @interp
-@pytest.mark.parametrize("kind", ["llama", "eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["llama", "eagle", "eagle3", "eagle_vocab"])
 def test_greedy_rounds_finishing_the_argmax_from_parts_equal_the_argmax_of_logits(kind):
     """The same engine history through two drafters over one int8 lm_head: one finishes
     each step's argmax from partials in advance / the epilogue, the other (partials

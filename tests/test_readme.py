@@ -100,8 +100,10 @@ def test_generate_command_runs_on_this_machine():
     """The main job, shortened: one prompt, a few tokens, the real embedded model."""
     proc = _run_generate("--prompt", "Say hello.", "--max-new-tokens", "6")
     assert "tokens/s" in proc.stdout and ">>> Say hello." in proc.stdout
-    # the shipped head speculates through its own int8 lm_head unless told otherwise
+    # the shipped head speculates through its own int8 lm_head, over a draft vocabulary
+    # of the target's most frequent tokens, unless told otherwise
     assert "int8 lm_head" in proc.stdout, proc.stdout
+    assert "draft vocabulary 16384" in proc.stdout, proc.stdout
 
 
 def test_plain_install_keeps_numpy_the_interpreter_can_run():
@@ -148,13 +150,40 @@ def test_generate_command_refuses_a_draft_that_is_not_a_checkpoint(tmp_path):
     assert "tokens/s" not in proc.stdout
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--draft-vocab", "-3"], "--draft-vocab must be an integer >= 0, got -3"),
+        (["--draft-vocab", "60000"], r"--draft-vocab 60000: size must be an int in \[1, 49152\]"),
+        (["--draft-vocab", "64", "--draft-layers", "2"], "only the shipped head takes"),
+    ],
+)
+def test_generate_command_refuses_a_bad_draft_vocab(args, message):
+    """A clear error naming --draft-vocab, before the model is loaded."""
+    pytest.importorskip("gguf")
+    from specdraft.draft_vocab import SHIPPED_COUNTS
+
+    if "60000" in args and not SHIPPED_COUNTS.is_file():
+        pytest.skip("this checkout has no shipped token counts")
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdraft", "generate", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    assert re.search(message, proc.stderr), proc.stderr
+    assert "tokens/s" not in proc.stdout
+
+
 def test_generate_command_with_a_float_draft_lm_head():
-    """--no-draft-lm-head-int8: the shipped head speculates through its float lm_head,
-    and greedy output is still exactly target-only's."""
+    """--no-draft-lm-head-int8 --draft-vocab 0: the shipped head speculates through its
+    float lm_head over the whole vocabulary, and greedy output is still exactly
+    target-only's."""
     proc = _run_generate(
         "--prompt", "Count to five.", "--max-new-tokens", "8", "--k", "2",
-        "--no-draft-lm-head-int8", "--quiet",
+        "--no-draft-lm-head-int8", "--draft-vocab", "0", "--quiet",
     )  # fmt: skip
     assert "speculative: draft" in proc.stdout, proc.stdout
-    assert "int8 lm_head" not in proc.stdout, proc.stdout
+    assert "int8 lm_head" not in proc.stdout and "draft vocabulary" not in proc.stdout
     assert "greedy output identical  | yes" in proc.stdout, proc.stdout

@@ -23,6 +23,7 @@ from specdraft.attn_metadata import AttentionMetadata
 from specdraft.layers import (
     DecoderLayer,
     Embedding,
+    Int8Linear,
     Linear,
     RMSNorm,
     RotaryEmbedding,
@@ -79,7 +80,57 @@ def _shared_or_new(module, make, what: str, shape: tuple[int, int]):
     return module, False
 
 
-class EagleHead(nn.Module):
+class _DraftVocab:
+    """Draft token id d is target id d + d2t[d] (heads with a draft vocabulary)."""
+
+    d2t: torch.Tensor
+    draft_vocab_size: int
+    cfg: DecoderConfig
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids of draft token ids (any shape, int64), on the device."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def logits_to_target(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [n, draft_vocab] scattered into the target vocabulary
+        [n, vocab]; tokens outside the draft vocabulary get -inf."""
+        full = logits.new_full((logits.shape[0], self.cfg.vocab_size), float("-inf"))
+        ids = torch.arange(self.draft_vocab_size, device=logits.device)
+        return full.index_copy_(1, self.draft_to_target(ids), logits)
+
+
+def _vocab_ids(token_ids, vocab_size: int) -> torch.Tensor:
+    """token_ids as a sorted int64 CPU tensor, checked: 1-D, integers, at least one,
+    no repeats, each in [0, vocab_size)."""
+    if isinstance(token_ids, torch.Tensor):
+        dt = token_ids.dtype
+        if dt.is_floating_point or dt.is_complex or dt == torch.bool:
+            raise TypeError(f"token_ids must hold integers, got dtype {token_ids.dtype}")
+        ids = token_ids.detach().to("cpu", torch.int64)
+    else:
+        try:
+            seq = list(token_ids)
+        except TypeError:
+            raise TypeError(
+                f"token_ids must be a sequence or tensor of ints, got {type(token_ids).__name__}"
+            ) from None
+        bad = [t for t in seq if isinstance(t, bool) or not isinstance(t, int)]
+        if bad:
+            raise TypeError(f"token_ids must hold ints, got {type(bad[0]).__name__} {bad[0]!r}")
+        ids = torch.tensor(seq, dtype=torch.int64)
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(f"token_ids must be 1-D and non-empty, got shape {tuple(ids.shape)}")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"token_ids must lie in [0, {vocab_size}), got {lo}..{hi}")
+    ids = ids.sort().values
+    if bool((ids[1:] == ids[:-1]).any()):
+        dup = int(ids[1:][ids[1:] == ids[:-1]][0])
+        raise ValueError(f"token_ids repeats token {dup}")
+    return ids
+
+
+class EagleHead(_DraftVocab, nn.Module):
     """EAGLE-1 head. embed_tokens / lm_head: the target's modules to share (the usual
     case); None makes the head own them (then the checkpoint must hold them).
     fc_bias: the public EAGLE-1 checkpoints have one. first_input_norm: keep layer 0's
@@ -143,6 +194,42 @@ class EagleHead(nn.Module):
     def fused_rows(self) -> int:
         """Rows up to which this model's forward takes the fused decode path."""
         return fused_row_limit(self, self.layers, self.fc.weight)
+
+    @property
+    def reduced(self) -> bool:
+        """Whether the head proposes from a reduced draft vocabulary (reduce_vocab)."""
+        return hasattr(self, "d2t")
+
+    def reduce_vocab(self, token_ids) -> EagleHead:
+        """Propose only `token_ids` (target ids): the head gets its own lm_head of those
+        rows (a shared target lm_head is left as it is; an int8 one keeps its rows and
+        scales) and, as an EAGLE-3 head, a draft vocabulary with d2t mapping draft id d
+        (the d-th smallest of token_ids) to its target id. Its input embedding stays the
+        target's. Drafts only propose: the output distribution stays the target's; what
+        it costs is acceptance where the target's token lies outside. Returns self."""
+        if self.reduced:
+            raise ValueError(
+                f"the head already has a draft vocabulary of {self.draft_vocab_size} tokens"
+            )
+        head = self.lm_head
+        if not isinstance(head, (Linear, Int8Linear)) or getattr(head, "bias", None) is not None:
+            raise TypeError(
+                f"lm_head must be a bias-free specdraft Linear or Int8Linear, got "
+                f"{type(head).__name__}"
+            )
+        ids = _vocab_ids(token_ids, self.cfg.vocab_size)
+        dev_ids = ids.to(head.weight.device)
+        if isinstance(head, Int8Linear):
+            new = Int8Linear(head.weight[dev_ids].contiguous(), head.scale[dev_ids].contiguous())
+        else:
+            w = head.weight
+            new = Linear(w.shape[1], ids.numel(), bias=False, dtype=w.dtype, device=w.device)
+            new.weight.data.copy_(w[dev_ids])
+        self.lm_head, self.owns_lm_head = new, True
+        self.draft_vocab_size = ids.numel()
+        arange = torch.arange(ids.numel(), dtype=torch.int64)
+        self.register_buffer("d2t", (ids - arange).to(head.weight.device))
+        return self
 
     def forward(
         self,
@@ -218,7 +305,7 @@ class Eagle3DecoderLayer(DecoderLayer):
         return self.mlp(x), residual
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(_DraftVocab, nn.Module):
     """EAGLE-3 head. embed_tokens: the target's embedding to share, or None to own one
     (then the checkpoint must hold embed_tokens.weight). d2t [draft_vocab] int64."""
 
@@ -321,14 +408,3 @@ class Eagle3Head(nn.Module):
         return prenorm, select_logits(
             normed, head or self.lm_head, meta, logits_indices, all_logits
         )
-
-    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Target token ids of draft token ids (any shape, int64), on the device."""
-        return draft_ids + self.d2t[draft_ids]
-
-    def logits_to_target(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits [n, draft_vocab] scattered into the target vocabulary
-        [n, vocab]; tokens outside the draft vocabulary get -inf."""
-        full = logits.new_full((logits.shape[0], self.cfg.vocab_size), float("-inf"))
-        ids = torch.arange(self.draft_vocab_size, device=logits.device)
-        return full.index_copy_(1, self.draft_to_target(ids), logits)
