@@ -34,7 +34,7 @@ head's b1 K3 greedy round, taken in turn.
 --lm-head int8 gives every draft an int8 copy of its lm_head (per-row scales; bf16,int8:
 both, one after the other in the same run): the floor counts its bytes, the bars name it.
 A suffix :N (int8:16384) gives the EAGLE-1 heads a draft vocabulary of N ids
-(EagleHead.reduce_vocab), as the main job does for the shipped head.
+(EagleHead.reduce_vocab), as `specdraft generate --draft-vocab N` does for the shipped head.
 """
 
 from __future__ import annotations
@@ -60,11 +60,7 @@ def smollm2_config(**overrides):
 LM_HEAD = re.compile(r"(bf16|int8)(?::([1-9][0-9]*))?")
 
 
-def main_job_head() -> str:
-    """The lm_head variant the main job gives the shipped head (specdraft.demo)."""
-    from specdraft.draft_vocab import DEFAULT_SIZE
-
-    return f"int8:{DEFAULT_SIZE}"
+MAIN_JOB_HEAD = "int8"  # the lm_head the main job gives the shipped head (specdraft.demo)
 
 
 def build(case: str, max_positions: int, lm_head: str = "bf16"):
@@ -521,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         "--lm-head", default="bf16",
         help="bf16, int8 or several (bf16,int8): int8 quantizes the drafts' lm_heads per row "
         "(layers.quantize_lm_head); :N gives an EAGLE-1 head a draft vocabulary of N ids "
-        "(int8:16384 is the main job's shipped head)",
+        "(e.g. int8:16384; specdraft generate --draft-vocab)",
     )  # fmt: skip
     ap.add_argument(
         "--bar-repeats", type=int, default=5,
@@ -656,7 +652,7 @@ def check_bars(rows: list[dict], smol_us: float, alt: dict | None = None) -> lis
     ]
     for r in smol:
         ships = ""
-        if r["lm_head"] == main_job_head():
+        if r["lm_head"] == MAIN_JOB_HEAD:
             ships = " (as the main job runs the shipped head)"
         name = f"SmolLM2-shaped EAGLE round (b1, K3, {r['mode']}, {r['lm_head']} lm_head{ships})"
         key = f"{r['lm_head']}_ratio"

@@ -165,9 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     g.add_argument(
         "--draft-vocab", type=int, default=None,
-        help="the draft proposes only the N most frequent target tokens (its lm_head reads "
-        "N rows; specdraft.draft_vocab); 0: the whole vocabulary (default: the shipped "
-        "head keeps specdraft.draft_vocab.DEFAULT_SIZE, other drafts the whole vocabulary)",
+        help="the shipped head proposes only the N target tokens its training answers use "
+        "most (its lm_head reads N rows; specdraft.draft_vocab); default and 0: the whole "
+        "vocabulary",
     )  # fmt: skip
     g.add_argument("--no-draft", action="store_true", help="target-only decoding")
     g.add_argument(
