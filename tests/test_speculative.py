@@ -108,7 +108,8 @@ def test_greedy_with_per_request_k_equals_target_only(models):
 
 def test_eagle_heads_greedy_equals_target_only():
     """EAGLE-1 and EAGLE-3 heads fed the target's features (final hidden states;
-    auxiliary layers 2, 2, 1 of a 4-layer target) through prefill and verification."""
+    auxiliary layers 2, 2, 1 of a 4-layer target) through prefill and verification; an
+    EAGLE-1 head proposing from half the vocabulary (reduce_vocab) too."""
     from specdraft.models.tiny import eagle_config, random_eagle3_head, random_eagle_head
 
     cfg = tiny_config(num_layers=4)
@@ -123,6 +124,9 @@ def test_eagle_heads_greedy_equals_target_only():
             random_eagle_head(eagle_config(cfg), target, seed=1),
             random_eagle3_head(
                 eagle_config(cfg, draft_vocab_size=64), target=target, seed=2, dtype=torch.float32
+            ),
+            random_eagle_head(eagle_config(cfg), target, seed=3).reduce_vocab(
+                range(0, cfg.vocab_size, 2)
             ),
         ]
         for head in heads:
