@@ -477,6 +477,20 @@ def test_sampled_output_is_the_targets_distribution(small_pair, ks):
     assert stat < df + 10 * math.sqrt(2 * df), (stat, df)
 
 
+def test_sampled_output_with_a_reduced_vocabulary_head_is_the_targets(small_pair):
+    """An EAGLE-1 head proposing from 3 of the 6 ids (reduce_vocab: q over the target
+    vocabulary, zero outside) through the rejection sampler: the joint of the first
+    three tokens is still the target's."""
+    from specdraft.models.tiny import eagle_config, random_eagle_head
+
+    target, _, joint = small_pair
+    head = random_eagle_head(eagle_config(SMALL), target, seed=9).reduce_vocab([0, 2, 5])
+    with ops.use_backend("torch"):
+        counts = sample_joint(target, head, N, ks=(0, 1, 3))
+    stat, df = chi_square(counts, joint, N)
+    assert stat < df + 10 * math.sqrt(2 * df), (stat, df)
+
+
 @pytest.mark.parametrize("ks", KS, ids=["k1", "mixed"])
 def test_planted_rollback_bug_is_caught(small_pair, ks):
     target, draft, joint = small_pair
