@@ -59,3 +59,20 @@ def test_shipped_counts_rank_the_embedded_vocabulary():
     assert ids.shape == (4096,) and bool((ids[1:] > ids[:-1]).all())
     assert int(ids[0]) >= 0 and int(ids[-1]) < vocab
     assert coverage(counts, ids) > 0.8  # most of the answers' tokens
+
+
+def test_bench_coverage_table_reads_the_counts():
+    """bench.draft_vocab's table: token totals, and per size the share of the held-out
+    answers' tokens the top ids of the training answers cover."""
+    from bench.draft_vocab import coverage_table
+
+    train = [[5, 5, 5, 3, 3, 9]]
+    held = [[5, 3, 7, 0]]  # 5 and 3 are the top two; 0 is the first unseen id
+    text = coverage_table(train, held, 11, [2, 3, 11])
+    assert "train answers: 6 tokens, 3 distinct; held-out answers: 4 tokens, 4 distinct" in text
+    rows = [ln for ln in text.splitlines() if ln.startswith("| ") and ln[2].isdigit()]
+    assert rows == [
+        "| 2 | 0.182 | 0.5000 |",  # {3, 5}
+        "| 3 | 0.273 | 0.5000 |",  # {3, 5, 9}
+        "| 11 | 1.000 | 1.0000 |",
+    ]
