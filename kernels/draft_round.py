@@ -509,6 +509,10 @@ class DraftRoundKernels:
     Per call only the row count (and step / K) varies, each fixed by a graph's
     descriptor: the launches are graph-safe and cheap on the host."""
 
+    # prepare reads the inputs through the addresses in buffers.src: a captured round
+    # reads whatever the next sources() pointed it at
+    reads_sources_in_graph = True
+
     def __init__(
         self,
         buffers: DraftRoundBuffers,

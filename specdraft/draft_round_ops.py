@@ -28,6 +28,10 @@ from specdraft.ops import backend_for
 class TorchDraftRound:
     """The kernels' math in PyTorch (see kernels/draft_round.py for the contract)."""
 
+    # prepare copies the tensors sources() kept, as Python objects: a CUDA graph would
+    # replay the copies of its capture, so the Drafter runs these rounds without one
+    reads_sources_in_graph = False
+
     def __init__(
         self,
         buffers: DraftRoundBuffers,

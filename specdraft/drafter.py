@@ -203,6 +203,7 @@ class Drafter:
             hidden_in=self.hidden_in,
             q_vocab=q_vocab,
         )
+        round_graphs = _round_graphs(use_graphs, cuda_graphs, graph_backend, self.loop.ops)
         self.cache, self.tables, self.buffers = cache, self.loop.tables, self.loop.buffers
         self.block_size, self.vocab_size = block_size, self.loop.vocab_size
         self.q_token_ids = self.loop.q_token_ids
@@ -230,7 +231,7 @@ class Drafter:
             sizes.append(max_num_reqs)
         self.capture_sizes, self.graph_modes = sizes, modes
         self._managers: dict[tuple[int, SamplingMode], SpeculatorCudaGraphManager] = {}
-        for k in self.k_options if use_graphs else ():
+        for k in self.k_options if round_graphs else ():
             buckets = [b for b in sizes if k in self._ks_for_bucket(b, sizes)]
             for mode in modes if buckets else ():
                 self._managers[(k, mode)] = SpeculatorCudaGraphManager(
@@ -613,6 +614,21 @@ def _geometry(t) -> tuple | None:
     if not isinstance(t, torch.Tensor):
         return None
     return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _round_graphs(use_graphs: bool, cuda_graphs, graph_backend, ops) -> bool:
+    """Whether the round runs as captured graphs. A real CUDA graph needs round ops that
+    read the inputs inside it (the Triton kernels); on the PyTorch path
+    (SPECDRAFT_BACKEND=torch) the rounds run eagerly, and an explicit cuda_graphs=True
+    is refused. A stand-in graph backend runs the work anew at each replay."""
+    if not use_graphs or graph_backend is not None or ops.reads_sources_in_graph:
+        return use_graphs
+    if cuda_graphs:
+        raise ValueError(
+            "cuda_graphs=True needs the Triton round kernels: on the PyTorch path "
+            "(SPECDRAFT_BACKEND=torch) a captured round would not read its inputs"
+        )
+    return False
 
 
 class _Steady:

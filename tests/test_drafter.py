@@ -880,3 +880,22 @@ def test_eagle3_q_over_draft_or_target_vocabulary(torch_layers):
     assert torch.equal(pt.tokens, pd.tokens)
     assert torch.equal(pt.q[:, :, dd.q_token_ids], pd.q)
     assert torch.isin(pt.tokens, dd.q_token_ids).all(), "drafts are target ids of the draft vocab"
+
+
+def test_round_graphs_need_ops_that_read_their_inputs_in_the_graph():
+    """A real CUDA graph of the round needs prepare to read the inputs through their
+    addresses (the Triton kernels). The PyTorch path copies tensors it holds as Python
+    objects, which a graph would replay from its capture: its rounds run eagerly, and
+    cuda_graphs=True is refused naming it. A stand-in backend (runs the work anew) and
+    cuda_graphs off are left as asked."""
+    from specdraft.draft_round_ops import TorchDraftRound
+    from specdraft.drafter import _round_graphs
+    from specdraft.kernels.draft_round import DraftRoundKernels
+
+    assert _round_graphs(True, None, None, DraftRoundKernels) is True
+    assert _round_graphs(True, True, None, DraftRoundKernels) is True
+    assert _round_graphs(True, None, None, TorchDraftRound) is False
+    with pytest.raises(ValueError, match="cuda_graphs=True needs the Triton round kernels"):
+        _round_graphs(True, True, None, TorchDraftRound)
+    assert _round_graphs(True, True, EagerBackend(), TorchDraftRound) is True
+    assert _round_graphs(False, False, None, TorchDraftRound) is False
