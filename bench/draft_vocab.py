@@ -18,16 +18,10 @@ from pathlib import Path
 
 def answers(engine, prompts: list[str], max_new: int, batch: int) -> list[list[int]]:
     """The target's greedy answers (token ids) to chat-templated prompts."""
+    from specdraft.distill import chat_ids
     from specdraft.sampling import SamplingParams
 
-    tok = engine.tokenizer
-    ids = [
-        tok.encode(
-            tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
-            add_special_tokens=False,
-        )
-        for p in prompts
-    ]
+    ids = chat_ids(engine.tokenizer, prompts)
     out: list[list[int]] = []
     for i in range(0, len(ids), batch):
         res = engine.generate(ids[i : i + batch], params=SamplingParams(), max_new_tokens=max_new)
