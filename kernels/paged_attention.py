@@ -541,12 +541,32 @@ def choose_launch_config(
         # fp32 tiles take twice the shared memory per stage.
         block_n, num_stages = max(16, block_n // 2), 2
 
+    tiles = min(cdiv(num_tokens, block_q) + num_reqs, num_reqs * cdiv(max_query_len, block_q))
+    work = max(1, tiles * num_kv_heads)
+    if num_splits is None and block_n == 64 and head_dim <= 128 and element_size == 2:
+        # Decode-sized tiles whose grid fits about one wave: 128-key tiles, split to
+        # about 3 programs an SM. H200, against 64-key tiles at about 4 programs an SM
+        # (bench/NOTES.md, stop 43): Llama-3-8B's heads batch 1 context 4096 15.0 ->
+        # 12.5 us, batch 12 context 6000 94.8 -> 77.0, batch 48 context 6000 345 -> 277;
+        # SmolLM2's batch 64 context 4096 83.1 -> 61.4. A grid of several waves (batch 64
+        # and up for Llama's heads) keeps 64-key tiles, and so does a length bound that
+        # leaves fewer than half the splits: SmolLM2's batch 1 at bound 1024, 8 splits of
+        # 64 keys 4.5 us against 4 of 128 keys 4.7; unless it leaves one split, with no
+        # merge launch (batch 1 at bound 320: 5.9 -> 5.2 us).
+        wide = min(_floor_pow2(max(1, 3 * num_sms_on_device // work)), MAX_NUM_SPLITS)
+        capped = wide
+        if max_seq_len is not None:
+            capped = min(wide, _floor_pow2(max(1, max_seq_len // 256)))
+        if work * wide <= 3 * num_sms_on_device and (capped * 2 >= wide or capped == 1):
+            # Three stages, but for 128-dim heads two once more than two programs an
+            # SM wait (the third stage's shared memory leaves room for fewer): batch 24
+            # context 6000 166 -> 141 us, batch 1 context 4096 13.2 -> 12.3 with three.
+            many = head_dim > 64 and work * capped > 2 * num_sms_on_device
+            return AttentionLaunchConfig(block_m, block_q, 128, capped, num_warps, 2 if many else 3)
     if num_splits is None:
         # Split the keys until there are about four programs per SM (measured on the
-        # H200 with 8 KV heads: 64 splits at batch 1, 8 at batch 8, none at batch 64;
-        # bench/NOTES.md). With a known length bound a split keeps at least two key tiles.
-        tiles = min(cdiv(num_tokens, block_q) + num_reqs, num_reqs * cdiv(max_query_len, block_q))
-        work = max(1, tiles * num_kv_heads)
+        # H200 with 8 KV heads: 8 splits at batch 8, none at batch 64; bench/NOTES.md).
+        # With a known length bound a split keeps at least two key tiles.
         num_splits = _floor_pow2(max(1, 4 * num_sms_on_device // work))
         if max_seq_len is not None:
             num_splits = min(num_splits, _floor_pow2(max(1, max_seq_len // (2 * block_n))))
