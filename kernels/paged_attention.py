@@ -543,16 +543,18 @@ def choose_launch_config(
 
     tiles = min(cdiv(num_tokens, block_q) + num_reqs, num_reqs * cdiv(max_query_len, block_q))
     work = max(1, tiles * num_kv_heads)
-    if num_splits is None and block_n == 64 and head_dim <= 128 and element_size == 2:
-        # Decode-sized tiles whose grid fits about one wave: 128-key tiles, split to
-        # about 3 programs an SM. H200, against 64-key tiles at about 4 programs an SM
-        # (bench/NOTES.md, stop 43): Llama-3-8B's heads batch 1 context 4096 15.0 ->
-        # 12.5 us, batch 12 context 6000 94.8 -> 77.0, batch 48 context 6000 345 -> 277;
-        # SmolLM2's batch 64 context 4096 83.1 -> 61.4. A grid of several waves (batch 64
-        # and up for Llama's heads) keeps 64-key tiles, and so does a length bound that
-        # leaves fewer than half the splits: SmolLM2's batch 1 at bound 1024, 8 splits of
-        # 64 keys 4.5 us against 4 of 128 keys 4.7; unless it leaves one split, with no
-        # merge launch (batch 1 at bound 320: 5.9 -> 5.2 us).
+    if num_splits is None and block_m <= 32 and head_dim <= 128 and element_size == 2:
+        # Decode and verification tiles whose grid fits about one wave: 128-key tiles,
+        # split to about 3 programs an SM. H200, against 64-key tiles at about 4
+        # programs an SM (bench/NOTES.md, stop 43): Llama-3-8B's heads batch 1 context
+        # 4096 15.0 -> 12.5 us, batch 12 context 6000 94.8 -> 77.0, batch 48 context 6000
+        # 345 -> 277; SmolLM2's batch 64 context 4096 83.1 -> 61.4; verification of 8
+        # tokens (already 128-key tiles) at batch 8 context 4096, 8 splits 50.1 us, 4
+        # splits 44.7. A grid of several waves (batch 64 and up for Llama's heads) keeps
+        # the old choice, and so does a length bound that leaves fewer than half the
+        # splits: SmolLM2's batch 1 at bound 1024, 8 splits of 64 keys 4.5 us against 4
+        # of 128 keys 4.7; unless it leaves one split, with no merge launch (batch 1 at
+        # bound 320: 5.9 -> 5.2 us).
         wide = min(_floor_pow2(max(1, 3 * num_sms_on_device // work)), MAX_NUM_SPLITS)
         capped = wide
         if max_seq_len is not None:

@@ -337,6 +337,30 @@ def test_launch_config_depends_only_on_bounds():
     assert capped.num_splits == 4
 
 
+@pytest.mark.parametrize(
+    "heads, head_dim, batch, q_len, bound, want",
+    [
+        ((32, 8), 128, 1, 1, None, (128, 32, 3)),  # one wave: 128-key tiles, ~3 an SM
+        ((32, 8), 128, 24, 1, None, (128, 2, 2)),  # > 2 programs an SM: two stages
+        ((32, 8), 128, 32, 1, None, (128, 1, 3)),
+        ((32, 8), 128, 64, 1, None, (64, 1, 3)),  # several waves: 64-key tiles
+        ((32, 8), 128, 8, 8, None, (128, 4, 3)),  # verification tiles of 32 rows
+        ((32, 8), 128, 1, 1, 8192, (128, 32, 3)),
+        ((9, 3), 64, 1, 1, 1024, (64, 8, 2)),  # the bound leaves 4 of 64 splits
+        ((9, 3), 64, 1, 1, 320, (128, 1, 3)),  # ... or one: no merge launch
+        ((9, 3), 64, 16, 1, 1024, (128, 4, 3)),  # ... or half
+        ((9, 3), 64, 256, 1, 1024, (64, 1, 2)),
+    ],
+)
+def test_launch_config_choice(heads, head_dim, batch, q_len, bound, want):
+    """The measured choice (bench/NOTES.md, stop 43) in each of its regions on 132 SMs:
+    (key tile, splits, pipeline stages)."""
+    cfg = choose_launch_config(num_tokens=batch * q_len, num_reqs=batch, max_query_len=q_len,
+                               num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
+                               max_seq_len=bound, num_sms_on_device=132)  # fmt: skip
+    assert (cfg.block_n, cfg.num_splits, cfg.num_stages) == want
+
+
 # ---- bad input: clear errors, nothing launched --------------------------------------
 
 
