@@ -559,10 +559,10 @@ def choose_launch_config(
         capped = wide
         if max_seq_len is not None:
             capped = min(wide, _floor_pow2(max(1, max_seq_len // 256)))
-        if work * wide <= 3 * num_sms_on_device and (capped * 2 >= wide or capped == 1):
-            # Three stages, but for 128-dim heads two once more than two programs an
-            # SM wait (the third stage's shared memory leaves room for fewer): batch 24
-            # context 6000 166 -> 141 us, batch 1 context 4096 13.2 -> 12.3 with three.
+        if work <= 3 * num_sms_on_device and (capped * 2 >= wide or capped == 1):
+            # Three stages, but two for 128-dim heads once the grid holds more than two
+            # programs an SM (measured, not explained): batch 24 context 6000 166 -> 141
+            # us with two, batch 1 context 4096 13.2 -> 12.3 with three.
             many = head_dim > 64 and work * capped > 2 * num_sms_on_device
             return AttentionLaunchConfig(block_m, block_q, 128, capped, num_warps, 2 if many else 3)
     if num_splits is None:
