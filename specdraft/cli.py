@@ -166,8 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--draft-vocab", type=int, default=None,
         help="the shipped head proposes only the N target tokens its training answers use "
-        "most (its lm_head reads N rows; specdraft.draft_vocab); default and 0: the whole "
-        "vocabulary",
+        "most, then ids never seen in them in ascending order (its lm_head reads N rows; "
+        "specdraft.draft_vocab); default and 0: the whole vocabulary",
     )  # fmt: skip
     g.add_argument("--no-draft", action="store_true", help="target-only decoding")
     g.add_argument(

@@ -109,6 +109,9 @@ def prepare_job(args: argparse.Namespace) -> Job:
         max_model_len=1024,
         graphs=not args.no_graphs,
     )
+    layers = engine.runner.model.cfg.num_layers
+    if args.draft_layers is not None and args.draft_layers > layers:
+        raise SystemExit(f"--draft-layers {args.draft_layers}: the model has {layers} layers")
     tok = engine.tokenizer
     chat = prompts
     if not args.no_chat:
@@ -145,7 +148,7 @@ def run_generate(args: argparse.Namespace) -> int:
             print(f"\n>>> {p}\n{o.text.strip()}")
         print()
     spec_rows = []
-    if args.draft_layers or job.draft_path is not None:
+    if args.draft_layers is not None or job.draft_path is not None:
         k, why = choose_k(args, job.batch, job.device, job.draft_path)
         if k == 0:
             spec_rows = [("speculative", f"off: {why}; --k 3 speculates anyway")]
@@ -173,7 +176,13 @@ def run_generate(args: argparse.Namespace) -> int:
 def _draft_path(args):
     """The draft checkpoint the main job speculates with, or None (target only, or the
     layer-truncated draft of --draft-layers)."""
-    if args.no_draft or args.draft_layers:
+    n = args.draft_layers
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise SystemExit(f"--draft-layers must be an integer >= 1, got {n!r}")
+    if args.no_draft and (n is not None or args.draft is not None):
+        flag = "--draft-layers" if n is not None else "--draft"
+        raise SystemExit(f"--no-draft and {flag} ask for opposite things: give one")
+    if args.no_draft or n is not None:
         return None
     if args.draft is not None:
         path = Path(args.draft)

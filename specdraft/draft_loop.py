@@ -106,6 +106,9 @@ class DraftLoop:
         # round; over the target vocabulary, the columns outside the draft vocabulary
         # are never written (column = flat index mod V in every view): zero once.
         mapped = kind is DraftKind.EAGLE3 or getattr(model, "reduced", False)
+        if kind is DraftKind.EAGLE:
+            # The vocabulary is fixed from here on: reduce_vocab refuses the head.
+            model.vocab_in_use = True
         self.scatter_q = mapped and q_vocab == "target"
         self.q_vocab = self.draft_vocab if mapped and not self.scatter_q else self.vocab_size
         ids = torch.arange(self.draft_vocab, device=self.device)

@@ -59,6 +59,12 @@ def coverage(counts: Mapping[int, int], ids: torch.Tensor) -> float:
 
 
 def save_counts(path: Path, counts: Mapping[int, int], vocab_size: int, source: str) -> None:
+    """Write {token id: count} (ids in [0, vocab_size), counts >= 0) for load_counts;
+    a bad entry raises before the file is touched."""
+    bad = [(t, c) for t, c in counts.items() if not 0 <= t < vocab_size or c < 0]
+    if bad:
+        raise ValueError(f"counts must map ids in [0, {vocab_size}) to counts >= 0, got "
+                         f"{bad[0][0]}: {bad[0][1]}")  # fmt: skip
     rows = sorted(counts.items(), key=lambda tc: (-tc[1], tc[0]))
     body = ",\n".join(f"  [{t}, {c}]" for t, c in rows)
     head = json.dumps({"source": source, "vocab_size": vocab_size})[:-1]
@@ -74,6 +80,8 @@ def load_counts(path: Path = SHIPPED_COUNTS) -> tuple[dict[int, int], int]:
 def shipped_vocab(size: int) -> torch.Tensor | None:
     """The shipped head's draft vocabulary of `size` ids, or None where this install
     has no shipped counts."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"size must be an int >= 1, got {size!r}")
     if not SHIPPED_COUNTS.is_file():
         return None
     counts, vocab = load_counts()

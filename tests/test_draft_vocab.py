@@ -48,6 +48,26 @@ def test_counts_file_round_trip(tmp_path):
     assert '"source": "a test"' in path.read_text()
 
 
+def test_counts_file_refuses_bad_counts_and_writes_nothing(tmp_path):
+    path = tmp_path / "c.json"
+    for counts in ({-1: 3, 4: 2}, {16: 1}, {3: -2}):
+        with pytest.raises(ValueError, match=r"counts must map ids in \[0, 16\) to counts >= 0"):
+            save_counts(path, counts, 16, "a test")
+        assert not path.exists()
+
+
+@pytest.mark.parametrize("size", [-5, 0, "x", 2.0, True])
+def test_shipped_vocab_refuses_a_bad_size_with_or_without_the_counts(size, monkeypatch, tmp_path):
+    """A bad size is refused whether or not this install ships the counts (stop 43's
+    review: without the file, shipped_vocab(-5) returned None)."""
+    import specdraft.draft_vocab as dv
+
+    for where in (SHIPPED_COUNTS, tmp_path / "missing.json"):
+        monkeypatch.setattr(dv, "SHIPPED_COUNTS", where)
+        with pytest.raises(ValueError, match="size must be an int"):
+            dv.shipped_vocab(size)
+
+
 def test_shipped_counts_rank_the_embedded_vocabulary():
     """The shipped file: SmolLM2's 49152 ids, counts from its answers to the training
     prompts; its draft vocabularies are ascending, unique and in range."""

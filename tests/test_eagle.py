@@ -236,6 +236,41 @@ def test_reduce_vocab_refuses_a_second_reduction_and_a_biased_head():
     assert other.lm_head is biased and not other.reduced
 
 
+def test_reduce_vocab_after_a_drafter_is_built_is_refused():
+    """A Drafter fixes at build whether it maps draft ids (stop 43's review: reducing the
+    head afterwards made greedy rounds propose draft ids as target ids, silently)."""
+    from specdraft.drafter import Drafter
+
+    head, target, tcfg = _eagle1()
+    Drafter(head, max_num_reqs=2, k_max_options=(1,), max_model_len=64, cuda_graphs=False)
+    lm = head.lm_head
+    with pytest.raises(ValueError, match="reduce_vocab must come before a Drafter is built"):
+        head.reduce_vocab([1, 2, 3])
+    assert head.lm_head is lm and not head.reduced and not hasattr(head, "d2t")
+    other, _, _ = _eagle1()  # the usual order still works
+    Drafter(other.reduce_vocab([1, 2, 3]), max_num_reqs=2, k_max_options=(1,),
+            max_model_len=64, cuda_graphs=False)  # fmt: skip
+    assert other.reduced
+
+
+def test_vocabulary_maps_of_a_head_without_a_draft_vocabulary_are_the_identity():
+    head, target, tcfg = _eagle1()
+    ids = torch.tensor([[0, 7], [255, 3]])
+    logits = torch.randn(2, tcfg.vocab_size)
+    assert torch.equal(head.draft_to_target(ids), ids)
+    assert head.logits_to_target(logits) is logits
+
+
+@pytest.mark.parametrize("as_numpy", ["array", "list"])
+def test_reduce_vocab_takes_numpy_integers(as_numpy):
+    import numpy as np
+
+    head, target, tcfg = _eagle1()
+    ids = np.array([9, 2, 40], dtype=np.int64)
+    head.reduce_vocab(ids if as_numpy == "array" else list(ids))
+    assert torch.equal(head.draft_to_target(torch.arange(3)), torch.tensor([2, 9, 40]))
+
+
 def test_head_checkpoint_layout_variants(tmp_path):
     """EAGLE-1 with "model."-prefixed names in shards and its own embedding and lm_head;
     EAGLE-3 spelled with layers.0 instead of midlayer and no embedding (the target's)."""

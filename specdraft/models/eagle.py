@@ -2,8 +2,9 @@
 
 EAGLE-1 (SafeAILab/EAGLE, cnets.py; vLLM llama_eagle.py): x = fc([embed(token); h])
 with fc 2h -> h, then the decoder layer(s) (layer 0 without its input RMSNorm), no
-final norm; logits come from the target's lm_head and the token embedding is the
-target's. The output hidden state feeds the next draft step as h.
+final norm; logits come from the target's lm_head (after reduce_vocab, from the head's
+own rows of it, over a draft vocabulary) and the token embedding is the target's. The
+output hidden state feeds the next draft step as h.
 
 EAGLE-3 (SafeAILab/EAGLE eagle3; vLLM llama_eagle3.py, SGLang llama_eagle3.py): the
 target's auxiliary hidden states (three layers, 3 x target_hidden) go through fc to h
@@ -15,6 +16,7 @@ output (the residual stream) feeds the next draft step as h.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -88,12 +90,18 @@ class _DraftVocab:
     cfg: DecoderConfig
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Target token ids of draft token ids (any shape, int64), on the device."""
+        """Target token ids of draft token ids (any shape, int64), on the device; the
+        ids themselves for a head without a draft vocabulary (no d2t)."""
+        if not hasattr(self, "d2t"):
+            return draft_ids
         return draft_ids + self.d2t[draft_ids]
 
     def logits_to_target(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [n, draft_vocab] scattered into the target vocabulary
-        [n, vocab]; tokens outside the draft vocabulary get -inf."""
+        [n, vocab]; tokens outside the draft vocabulary get -inf. A head without a draft
+        vocabulary returns its logits as they are."""
+        if not hasattr(self, "d2t"):
+            return logits
         full = logits.new_full((logits.shape[0], self.cfg.vocab_size), float("-inf"))
         ids = torch.arange(self.draft_vocab_size, device=logits.device)
         return full.index_copy_(1, self.draft_to_target(ids), logits)
@@ -114,10 +122,11 @@ def _vocab_ids(token_ids, vocab_size: int) -> torch.Tensor:
             raise TypeError(
                 f"token_ids must be a sequence or tensor of ints, got {type(token_ids).__name__}"
             ) from None
-        bad = [t for t in seq if isinstance(t, bool) or not isinstance(t, int)]
+        bad = [t for t in seq if isinstance(t, (bool, np.bool_))
+               or not isinstance(t, (int, np.integer))]  # fmt: skip
         if bad:
             raise TypeError(f"token_ids must hold ints, got {type(bad[0]).__name__} {bad[0]!r}")
-        ids = torch.tensor(seq, dtype=torch.int64)
+        ids = torch.tensor([int(t) for t in seq], dtype=torch.int64)
     if ids.dim() != 1 or ids.numel() == 0:
         raise ValueError(f"token_ids must be 1-D and non-empty, got shape {tuple(ids.shape)}")
     lo, hi = int(ids.min()), int(ids.max())
@@ -135,6 +144,8 @@ class EagleHead(_DraftVocab, nn.Module):
     case); None makes the head own them (then the checkpoint must hold them).
     fc_bias: the public EAGLE-1 checkpoints have one. first_input_norm: keep layer 0's
     input RMSNorm (EAGLE-1 drops it; some conversions carry one)."""
+
+    vocab_in_use = False  # set once a Drafter is built over the head (reduce_vocab refuses)
 
     def __init__(
         self,
@@ -211,6 +222,11 @@ class EagleHead(_DraftVocab, nn.Module):
             raise ValueError(
                 f"the head already has a draft vocabulary of {self.draft_vocab_size} tokens"
             )
+        if self.vocab_in_use:
+            raise ValueError(
+                "reduce_vocab must come before a Drafter is built over the head: a "
+                "Drafter fixes how it maps draft tokens when it is built"
+            )
         head = self.lm_head
         if not isinstance(head, (Linear, Int8Linear)) or getattr(head, "bias", None) is not None:
             raise TypeError(
@@ -248,7 +264,8 @@ class EagleHead(_DraftVocab, nn.Module):
         hidden_rows (int64 [num_tokens]), any [n, h] table whose rows hidden_rows picks
         (a draft round's carried states, read by fc's prologue instead of a gather).
         Rows of padded tokens must be finite. Returns (hidden [num_tokens, h], logits
-        over the target vocabulary for the chosen rows, see LlamaForCausalLM.forward);
+        over the target vocabulary for the chosen rows, see LlamaForCausalLM.forward;
+        over the draft vocabulary after reduce_vocab, see logits_to_target);
         head: a callable that replaces the lm_head on those rows (its result is
         returned in place of the logits)."""
         h, n = self.cfg.hidden_size, meta.num_tokens
