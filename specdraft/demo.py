@@ -76,6 +76,7 @@ class Job:
     load_s: float
     capture_s: float
     draft_path: Path | None
+    draft_vocab: torch.Tensor | None = None  # --draft-vocab's ids (_draft_vocab)
 
 
 def prepare_job(args: argparse.Namespace) -> Job:
@@ -85,7 +86,7 @@ def prepare_job(args: argparse.Namespace) -> Job:
 
     draft_path = _draft_path(args)  # checked before anything is loaded
     _check_k(args.k)
-    _draft_vocab(args, draft_path)  # a bad --draft-vocab stops here, before any load
+    vocab = _draft_vocab(args, draft_path)  # a bad --draft-vocab stops here, before any load
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available here")
@@ -125,7 +126,7 @@ def prepare_job(args: argparse.Namespace) -> Job:
     ids = [tok.encode(p, add_special_tokens=False) for p in chat]
     engine.generate(ids[:1], params=params, max_new_tokens=2)
     return Job(engine, prompts, ids, params, batch, max_new, device, dtype_name, load_s,
-               capture_s, draft_path)  # fmt: skip
+               capture_s, draft_path, vocab)  # fmt: skip
 
 
 def time_target(job: Job):
@@ -274,7 +275,7 @@ def speculate(job: Job, args: argparse.Namespace, k: int, why: str, target_tok_s
     else:
         draft = layer_truncated(runner.model, args.draft_layers)
         what = f"first {args.draft_layers} target layers (untrained), {why}"
-    vocab = _draft_vocab(args, draft_path)
+    vocab = job.draft_vocab
     if vocab is not None:
         draft.reduce_vocab(vocab)
         what += f", draft vocabulary {vocab.numel()}"
