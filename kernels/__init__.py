@@ -19,6 +19,7 @@ from .fused_linear import (
     fused_linear,
     fused_qkv_rope,
     fused_qkv_rope_supported,
+    late_meta_supported,
     max_fused_rows,
 )
 from .gemv import check_linear_small_m_args, linear_small_m
@@ -133,6 +134,7 @@ __all__ = [
     "fused_linear",
     "fused_qkv_rope",
     "fused_qkv_rope_supported",
+    "late_meta_supported",
     "max_fused_rows",
     "gather_params",
     "linear_int8",

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import CachedLaunch, specialization_key
+from .launch import CachedLaunch, pdl_launch, specialization_key
 from .paged_attention import _check_tensor, cdiv
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -58,8 +58,11 @@ def _combine_argmax_kernel(part_val_ptr, part_idx_ptr, n_blocks, n_cols, out_ptr
 def _argmax_one_launch_kernel(
     x_ptr, stride_x, n_cols, part_val_ptr, part_idx_ptr, n_blocks, tickets_ptr,
     out_ptr, stride_out, off_ptr, BLOCK: tl.constexpr, NB: tl.constexpr,
-    HAS_OFF: tl.constexpr,
+    HAS_OFF: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    if GDC:  # the logits come from the kernel before; the next may launch and load now
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     cols = blk * BLOCK + tl.arange(0, BLOCK)
@@ -146,12 +149,14 @@ def argmax_rows(
     out: torch.Tensor | None = None,
     tickets: torch.Tensor | None = None,
     offsets: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """int64 [rows]: the first index of each row's maximum (torch.argmax(dim=-1)), plus
     offsets[index] when an id map is given. out: any 1-D int64 view (e.g. a column).
     tickets: int32 zeros, at least one per row, that the caller keeps for this use
     alone (one call in flight at a time): the argmax then takes one launch and leaves
-    them zero."""
+    them zero. pdl: that launch with programmatic dependent launch (the kernel after it
+    may start and load its weights while it runs)."""
     check_argmax_args(logits, out=out, tickets=tickets, offsets=offsets)
     rows, n = logits.shape
     if out is None:
@@ -166,10 +171,12 @@ def argmax_rows(
     dev = logits.device.index  # a compiled kernel is loaded on one device
     nbp = max(2, triton.next_power_of_2(nb))
     if tickets is not None:
+        gdc, options = pdl_launch(pdl)
         args = (logits, logits.stride(0), n, part_val, part_idx, nb, tickets, out,
                 out.stride(0), out if offsets is None else offsets, block, nbp,
-                offsets is not None)  # fmt: skip
-        _ONE_LAUNCH(specialization_key(args) + (dev,), (rows, nb), args, {"num_warps": warps})
+                offsets is not None, gdc)  # fmt: skip
+        _ONE_LAUNCH(specialization_key(args) + (dev,), (rows, nb), args,
+                    {"num_warps": warps, **options})  # fmt: skip
         return out
     args = (logits, logits.stride(0), n, part_val, part_idx, nb, block)
     _BLOCK_LAUNCH(specialization_key(args) + (dev,), (rows, nb), args, {"num_warps": warps})

@@ -56,6 +56,7 @@ from .guard import check_tensors_runnable
 from .launch import CachedLaunch, pdl_launch, pdl_supported
 
 __all__ = [
+    "AdvanceFold",
     "ArgmaxParts",
     "DraftRoundBuffers",
     "DraftRoundKernels",
@@ -276,6 +277,57 @@ def _token_of_parts(
 
 
 @triton.jit
+def _advance_slot(slots_ptr, ri, in_batch):
+    """(real, slot): which rows ri are real rows (a request slot, not padding), and the slot."""
+    slot = tl.load(slots_ptr + ri, mask=in_batch, other=-1)
+    return in_batch & (slot >= 0), slot
+
+
+@triton.jit
+def _advance_position(cur_pos_ptr, rows_ptr, stride_rows, ri, real, slot, null_row, max_blocks,
+                      BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """(pos, cache slot) of rows ri's next decode token. Read before the PDL wait:
+    cur_pos was last written by prepare or the previous step's advance, a whole step
+    back (a PDL kernel starts only once the one two back has finished:
+    kernels/paged_attention.py), the table rows before the round."""
+    src_row = tl.where(real, slot, null_row).to(tl.int64)
+    pos = tl.load(cur_pos_ptr + ri, mask=real, other=0) + 1
+    return pos, _slot_of(rows_ptr, src_row * stride_rows, pos, real, max_blocks, BLOCK_SIZE)
+
+
+@triton.jit
+def _advance_token(
+    tok_ptr, stride_tok, val_ptr, idx_ptr, stride_p, blocks, off_ptr, ri, in_batch, real,
+    vocab_size, write, FROM_PARTS: tl.constexpr, HAS_OFF: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):  # fmt: skip
+    """After the PDL wait: rows ri's input ids for the decode step (the previous step's
+    tokens, clamped into the vocabulary; 0 on padding rows). FROM_PARTS: the previous
+    step's argmax is finished here first, its tokens written into the table where
+    `write`."""
+    if FROM_PARTS:
+        tok = _token_of_parts(val_ptr, idx_ptr, stride_p, blocks, ri, in_batch, off_ptr,
+                              HAS_OFF, BLOCK_R, BLOCK_P)  # fmt: skip
+        tl.store(tok_ptr + ri.to(tl.int64) * stride_tok, tok, mask=in_batch & write)
+        tok = tl.where(real, tok, 0)
+    else:
+        tok = tl.load(tok_ptr + ri.to(tl.int64) * stride_tok, mask=real, other=0)
+    tok = tl.minimum(tl.maximum(tok, 0), vocab_size - 1)
+    return tl.where(real, tok, 0)
+
+
+@triton.jit
+def _advance_store(cur_pos_ptr, d_ids_ptr, d_pos_ptr, d_seq_ptr, d_slot_ptr, ri, in_batch, real,
+                   tok, pos, slot_out):  # fmt: skip
+    """The decode step's inputs: ids, positions, seq_lens and slots, and the new cur_pos."""
+    tl.store(cur_pos_ptr + ri, pos, mask=real)
+    tl.store(d_ids_ptr + ri, tok, mask=in_batch)
+    tl.store(d_pos_ptr + ri, tl.where(real, pos, 0), mask=in_batch)
+    tl.store(d_seq_ptr + ri, tl.where(real, pos + 1, 0).to(tl.int32), mask=in_batch)
+    tl.store(d_slot_ptr + ri, slot_out, mask=in_batch)
+
+
+@triton.jit
 def _draft_advance_kernel(
     slots_ptr,  # int64 [R]
     tok_ptr,  # int64: the previous step's token of row r at tok_ptr + r * stride_tok
@@ -306,31 +358,17 @@ def _draft_advance_kernel(
 ):
     ri = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_batch = ri < num_rows
-    slot = tl.load(slots_ptr + ri, mask=in_batch, other=-1)
-    real = in_batch & (slot >= 0)
-    src_row = tl.where(real, slot, null_row).to(tl.int64)
-    # The next position and its slot before the PDL wait: cur_pos was last written by
-    # prepare or the previous advance, a whole step back (a PDL kernel starts only once
-    # the one two back has finished: kernels/paged_attention.py), the table rows before
-    # the round.
-    pos = tl.load(cur_pos_ptr + ri, mask=real, other=0) + 1
-    slot_out = _slot_of(rows_ptr, src_row * stride_rows, pos, real, max_blocks, BLOCK_SIZE)
+    real, slot = _advance_slot(slots_ptr, ri, in_batch)
+    pos, slot_out = _advance_position(cur_pos_ptr, rows_ptr, stride_rows, ri, real, slot,
+                                      null_row, max_blocks, BLOCK_SIZE)  # fmt: skip
     if GDC:  # the token (or its partials) comes from the step's last kernel
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if FROM_PARTS:  # the previous step's argmax finishes here: token table, then input
-        tok = _token_of_parts(val_ptr, idx_ptr, stride_p, blocks, ri, in_batch, off_ptr,
-                              HAS_OFF, BLOCK_R, BLOCK_P)  # fmt: skip
-        tl.store(tok_ptr + ri.to(tl.int64) * stride_tok, tok, mask=in_batch)
-        tok = tl.where(real, tok, 0)
-    else:
-        tok = tl.load(tok_ptr + ri.to(tl.int64) * stride_tok, mask=real, other=0)
-    tok = tl.minimum(tl.maximum(tok, 0), vocab_size - 1)
-    tl.store(cur_pos_ptr + ri, pos, mask=real)
-    tl.store(d_ids_ptr + ri, tl.where(real, tok, 0), mask=in_batch)
-    tl.store(d_pos_ptr + ri, tl.where(real, pos, 0), mask=in_batch)
-    tl.store(d_seq_ptr + ri, tl.where(real, pos + 1, 0).to(tl.int32), mask=in_batch)
-    tl.store(d_slot_ptr + ri, slot_out, mask=in_batch)
+    tok = _advance_token(tok_ptr, stride_tok, val_ptr, idx_ptr, stride_p, blocks, off_ptr, ri,
+                         in_batch, real, vocab_size, True, FROM_PARTS, HAS_OFF, BLOCK_R,
+                         BLOCK_P)  # fmt: skip
+    _advance_store(cur_pos_ptr, d_ids_ptr, d_pos_ptr, d_seq_ptr, d_slot_ptr, ri, in_batch, real,
+                   tok, pos, slot_out)  # fmt: skip
 
 
 @triton.jit
@@ -598,16 +636,21 @@ class DraftRoundKernels:
         warps = 4 if big else 1
         self._prepare(("prepare", num_rows), (num_rows,), args, {"num_warps": warps, **self._opts})
 
+    def _step_token(self, num_rows: int, step: int, k_max: int) -> torch.Tensor:
+        """Column step - 1 of the token table (rows num_rows, k_max columns): the tokens
+        decode step `step` reads. Checks step and k_max."""
+        if not 1 <= step < k_max <= self.k_cap:
+            raise ValueError(f"step {step} must be in [1, k_max {k_max}) and k_max <= {self.k_cap}")
+        return self.b.tokens[: num_rows * k_max].view(num_rows, k_max)[:, step - 1]
+
     def advance(self, num_rows: int, step: int, k_max: int, parts: ArgmaxParts | None = None):
         """Inputs of decode step `step` (1 .. k_max - 1) from the tokens of step - 1;
         with `parts`, those tokens are first reduced from the step's argmax partials and
         written into the token table."""
-        if not 1 <= step < k_max <= self.k_cap:
-            raise ValueError(f"step {step} must be in [1, k_max {k_max}) and k_max <= {self.k_cap}")
+        tok = self._step_token(num_rows, step, k_max)
         b, block_r = self.b, self._rows(num_rows)
         if parts is not None:  # each program reduces its rows' partials
             block_r = min(PARTS_ROWS, block_r)
-        tok = b.tokens[: num_rows * k_max].view(num_rows, k_max)[:, step - 1]
         pa = _parts_args(parts, num_rows, tok)
         args = (
             b.slots,
@@ -638,6 +681,30 @@ class DraftRoundKernels:
             args,
             {"num_warps": 4 if block_r >= 128 or parts is not None else 1, **self._opts},
         )
+
+    def advance_fold(
+        self, num_rows: int, step: int, k_max: int, parts: ArgmaxParts | None = None
+    ) -> AdvanceFold:
+        """advance(num_rows, step, k_max, parts), packaged for the decode step's first
+        kernel to do on the way (kernels.embed_fc's `advance`), or to run alone."""
+        self._step_token(num_rows, step, k_max)
+        self._rows(num_rows)
+        if parts is not None:
+            check_argmax_parts(parts, num_rows, self.b.slots.device)
+        return AdvanceFold(self, num_rows, step, k_max, parts)
+
+    def fold_args(self, fold: AdvanceFold) -> tuple:
+        """The arguments of an advance done inside another kernel (kernels.embed_fc):
+        slots, token column and stride, the partials' (val, idx, row stride, blocks, id
+        map), table rows and stride, cur_pos, then d_pos, d_seq, d_slot (d_ids is the
+        kernel's own ids), max_blocks, vocab_size, null_row; then the constexprs
+        BLOCK_SIZE, FROM_PARTS, HAS_OFF, BLOCK_P."""
+        b = self.b
+        tok = self._step_token(fold.num_rows, fold.step, fold.k_max)
+        pa = _parts_args(fold.parts, fold.num_rows, tok)
+        return (b.slots, tok, fold.k_max, *pa[:5], b.rows, b.rows.stride(0), b.cur_pos, b.d_pos,
+                b.d_seq, b.d_slot, self.max_blocks, self.vocab_size, self.null_row,
+                self.block_size, *pa[5:])  # fmt: skip
 
     def epilogue(self, num_rows: int, k_max: int, parts: ArgmaxParts | None = None) -> None:
         """Tokens past each row's k (and every token of a padding row) become -1; with
@@ -742,6 +809,30 @@ class ArgmaxParts:
     idx: torch.Tensor
     blocks: int
     offsets: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class AdvanceFold:
+    """A decode step's advance left for the step's first kernel to do on the way
+    (kernels.embed_fc's `advance`: one launch less a step); run() launches it alone,
+    for a step whose first kernel cannot take it."""
+
+    kernels: DraftRoundKernels
+    num_rows: int
+    step: int
+    k_max: int
+    parts: ArgmaxParts | None = None
+
+    @property
+    def d_ids(self) -> torch.Tensor:
+        """The step's input ids, which the advance writes."""
+        return self.kernels.b.d_ids[: self.num_rows]
+
+    def run(self) -> None:
+        self.kernels.advance(self.num_rows, self.step, self.k_max, self.parts)
+
+    def args(self) -> tuple:
+        return self.kernels.fold_args(self)
 
 
 def _parts_key(parts: ArgmaxParts | None) -> tuple:

@@ -15,6 +15,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .draft_round import (
+    AdvanceFold,
+    _advance_position,
+    _advance_slot,
+    _advance_store,
+    _advance_token,
+)
 from .fused_linear import (
     ROWS_MAX_K,
     _lanes_sum,
@@ -165,6 +172,11 @@ def _embed_fc_kernel(
     stride_e, stride_h, stride_w, stride_o,
     KH1: tl.constexpr, KH2: tl.constexpr, KL: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_HROW: tl.constexpr, GDC: tl.constexpr, ROWS: tl.constexpr,
+    # ADVANCE: a draft round's advance done on the way (DraftRoundKernels.fold_args)
+    a_slots, a_tok, a_stride_tok, a_val, a_idx, a_stride_p, a_blocks, a_off, a_rows,
+    a_stride_rows, a_cur_pos, a_pos, a_seq, a_slot, a_max_blocks, a_vocab, a_null_row,
+    A_BLOCK_SIZE: tl.constexpr, A_FROM_PARTS: tl.constexpr, A_HAS_OFF: tl.constexpr,
+    A_BLOCK_P: tl.constexpr, ADVANCE: tl.constexpr,
 ):  # fmt: skip
     rr, nn, rows, cols, omask = _rows_program(M, N, BLOCK_N, ROWS)
     bias = 0.0
@@ -173,11 +185,26 @@ def _embed_fc_kernel(
     k1, km1, w1 = _rows_w(w_ptr, nn, N, K, stride_w, 0, KH1, KL)
     if KH2 > 0:
         k2, km2, w2 = _rows_w(w_ptr, nn, N, K, stride_w, KH1 * KL, KH2, KL)
+    if ADVANCE:  # every program forms the ids; program 0 alone writes the step's inputs
+        ri = tl.arange(0, ROWS)
+        in_batch = ri < M
+        writer = in_batch & (ri * 0 + tl.program_id(0) == 0)  # (a tensor: the interpreter)
+        real, slot = _advance_slot(a_slots, ri, in_batch)
+        pos, slot_out = _advance_position(a_cur_pos, a_rows, a_stride_rows, ri, real & writer,
+                                          slot, a_null_row, a_max_blocks, A_BLOCK_SIZE)  # fmt: skip
     if GDC:  # the ids and hidden rows are the kernels' before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     rmask = rr < M
-    tok = tl.load(ids_ptr + rr, mask=rmask, other=0).to(tl.int64)
+    if ADVANCE:
+        t = _advance_token(a_tok, a_stride_tok, a_val, a_idx, a_stride_p, a_blocks, a_off, ri,
+                           in_batch, real, a_vocab, writer, A_FROM_PARTS, A_HAS_OFF, ROWS,
+                           A_BLOCK_P)  # fmt: skip
+        _advance_store(a_cur_pos, ids_ptr, a_pos, a_seq, a_slot, ri, writer, real & writer, t,
+                       pos, slot_out)  # fmt: skip
+        tok = t[None, :, None, None]
+    else:
+        tok = tl.load(ids_ptr + rr, mask=rmask, other=0).to(tl.int64)
     tok = tl.minimum(tl.maximum(tok, 0), n_vocab - 1)
     hr = rr.to(tl.int64)
     if HAS_HROW:
@@ -244,23 +271,42 @@ def embed_fc(
     *,
     hidden_rows: torch.Tensor | None = None,
     pdl: bool = False,
+    advance: AdvanceFold | None = None,
 ) -> torch.Tensor:
     """[num_tokens, N] = [table[ids]; hidden[hidden_rows]] weight^T (+ bias), one launch
     (hidden's rows in order when hidden_rows is None). Ids and hidden rows outside
     their tensors are clamped into them (the caller checks them). pdl: programmatic
-    dependent launch (see kernels.pdl_supported)."""
+    dependent launch (see kernels.pdl_supported). advance: a draft round's advance
+    (DraftRoundKernels.advance_fold) done on the way, over the same rows: the ids are
+    the tokens it computes (every program forms them), and program 0 writes what the
+    advance kernel would (ids must then be advance.d_ids). The step's next kernel
+    must read positions and slots after its PDL wait (fused_qkv_rope's late_meta)."""
     check_embed_fc_args(ids, table, hidden, weight, bias, hidden_rows)
     m, e = ids.shape[0], table.shape[1]
+    if advance is not None:
+        if not isinstance(advance, AdvanceFold):
+            raise TypeError(f"advance must be an AdvanceFold, got {type(advance).__name__}")
+        d_ids = advance.d_ids
+        if advance.num_rows != m or ids.data_ptr() != d_ids.data_ptr() or ids.stride(0) != 1:
+            raise ValueError(
+                f"ids must be the advance's own d_ids ({advance.num_rows} rows), got "
+                f"{m} ids elsewhere"
+            )
     n, k = weight.shape
     out = torch.empty((m, n), dtype=table.dtype, device=table.device)
     kh1, kh2, kl, block_n, warps = _rows_tile(k, table.element_size())
     rows = triton.next_power_of_2(m)
     gdc, options = pdl_launch(pdl)
+    if advance is None:
+        i = ids  # pointers nothing reads
+        adv = (i, i, 0, i, i, 0, 0, i, i, 0, i, i, i, i, 0, 0, 0, 1, False, False, 16, False)
+    else:
+        adv = advance.args() + (True,)
     args = (ids, table, hidden, hidden_rows if hidden_rows is not None else ids, weight,
             bias if bias is not None else weight, out, m, n, k, e, table.shape[0],
             hidden.shape[0], table.stride(0), hidden.stride(0), weight.stride(0),
             out.stride(0), kh1, kh2, kl, block_n, bias is not None, hidden_rows is not None,
-            gdc, rows)  # fmt: skip
+            gdc, rows) + adv  # fmt: skip
     key = specialization_key(args) + (table.device.index, warps)
     _EMBED_FC(key, (triton.cdiv(n, block_n), 1), args, {"num_warps": warps, **options})
     return out

@@ -195,7 +195,7 @@ def _fused_qkv_rope_kernel(
     KH1: tl.constexpr, KH2: tl.constexpr, KL: tl.constexpr, PAIRS: tl.constexpr,
     HALF: tl.constexpr, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-    GDC: tl.constexpr, ROWS: tl.constexpr,
+    GDC: tl.constexpr, ROWS: tl.constexpr, LATE_META: tl.constexpr,
 ):  # fmt: skip
     """The QKV projection with rotary and the K/V store as its epilogue (the rows
     kernel's product; heads of 2 * HALF dims, rotated whole). A program takes PAIRS
@@ -210,17 +210,24 @@ def _fused_qkv_rope_kernel(
     col = (j // HALF) * (2 * HALF) + j % HALF + (n // PAIRS) * HALF
     nn = col[:, None, None, None]
     rr = m0 + tl.arange(0, ROWS)[None, :, None, None]
-    # A pair's head, its dim and each row's metadata (before the wait: see _rope_meta).
+    # A pair's head, its dim and each row's metadata: before the wait (see _rope_meta),
+    # or after it with LATE_META (the kernel just before wrote them: embed_fc's advance).
     jp = p0 + tl.arange(0, PAIRS)[:, None]
     rows = m0 + tl.arange(0, ROWS)[None, :]
-    head, d, live, rot, cos, sin, slot = _rope_meta(
-        jp, rows, M, pos_ptr, slot_ptr, cs_ptr, max_positions, stride_cs, HALF, NUM_Q_HEADS,
-        NUM_KV_HEADS,
-    )  # fmt: skip
+    if not LATE_META:
+        head, d, live, rot, cos, sin, slot = _rope_meta(
+            jp, rows, M, pos_ptr, slot_ptr, cs_ptr, max_positions, stride_cs, HALF,
+            NUM_Q_HEADS, NUM_KV_HEADS,
+        )  # fmt: skip
     if HAS_BIAS:
         bias = tl.load(b_ptr + col[:, None], mask=col[:, None] < N, other=0.0).to(tl.float32)
     acc, _ = _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
                         KH1, KH2, KL, NORM, False, GDC)  # fmt: skip
+    if LATE_META:
+        head, d, live, rot, cos, sin, slot = _rope_meta(
+            jp, rows, M, pos_ptr, slot_ptr, cs_ptr, max_positions, stride_cs, HALF,
+            NUM_Q_HEADS, NUM_KV_HEADS,
+        )  # fmt: skip
     if HAS_BIAS:
         acc += bias
     # Columns n and n + PAIRS are a pair, held by one thread: split them apart.
@@ -530,6 +537,11 @@ ROPE_PAIRS = 2
 ROPE_FUSED = True  # the layers' switch for fused_qkv_rope (bench and tests set it)
 
 
+def late_meta_supported(rows: int) -> bool:
+    """Whether fused_qkv_rope takes late_meta for this many rows (the rows kernel)."""
+    return 1 <= rows < MMA_FROM_ROWS
+
+
 def fused_qkv_rope_supported(k: int, head_dim: int, rotary_dim: int) -> bool:
     """Whether the fused decode path takes fused_qkv_rope for a QKV projection with
     this in_features, head_dim and rotary width: the rows kernel's K, whole heads
@@ -556,6 +568,7 @@ def fused_qkv_rope(
     eps: float = 1e-6,
     out: torch.Tensor | None = None,
     pdl: bool = False,
+    late_meta: bool = False,
 ) -> torch.Tensor:
     """The QKV projection with rotary and the K/V store in one launch: qkv = f(x)
     weight^T (+ bias), f the identity or RMSNorm (norm_weight, eps) as in fused_linear,
@@ -564,7 +577,10 @@ def fused_qkv_rope(
     heads), q returned [M, Hq, D] (in `out` [M, Hq D] when given; unit column stride),
     rotated k and v written to the cache at slot_mapping (a slot of -1, or outside the
     cache, writes nothing). Everything in float32, each output rounded once. Every
-    check runs before the launch: a refused call writes nothing."""
+    check runs before the launch: a refused call writes nothing. late_meta: positions
+    and slots are read after the PDL wait, not before (the kernel just before wrote
+    them: embed_fc with a draft round's advance); rows kernel only (up to
+    MMA_FROM_ROWS - 1 rows)."""
     from .rotary import check_rotary_store_kv_args  # rotary imports paged_attention
 
     check_fused_linear_args(x, weight, bias=bias, norm_weight=norm_weight)
@@ -592,6 +608,12 @@ def fused_qkv_rope(
             f"fused_qkv_rope takes in_features <= {ROWS_MAX_K} and a rotary width equal to "
             f"head_dim; got in_features {k}, head_dim {d}, cos_sin_cache width "
             f"{cos_sin_cache.shape[1]}: use fused_linear and rotary_store_kv"
+        )
+    if not isinstance(late_meta, bool):
+        raise TypeError(f"late_meta must be a bool, got {type(late_meta).__name__}")
+    if late_meta and m >= MMA_FROM_ROWS:
+        raise ValueError(
+            f"late_meta takes at most {MMA_FROM_ROWS - 1} rows (the rows kernel), got {m}"
         )
     if out is None:
         out = torch.empty((m, num_q_heads * d), dtype=x.dtype, device=x.device)
@@ -629,7 +651,7 @@ def fused_qkv_rope(
     pairs = 64 if INTERPRET else ROPE_PAIRS  # the interpreter pays per program
     rows = triton.next_power_of_2(m)
     args = head + (kh1, kh2, kl, pairs, d // 2, num_q_heads, hkv, block_size,
-                   bias is not None, norm_weight is not None, gdc, rows)  # fmt: skip
+                   bias is not None, norm_weight is not None, gdc, rows, late_meta)  # fmt: skip
     key = specialization_key(args) + (x.device.index, warps)
     grid = (triton.cdiv(n // 2, pairs), triton.cdiv(m, rows))
     _ROPE_LAUNCH(key, grid, args, {"num_warps": warps, **options})

@@ -23,7 +23,7 @@ from .draft_buffers import HostStage, SamplingMode, make_round_buffers
 from .draft_inputs import DraftKind
 from .draft_round_ops import draft_round_ops
 from .input_buffers import InputBuffers
-from .kernels.draft_round import ArgmaxParts
+from .kernels.draft_round import ArgmaxParts, DraftRoundKernels
 from .kv_cache import KVCache
 from .layers import Int8Linear
 from .sampling import DRAFT_PROPOSAL, SamplingTensors, sample
@@ -167,12 +167,17 @@ class DraftLoop:
         return state
 
     def step(self, state: RoundState, step: int) -> None:
-        """advance, one decode step, draft token `step`."""
-        self.ops.advance(state.rows, step, state.k_max, state.parts)
+        """advance, one decode step, draft token `step`. An EAGLE-1 head on the Triton
+        kernels takes the advance into its fc launch where it can (EagleHead.forward)."""
+        advance = None
+        if self.kind is DraftKind.EAGLE and isinstance(self.ops, DraftRoundKernels):
+            advance = self.ops.advance_fold(state.rows, step, state.k_max, state.parts)
+        else:
+            self.ops.advance(state.rows, step, state.k_max, state.parts)
         meta = self.metadata("decode", state.rows)  # one row per request: every row's logits
         head = self._partials_head(state)
         state.hidden, logits = self._forward(
-            meta, state.hidden, state.hidden_rows, all_logits=True, head=head
+            meta, state.hidden, state.hidden_rows, all_logits=True, head=head, advance=advance
         )
         state.hidden_rows = None  # the step's own output: one row per request
         if head is None:
@@ -183,13 +188,21 @@ class DraftLoop:
         return state.tokens, state.q
 
     def _forward(
-        self, meta: AttentionMetadata, hidden, hidden_rows=None, *, all_logits=False, head=None
+        self,
+        meta: AttentionMetadata,
+        hidden,
+        hidden_rows=None,
+        *,
+        all_logits=False,
+        head=None,
+        advance=None,
     ):
         if self.kind is DraftKind.LLAMA:
             return self.model(meta.input_ids, meta, self.cache, all_logits=all_logits, head=head)
+        kw = {} if advance is None else {"advance": advance}  # EAGLE-1 only
         return self.model(
             meta.input_ids, hidden, meta, self.cache, all_logits=all_logits,
-            hidden_rows=hidden_rows, head=head,
+            hidden_rows=hidden_rows, head=head, **kw,
         )  # fmt: skip
 
     def _partials_head(self, state: RoundState):
@@ -221,7 +234,8 @@ class DraftLoop:
             # One launch: the argmax's last block per row writes the (mapped) id into
             # the token table's column.
             offsets = self.model.d2t if self.map_tokens else None
-            ops.argmax(logits, out=state.tokens[:, step], tickets=self._tickets, offsets=offsets)
+            ops.argmax(logits, out=state.tokens[:, step], tickets=self._tickets, offsets=offsets,
+                       pdl=kernels.pdl_supported(logits.device))  # fmt: skip
             return
         # The absolute position of the drawn token keys its draws (invariant 6).
         pos = self.buffers.cur_pos[: state.rows] + (1 + self.shift)

@@ -233,11 +233,14 @@ class Attention(nn.Module):
         norm_weight: torch.Tensor | None,
         eps: float,
         pdl: bool,
+        late_meta: bool = False,
     ) -> torch.Tensor:
         """The fused decode path's attention half: QKV projection (with the RMSNorm
         before it folded in), rotary, the K/V store and attention; returns [num_tokens,
         Hq D]. One launch for the first three where kernels.fused_qkv_rope takes the
-        shapes (whole heads rotated), else fused_linear then rotary_store_kv."""
+        shapes (whole heads rotated), else fused_linear then rotary_store_kv. late_meta:
+        the kernel before wrote meta's positions and slots (fused_qkv_rope's flag; the
+        two-launch path reads them a launch later anyway)."""
         t = x.shape[0]
         cos_sin = self.rotary.cos_sin_cache
         if not kernels.fused_qkv_rope_supported(x.shape[1], self.head_dim, cos_sin.shape[1]):
@@ -256,7 +259,7 @@ class Attention(nn.Module):
         ops.fused_qkv_rope(
             x, self.qkv_proj.weight, meta.positions, cos_sin, k_cache, v_cache,
             meta.slot_mapping, num_q_heads=self.num_heads, bias=self.qkv_proj.bias,
-            norm_weight=norm_weight, eps=eps, out=q_out, pdl=pdl,
+            norm_weight=norm_weight, eps=eps, out=q_out, pdl=pdl, late_meta=late_meta,
         )  # fmt: skip
         out = self.attn(q, stand_in, stand_in, kv_cache, meta, stored=True, pdl=pdl)
         return out.view(t, self.q_size)
@@ -359,7 +362,13 @@ class DecoderLayer(nn.Module):
                                                  mlp.down_proj)]  # fmt: skip
 
     def forward_fused(
-        self, stream: torch.Tensor, meta: AttentionMetadata, kv_cache: KVPair, *, pdl: bool
+        self,
+        stream: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVPair,
+        *,
+        pdl: bool,
+        late_meta: bool = False,
     ) -> None:
         """The layer on the fused decode path (ops.fused_decode): `stream` [T, H] is the
         residual stream entering the layer (what forward's hidden + residual sums to) and
@@ -367,7 +376,8 @@ class DecoderLayer(nn.Module):
         attention splits its keys: the merge): norm + QKV + rotary + K/V store
         (Attention.project_attend), attention, O + residual, norm + gate/up +
         SiLU-and-multiply, down + residual; each rounds once, from float32, where forward
-        rounds the norm, the GEMM output and the product too."""
+        rounds the norm, the GEMM output and the product too. late_meta: see
+        Attention.project_attend."""
         attn, mlp = self.self_attn, self.mlp
         if stream.dim() != 2 or stream.shape[1] != attn.qkv_proj.in_features:
             raise ValueError(
@@ -377,7 +387,7 @@ class DecoderLayer(nn.Module):
         norm = self.input_layernorm
         out = attn.project_attend(
             stream, meta, kv_cache, norm_weight=None if norm is None else norm.weight,
-            eps=1e-6 if norm is None else norm.eps, pdl=pdl,
+            eps=1e-6 if norm is None else norm.eps, pdl=pdl, late_meta=late_meta,
         )  # fmt: skip
         ops.fused_linear(
             out, attn.o_proj.weight, bias=attn.o_proj.bias, residual=stream, out=stream, pdl=pdl

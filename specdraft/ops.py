@@ -231,12 +231,15 @@ def linear_int8_partials(x, weight, scale, part_val, part_idx, *, x_rows=None, p
     return torch_ops.linear_int8_partials(*args, x_rows=x_rows)
 
 
-def argmax(logits: torch.Tensor, *, out=None, tickets=None, offsets=None) -> torch.Tensor:
+def argmax(
+    logits: torch.Tensor, *, out=None, tickets=None, offsets=None, pdl: bool = False
+) -> torch.Tensor:
     """int64 [rows]: the first index of each row's maximum (greedy decoding), plus
     offsets[index] with an id map; into `out` (any 1-D int64 view) when given. With
-    `tickets` (kernels.argmax_rows) the Triton backend takes one launch."""
+    `tickets` (kernels.argmax_rows) the Triton backend takes one launch (with `pdl`,
+    a programmatic dependent one)."""
     if backend_for(logits) == "triton":
-        return kernels.argmax_rows(logits, out=out, tickets=tickets, offsets=offsets)
+        return kernels.argmax_rows(logits, out=out, tickets=tickets, offsets=offsets, pdl=pdl)
     kernels.check_argmax_args(logits, out=out, tickets=tickets, offsets=offsets)
     idx = logits.argmax(dim=-1)
     if offsets is not None:

@@ -435,6 +435,74 @@ def test_round_ops_finish_the_argmax_from_parts(seed):
             assert torch.equal(getattr(b, name), getattr(runs[0], name)), name
 
 
+def _fc_case(seed: int, rows: int, vocab: int):
+    """An EAGLE-1 fc's operands: table [vocab, 8], hidden [rows, 8], weight [150, 16]
+    (several programs of the rows kernel), bias."""
+    g = torch.Generator().manual_seed(300 + seed)
+    return (torch.randn(vocab, 8, generator=g), torch.randn(rows, 8, generator=g),
+            torch.randn(150, 16, generator=g) / 4, torch.randn(150, generator=g))  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_embed_fc_takes_the_advance_bit_for_bit(seed):
+    """embed_fc with a round's advance folded in (DraftRoundKernels.advance_fold): fc's
+    output and every round buffer (the step's inputs, cur_pos, the token table filled
+    from partials) equal the advance kernel followed by embed_fc, steps 1 and 2, from
+    partials (odd seeds) or from the token table; padding and capture rows included."""
+    from specdraft import kernels
+    from specdraft.kernels.draft_round import DraftRoundKernels
+
+    outs, bufs = [], []
+    for fold in (False, True):
+        b, kw = _random_buffers(seed, max_rows=6)
+        o = DraftRoundKernels(b, **kw)
+        rows = max(1, min(int((b.slots >= 0).sum()) + seed % 2, 6))
+        parts = None
+        if seed % 2:
+            parts, _ = _random_parts(seed, 6, 300, kw["vocab_size"], seed == 1)
+        table, hidden, w, bias = _fc_case(seed, rows, kw["vocab_size"])
+        o.prepare(rows)
+        ys = []
+        for step in (1, 2):
+            ids = b.d_ids[:rows]
+            if fold:
+                adv = o.advance_fold(rows, step, 3, parts)
+                ys.append(kernels.embed_fc(ids, table, hidden, w, bias, advance=adv))
+            else:
+                o.advance(rows, step, 3, parts)
+                ys.append(kernels.embed_fc(ids, table, hidden, w, bias))
+        outs.append(ys)
+        bufs.append(b)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    for name in vars(bufs[0]):
+        assert torch.equal(getattr(bufs[0], name), getattr(bufs[1], name)), name
+
+
+def test_embed_fc_refuses_a_bad_advance_before_any_write():
+    """An advance that is not an AdvanceFold, or ids that are not its own d_ids: the
+    exception naming the argument, every round buffer as it was."""
+    from specdraft import kernels
+    from specdraft.kernels.draft_round import DraftRoundKernels
+
+    b, kw = _random_buffers(0, max_rows=6)
+    o = DraftRoundKernels(b, **kw)
+    o.prepare(6)
+    table, hidden, w, bias = _fc_case(0, 6, kw["vocab_size"])
+    adv = o.advance_fold(6, 1, 3)
+    before = {name: t.clone() for name, t in vars(b).items() if isinstance(t, torch.Tensor)}
+    with pytest.raises(TypeError, match="advance must be an AdvanceFold"):
+        kernels.embed_fc(b.d_ids[:6], table, hidden, w, bias, advance=(6, 1, 3))
+    with pytest.raises(ValueError, match="ids must be the advance's own d_ids"):
+        kernels.embed_fc(b.d_ids[:6].clone(), table, hidden, w, bias, advance=adv)
+    with pytest.raises(ValueError, match="ids must be the advance's own d_ids"):
+        kernels.embed_fc(b.d_ids[:5], table, hidden[:5], w, bias, advance=adv)
+    with pytest.raises(ValueError, match="step 3 must be in"):
+        o.advance_fold(6, 3, 3)
+    for name, t in before.items():
+        assert torch.equal(getattr(b, name), t), name
+
+
 def _bad_parts(case: str, parts):
     """`parts` (6 rows, 5 blocks, an id map) with one field broken as `case` says."""
     from dataclasses import replace

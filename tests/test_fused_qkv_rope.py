@@ -73,7 +73,7 @@ def _reference(c, hq, hkv, d):
     return rot(q), rot(k), v
 
 
-def _check(device, dtype, m, hq, hkv, d, k, *, bias, norm, seed=0, pdl=False):
+def _check(device, dtype, m, hq, hkv, d, k, *, bias, norm, seed=0, pdl=False, late_meta=False):
     c = _case(device, dtype, m, hq, hkv, d, k, bias=bias, norm=norm, seed=seed)
     kc0, vc0 = c["kc"].clone(), c["vc"].clone()
     out = torch.full((m, hq * d), float("nan"), dtype=dtype, device=device)
@@ -82,7 +82,7 @@ def _check(device, dtype, m, hq, hkv, d, k, *, bias, norm, seed=0, pdl=False):
     with kernels.use_validation(False):
         q = fused_qkv_rope(
             c["x"], c["w"], c["pos"], c["cs"], c["kc"], c["vc"], c["slots"], num_q_heads=hq,
-            bias=c["b"], norm_weight=c["g"], out=out, pdl=pdl,
+            bias=c["b"], norm_weight=c["g"], out=out, pdl=pdl, late_meta=late_meta,
         )  # fmt: skip
     assert q.shape == (m, hq, d) and q.data_ptr() == out.data_ptr()
     qr, kr, vr = _reference(c, hq, hkv, d)
@@ -118,9 +118,10 @@ FLAGS = [dict(bias=False, norm=True), dict(bias=True, norm=False), dict(bias=Tru
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("flags", FLAGS, ids=["norm", "bias", "bias-norm"])
 def test_fused_qkv_rope_matches_float64(dtype, flags):
-    # Llama-style 4/2 heads of 16; SmolLM2's 9/3 of 64; MAX_ROWS rows, K in two pieces
+    # Llama-style 4/2 heads of 16; SmolLM2's 9/3 of 64; MAX_ROWS rows, K in two pieces;
+    # positions and slots read after the PDL wait (late_meta) in the second case
     for m, hq, hkv, d, k in ((1, 4, 2, 16, 48), (3, 9, 3, 64, 96), (MAX_ROWS, 6, 2, 32, 600)):
-        _check("cpu", dtype, m, hq, hkv, d, k, **flags)
+        _check("cpu", dtype, m, hq, hkv, d, k, late_meta=m == 3, **flags)
 
 
 @pytest.mark.interpreter
@@ -152,6 +153,8 @@ def _bad_call(kw):
         (dict(slots=torch.zeros(1, dtype=torch.int64)), ValueError, "slot_mapping has 1"),
         (dict(x=torch.randn(MMA_MAX_ROWS + 1, 32)), ValueError, "rows"),
         (dict(g=torch.ones(31)), ValueError, "norm_weight has shape"),
+        (dict(late_meta=1), TypeError, "late_meta must be a bool"),
+        (dict(x=torch.randn(MAX_ROWS + 1, 32), late_meta=True), ValueError, "late_meta takes"),
     ],
 )
 def test_fused_qkv_rope_bad_inputs(change, exc, words, device):
@@ -163,7 +166,7 @@ def test_fused_qkv_rope_bad_inputs(change, exc, words, device):
     with pytest.raises(exc, match=words):
         fused_qkv_rope(
             c["x"], c["w"], c["pos"], c["cs"], c["kc"], c["vc"], c["slots"], num_q_heads=hq,
-            norm_weight=c["g"], out=c["out"],
+            norm_weight=c["g"], out=c["out"], late_meta=c.get("late_meta", False),
         )  # fmt: skip
     for key, before in snap.items():
         assert torch.equal(c[key], before) or (
@@ -172,6 +175,8 @@ def test_fused_qkv_rope_bad_inputs(change, exc, words, device):
 
 
 def test_fused_qkv_rope_supported():
+    assert kernels.late_meta_supported(1) and kernels.late_meta_supported(MAX_ROWS)
+    assert not kernels.late_meta_supported(MAX_ROWS + 1) and not kernels.late_meta_supported(0)
     assert kernels.fused_qkv_rope_supported(576, 64, 64)
     assert not kernels.fused_qkv_rope_supported(576, 64, 32)  # partial rotary
     assert not kernels.fused_qkv_rope_supported(4096, 128, 128)  # the wide kernel's K
@@ -184,7 +189,8 @@ def test_gpu_fused_qkv_rope_bf16(flags, pdl):
     pdl = pdl and kernels.pdl_supported("cuda")
     # SmolLM2's heads; 32 / 8 heads of 128 at K 2048; past MAX_ROWS the tensor cores
     for m in (1, 4, MAX_ROWS, MAX_ROWS + 1, 24, MMA_MAX_ROWS):
-        _check("cuda", torch.bfloat16, m, 9, 3, 64, 576, seed=m, pdl=pdl, **flags)
+        late = m <= MAX_ROWS and m % 2 == 0  # positions and slots after the wait
+        _check("cuda", torch.bfloat16, m, 9, 3, 64, 576, seed=m, pdl=pdl, late_meta=late, **flags)
         _check("cuda", torch.bfloat16, m, 32, 8, 128, 2048, seed=m, pdl=pdl, **flags)
 
 

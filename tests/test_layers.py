@@ -106,7 +106,9 @@ def test_argmax_rows_one_launch_into_a_column_through_an_id_map(device, dtype, r
         x[-1, n - 1] = x[-1, n // 2] = top  # tie across blocks: the earlier index wins
         table = torch.full((rows, 4), -7, dtype=torch.int64, device=device)
         col = table[:, 2]
-        got = argmax_rows(x, out=col, tickets=tickets, offsets=None if call else offsets)
+        # the second call with programmatic dependent launch (on the GPU)
+        got = argmax_rows(x, out=col, tickets=tickets, offsets=None if call else offsets,
+                          pdl=call == 1)  # fmt: skip
         want = x.float().argmax(dim=-1)
         if not call:
             want = want + offsets[want]

@@ -258,6 +258,7 @@ class EagleHead(_DraftVocab, nn.Module):
         all_logits: bool = False,
         hidden_rows: torch.Tensor | None = None,
         head=None,
+        advance=None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [num_tokens]; hidden_states [num_tokens, h]: the target's final
         hidden states on the first draft step, the head's own output after; or, with
@@ -267,7 +268,9 @@ class EagleHead(_DraftVocab, nn.Module):
         over the target vocabulary for the chosen rows, see LlamaForCausalLM.forward;
         over the draft vocabulary after reduce_vocab, see logits_to_target);
         head: a callable that replaces the lm_head on those rows (its result is
-        returned in place of the logits)."""
+        returned in place of the logits); advance: a draft round's advance for this
+        step (kernels.draft_round.AdvanceFold, input_ids its d_ids), done inside fc's
+        launch where the fused path takes the rows, else launched first."""
         h, n = self.cfg.hidden_size, meta.num_tokens
         rows = n if hidden_rows is None else hidden_states.shape[0]
         _check_hidden(hidden_states, rows, h, "hidden_size", self.dtype)
@@ -280,10 +283,17 @@ class EagleHead(_DraftVocab, nn.Module):
         # down projection (no norm follows it).
         fused = ops.fused_decode(hidden_states, self.fused_rows(), rows=n)
         pdl = fused and kernels.pdl_supported(hidden_states.device)
-        if fused and ops.embed_fc_takes(input_ids, self.fc.weight):
+        one_launch = fused and ops.embed_fc_takes(input_ids, self.fc.weight)
+        # The advance inside fc's launch: the QKV launch after it then reads the positions
+        # and slots it wrote after its own wait (late_meta).
+        fold = advance is not None and one_launch and kernels.late_meta_supported(n)
+        if advance is not None and not fold:
+            advance.run()
+        if one_launch:
             # fc([embed(token); hidden]) with its input formed on load: one launch
             x = ops.embed_fc(input_ids, self.embed_tokens.weight, hidden_states, self.fc.weight,
-                             self.fc.bias, hidden_rows=hidden_rows, pdl=pdl)  # fmt: skip
+                             self.fc.bias, hidden_rows=hidden_rows, pdl=pdl,
+                             advance=advance if fold else None)  # fmt: skip
         else:
             if hidden_rows is not None:
                 hidden_states = hidden_states.index_select(0, hidden_rows)
@@ -296,7 +306,7 @@ class EagleHead(_DraftVocab, nn.Module):
         residual, last = None, len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             if fused:
-                layer.forward_fused(x, meta, caches[i], pdl=pdl)
+                layer.forward_fused(x, meta, caches[i], pdl=pdl, late_meta=fold and i == 0)
             else:
                 x, residual = layer(x, residual, meta, caches[i], add_residual=i == last)
         return x, select_logits(x, head or self.lm_head, meta, logits_indices, all_logits)
