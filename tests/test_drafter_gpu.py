@@ -83,14 +83,18 @@ def test_gpu_replay_equals_eager_for_every_graph(kind, order_seed, unfold, monke
     """Two drafters with the same history; one replays each round's graph, the other
     runs the same round eagerly at the same padding. Tokens, q and the whole KV cache
     agree bit for bit, for every (bucket, K_max, mode) graph, in shuffled order and once
-    more for the first graph after all the others. unfold (EAGLE-1 heads): the eager
-    rounds launch each decode step's advance alone, where the graphs have it inside
-    fc's launch (EagleHead.forward), so the fold and the PDL reads it moves are checked."""
+    more for the first graph after all the others. unfold (EAGLE-1 heads with an int8
+    lm_head, whose greedy steps leave partials): the eager rounds launch each decode
+    step's advance alone, where the graphs have it inside fc's launch
+    (EagleHead.forward), so the fold and the PDL reads it moves are checked."""
     from specdraft import kernels
+    from specdraft.layers import quantize_lm_head
 
     if unfold and kind not in ("eagle", "eagle_vocab"):
         pytest.skip("the advance folds into EAGLE-1's fc only")
     s = gpu_setup(kind)
+    if unfold:
+        quantize_lm_head(s.model)
     kw = dict(
         max_num_reqs=8,
         k_max_options=(1, 3),
