@@ -545,6 +545,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{env['gpu']}: copy {copy_bw:.2f} TB/s; torch {env['torch']}", flush=True)
     ks = [int(x) for x in args.ks.split(",")]
     room = (args.iters * 8 + 64) * (max(ks) + 1)
+    from bench.common import time_graph_us
+
+    # SmolLM2's step is timed first, before this process has captured anything else: the
+    # same step graph read 349-351 µs then, 385-388 once about 50 graphs had been
+    # captured in the process (even after they were dropped) and 432-477 after the
+    # matrix below, while the round it divides moved 84 -> 88 (bench/NOTES.md, stop 44).
+    # The 0.2 bar is judged against the faster step, so process state cannot meet it.
+    step = smollm2_step(args.ctx)  # one SmolLM2 model for both figures
+    smol_first_us = time_graph_us([step])
     rows = []
     for case, lm_head in _variants(args):
         model = build(case, args.ctx + room, lm_head)
@@ -586,10 +595,6 @@ def main(argv: list[str] | None = None) -> int:
         del model
         torch.cuda.empty_cache()
     count_launches(rows, args, ks, room)
-
-    from bench.common import time_graph_us
-
-    step = smollm2_step(args.ctx)  # one SmolLM2 model for both figures
     smol_us = time_graph_us([step])
     alt = None
     if args.bar_repeats and any(
@@ -597,12 +602,12 @@ def main(argv: list[str] | None = None) -> int:
         and r["mode"] == "greedy" for r in rows
     ):  # fmt: skip
         alt = alternated_ratio(args, step, args.lm_head.split(","), args.bar_repeats, room)
-    bars = check_bars(rows, smol_us, alt)
+    bars = check_bars(rows, smol_us, alt, smol_first_us)
     table = markdown_table(rows, COLUMNS)
     head = (
         f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; "
         f"ctx {args.ctx}; copy {copy_bw:.2f} TB/s; SmolLM2-135M decode step (batch 1, "
-        f"graph) {smol_us:.1f} µs."
+        f"graph) {smol_us:.1f} µs ({smol_first_us:.1f} before the rounds were timed)."
     )
     text = head + "\n\n" + table + "\n\n"
     if alt is not None:
@@ -612,8 +617,8 @@ def main(argv: list[str] | None = None) -> int:
     save_results(
         args.out,
         "draft_round",
-        {"env": env, "smollm2_decode_us": smol_us, "rows": rows, "alternated": alt,
-         "bars": bars},
+        {"env": env, "smollm2_decode_us": smol_us, "smollm2_first_us": smol_first_us,
+         "rows": rows, "alternated": alt, "bars": bars},
         text,
     )  # fmt: skip
     return 0
@@ -629,10 +634,13 @@ def alternated_table(alt: dict) -> str:
     return "\n".join(lines)
 
 
-def check_bars(rows: list[dict], smol_us: float, alt: dict | None = None) -> list[str]:
+def check_bars(
+    rows: list[dict], smol_us: float, alt: dict | None = None, first_us: float | None = None
+) -> list[str]:
     """Issue 11's bars, each with its measured worst case; the SmolLM2 ratio from the
     medians of alternated_ratio's runs when given (`alt`), else from this run's one
-    step timing."""
+    step timing; with `first_us` (the step timed first in the process, see main) the
+    ratio against it too, and the bar judged by the larger of the two."""
     out = []
     worst = max(rows, key=lambda r: abs(r["graph_launches"] - 1))
     out.append(
@@ -659,13 +667,16 @@ def check_bars(rows: list[dict], smol_us: float, alt: dict | None = None) -> lis
         if alt is not None and r["mode"] == "greedy" and key in alt["median"]:
             ratio = alt["median"][key]
             each = [run[key] for run in alt["runs"]]
-            out.append(
-                f"{name} / SmolLM2 decode step, median of {len(each)} alternated timings: "
-                f"{ratio:.3f} ({'met' if ratio <= 0.2 else 'MISSED'}; bar 0.2; runs "
-                f"{min(each):.3f}-{max(each):.3f})"
-            )
+            text = (f"{name} / SmolLM2 decode step, median of {len(each)} alternated "
+                    f"timings: {ratio:.3f} (runs {min(each):.3f}-{max(each):.3f})")  # fmt: skip
+            if first_us is not None:
+                round_us = alt["median"][f"{r['lm_head']}_round_us"]
+                first = round_us / first_us
+                text += f"; against the step timed first ({first_us:.1f} µs) {first:.3f}"
+                ratio = max(ratio, first)
+            out.append(f"{text}: {'met' if ratio <= 0.2 else 'MISSED'} (bar 0.2)")
             continue
-        ratio = r["round_us"] / smol_us
+        ratio = r["round_us"] / min(smol_us, first_us or smol_us)
         out.append(
             f"{name} / SmolLM2 decode step: "
             f"{ratio:.3f} ({'met' if ratio <= 0.2 else 'MISSED'}; bar 0.2)"

@@ -38,13 +38,31 @@ def test_the_ratio_bar_reads_the_medians_of_alternated_timings():
     assert len(lines) == 2
     int8 = next(b for b in lines if "int8" in b)
     # the runs' ratios 95/430, 94/480, 96/470: 0.221, 0.196, 0.204 -> median 0.204
-    assert "median of 3 alternated timings: 0.204 (MISSED" in int8, int8
-    assert "runs 0.196-0.221" in int8, int8
+    assert "median of 3 alternated timings: 0.204 (runs 0.196-0.221): MISSED" in int8, int8
     # the run's single step timing (430 µs) would have given 95 / 430 = 0.221
     single = [b for b in check_bars(rows, 430.0) if "int8" in b and "SmolLM2" in b][0]
     assert "0.221 (MISSED" in single and "alternated" not in single, single
     met = [b for b in check_bars(rows, 500.0) if "int8" in b and "SmolLM2" in b][0]
     assert "0.190 (met" in met, met
+
+
+def test_the_ratio_bar_is_judged_against_the_faster_step():
+    """The step timed first in the process (faster: see bench.draft_round.main) gives the
+    larger ratio, and the bar reads it: alternated medians alone would read met."""
+    rows = [_row("bf16", 124.0), _row("int8", 95.0)]
+    alt = _alt()
+    for r in alt["runs"] + [alt["median"]]:
+        r["step_us"] += 100.0  # a slow step in turns: 95 / 570 etc., all met
+        for h in ("bf16", "int8"):
+            r[f"{h}_ratio"] = r[f"{h}_round_us"] / r["step_us"]
+    int8 = next(b for b in check_bars(rows, 570.0, alt) if "int8" in b and "SmolLM2" in b)
+    assert int8.endswith(": met (bar 0.2)"), int8
+    int8 = next(b for b in check_bars(rows, 570.0, alt, 400.0) if "int8" in b and "SmolLM2" in b)
+    # the int8 round's median 95 µs over the first step's 400: 0.2375
+    assert "against the step timed first (400.0 µs) 0.237" in int8, int8
+    assert int8.endswith(": MISSED (bar 0.2)"), int8
+    single = next(b for b in check_bars(rows, 570.0, None, 400.0) if "int8" in b and "SmolLM" in b)
+    assert "0.237 (MISSED" in single, single
 
 
 def test_alternated_table_lists_every_run_and_the_median():
