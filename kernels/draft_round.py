@@ -685,26 +685,20 @@ class DraftRoundKernels:
     def advance_fold(
         self, num_rows: int, step: int, k_max: int, parts: ArgmaxParts | None = None
     ) -> AdvanceFold:
-        """advance(num_rows, step, k_max, parts), packaged for the decode step's first
-        kernel to do on the way (kernels.embed_fc's `advance`), or to run alone."""
-        self._step_token(num_rows, step, k_max)
+        """advance(num_rows, step, k_max, parts), checked and packaged for the decode
+        step's first kernel to do on the way (kernels.embed_fc's `advance`), or to run
+        alone."""
+        b, tok = self.b, self._step_token(num_rows, step, k_max)
         self._rows(num_rows)
-        if parts is not None:
-            check_argmax_parts(parts, num_rows, self.b.slots.device)
-        return AdvanceFold(self, num_rows, step, k_max, parts)
-
-    def fold_args(self, fold: AdvanceFold) -> tuple:
-        """The arguments of an advance done inside another kernel (kernels.embed_fc):
-        slots, token column and stride, the partials' (val, idx, row stride, blocks, id
-        map), table rows and stride, cur_pos, then d_pos, d_seq, d_slot (d_ids is the
-        kernel's own ids), max_blocks, vocab_size, null_row; then the constexprs
-        BLOCK_SIZE, FROM_PARTS, HAS_OFF, BLOCK_P."""
-        b = self.b
-        tok = self._step_token(fold.num_rows, fold.step, fold.k_max)
-        pa = _parts_args(fold.parts, fold.num_rows, tok)
-        return (b.slots, tok, fold.k_max, *pa[:5], b.rows, b.rows.stride(0), b.cur_pos, b.d_pos,
+        pa = _parts_args(parts, num_rows, tok)  # checks the partials
+        # slots, token column and stride, the partials' (val, idx, row stride, blocks, id
+        # map), table rows and stride, cur_pos, d_pos, d_seq, d_slot (d_ids is the
+        # kernel's own ids), max_blocks, vocab_size, null_row; the constexprs BLOCK_SIZE,
+        # FROM_PARTS, HAS_OFF, BLOCK_P
+        args = (b.slots, tok, k_max, *pa[:5], b.rows, b.rows.stride(0), b.cur_pos, b.d_pos,
                 b.d_seq, b.d_slot, self.max_blocks, self.vocab_size, self.null_row,
                 self.block_size, *pa[5:])  # fmt: skip
+        return AdvanceFold(self, num_rows, step, k_max, parts, args)
 
     def epilogue(self, num_rows: int, k_max: int, parts: ArgmaxParts | None = None) -> None:
         """Tokens past each row's k (and every token of a padding row) become -1; with
@@ -821,7 +815,8 @@ class AdvanceFold:
     num_rows: int
     step: int
     k_max: int
-    parts: ArgmaxParts | None = None
+    parts: ArgmaxParts | None
+    args: tuple  # the kernel arguments of the advance (DraftRoundKernels.advance_fold)
 
     @property
     def d_ids(self) -> torch.Tensor:
@@ -830,9 +825,6 @@ class AdvanceFold:
 
     def run(self) -> None:
         self.kernels.advance(self.num_rows, self.step, self.k_max, self.parts)
-
-    def args(self) -> tuple:
-        return self.kernels.fold_args(self)
 
 
 def _parts_key(parts: ArgmaxParts | None) -> tuple:

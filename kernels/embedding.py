@@ -172,7 +172,7 @@ def _embed_fc_kernel(
     stride_e, stride_h, stride_w, stride_o,
     KH1: tl.constexpr, KH2: tl.constexpr, KL: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_HROW: tl.constexpr, GDC: tl.constexpr, ROWS: tl.constexpr,
-    # ADVANCE: a draft round's advance done on the way (DraftRoundKernels.fold_args)
+    # ADVANCE: a draft round's advance done on the way (AdvanceFold.args)
     a_slots, a_tok, a_stride_tok, a_val, a_idx, a_stride_p, a_blocks, a_off, a_rows,
     a_stride_rows, a_cur_pos, a_pos, a_seq, a_slot, a_max_blocks, a_vocab, a_null_row,
     A_BLOCK_SIZE: tl.constexpr, A_FROM_PARTS: tl.constexpr, A_HAS_OFF: tl.constexpr,
@@ -301,7 +301,7 @@ def embed_fc(
         i = ids  # pointers nothing reads
         adv = (i, i, 0, i, i, 0, 0, i, i, 0, i, i, i, i, 0, 0, 0, 1, False, False, 16, False)
     else:
-        adv = advance.args() + (True,)
+        adv = advance.args + (True,)
     args = (ids, table, hidden, hidden_rows if hidden_rows is not None else ids, weight,
             bias if bias is not None else weight, out, m, n, k, e, table.shape[0],
             hidden.shape[0], table.stride(0), hidden.stride(0), weight.stride(0),

@@ -23,7 +23,7 @@ from .draft_buffers import HostStage, SamplingMode, make_round_buffers
 from .draft_inputs import DraftKind
 from .draft_round_ops import draft_round_ops
 from .input_buffers import InputBuffers
-from .kernels.draft_round import ArgmaxParts, DraftRoundKernels
+from .kernels.draft_round import ArgmaxParts
 from .kv_cache import KVCache
 from .layers import Int8Linear
 from .sampling import DRAFT_PROPOSAL, SamplingTensors, sample
@@ -173,13 +173,9 @@ class DraftLoop:
         (bench/NOTES.md, stop 44): the int8 greedy round 89.1 -> 84.7 µs at batch 1; with
         the bf16 lm_head (its argmax launch before) 123.0 -> 124.3, so that one stays."""
         advance = None
-        if (
-            self.kind is DraftKind.EAGLE
-            and state.parts is not None
-            and isinstance(self.ops, DraftRoundKernels)
-        ):
+        if self.kind is DraftKind.EAGLE and state.parts is not None:
             advance = self.ops.advance_fold(state.rows, step, state.k_max, state.parts)
-        else:
+        if advance is None:
             self.ops.advance(state.rows, step, state.k_max, state.parts)
         meta = self.metadata("decode", state.rows)  # one row per request: every row's logits
         head = self._partials_head(state)

@@ -142,6 +142,11 @@ class TorchDraftRound:
         b.d_seq[:r].copy_(torch.where(real, pos + 1, 0))
         b.d_slot[:r].copy_(slot_map)
 
+    def advance_fold(self, num_rows: int, step: int, k_max: int, parts=None) -> None:
+        """None: no kernel of the PyTorch path takes the advance on the way (the caller
+        runs advance)."""
+        return None
+
     def epilogue(self, num_rows: int, k_max: int, parts: ArgmaxParts | None = None) -> None:
         b, r = self.b, num_rows
         k = torch.where(b.slots[:r] >= 0, b.k[:r], 0)
