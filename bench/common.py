@@ -13,28 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-_GRAPHS_BEFORE_STEADY = 5
-_settled = False
-
-
-def settle_graph_state() -> None:
-    """Bring the process to the graph state a serving engine runs in, once.
-
-    On the H200 (driver 580.159, torch 2.11) a graph's cost per kernel node rises from
-    ~0.88 to ~1.06 µs as the process instantiates its fifth CUDA graph, for the graphs
-    already captured too, and stays there; deleting graphs does not undo it, and
-    bandwidth is unchanged (bench/NOTES.md, stop 45). An engine has captured dozens of
-    graphs before it serves, so a figure timed in a process with fewer reads fast: SmolLM2's
-    decode step (batch 1, context 256) read 351-354 µs against 388-391. Five graphs of
-    one small launch each settle it; the timing helpers call this first."""
-    global _settled
-    if _settled or not torch.cuda.is_available():
-        return
-    x = torch.ones(64, device="cuda")
-    for _ in range(_GRAPHS_BEFORE_STEADY):
-        capture_graph(lambda: x.mul_(1.0), settle=False)
-    _settled = True
-
 
 def time_graph_us(
     launches: Sequence[Callable[[], object]], *, min_launches: int = 20, replays: int = 25
@@ -45,7 +23,6 @@ def time_graph_us(
     them so that consecutive launches read different memory (rotation keeps K/V out of
     L2 when the sets together are several times its size). Each launch runs once
     eagerly first, so compilation stays out of the capture."""
-    settle_graph_state()
     for fn in launches:
         fn()
     torch.cuda.synchronize()
@@ -63,12 +40,13 @@ def time_graph_us(
     return statistics.median(times)
 
 
-def capture_graph(fn: Callable[[], object], *, settle: bool = True) -> torch.cuda.CUDAGraph:
-    """fn() captured on a side stream into a CUDA graph, replayed once (warm); the
-    process settled first (settle_graph_state) unless `settle` is False."""
-    if settle:
-        settle_graph_state()
-    stream = torch.cuda.Stream()
+def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """fn() captured into a CUDA graph on the runtime's one capture stream
+    (specdraft.cuda_graph.capture_stream: a new stream per capture slows every graph of
+    the process once about five have been used), replayed once (warm)."""
+    from specdraft.cuda_graph import capture_stream
+
+    stream = capture_stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):

@@ -142,15 +142,15 @@ def capture(fn) -> torch.cuda.CUDAGraph:
     where the round's do. In pools of their own, the b64 K1 prefill-step graph (the
     round's exact kernels) measured 70.8 µs against the round's 74.5 after other
     drafters had run in the process, 73-75 otherwise (bench/NOTES.md, stop 41)."""
-    from specdraft.cuda_graph import shared_graph_pool
+    from specdraft.cuda_graph import capture_stream, shared_graph_pool
 
-    s = torch.cuda.Stream()
+    s = capture_stream()  # the runtime's: new streams would slow every graph (stop 45)
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=shared_graph_pool()):
+    with torch.cuda.graph(g, pool=shared_graph_pool(), stream=s):
         fn()
     return g
 
@@ -545,14 +545,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{env['gpu']}: copy {copy_bw:.2f} TB/s; torch {env['torch']}", flush=True)
     ks = [int(x) for x in args.ks.split(",")]
     room = (args.iters * 8 + 64) * (max(ks) + 1)
-    from bench.common import settle_graph_state, time_graph_us
+    from bench.common import time_graph_us
 
-    # SmolLM2's step is timed first, once the process is in the graph state an engine
-    # runs in (settle_graph_state: five graphs instantiated; 351-354 µs before, 388-391
-    # after), and again in turns with the rounds after the matrix below, where it has
-    # read 432-477 while the round moved 84 -> 88 (bench/NOTES.md, stops 44-45). The 0.2
-    # bar is judged against the faster step, so the bench's own history cannot meet it.
-    settle_graph_state()
+    # SmolLM2's step is timed first, before the matrix below, and again in turns with the
+    # rounds after it, where it has read 432-477 µs while the round moved 84 -> 88
+    # (bench/NOTES.md, stop 44). The 0.2 bar is judged against the faster step, so the
+    # bench's own history cannot meet it.
     step = smollm2_step(args.ctx)  # one SmolLM2 model for both figures
     smol_first_us = time_graph_us([step])
     rows = []

@@ -75,6 +75,24 @@ def default_capture_sizes(max_num_tokens: int) -> list[int]:
     return [s for s in sizes if s <= max_num_tokens]
 
 
+_CAPTURE_STREAMS: dict[int, Any] = {}
+
+
+def capture_stream() -> Any:
+    """The one side stream every graph of the process is captured on (per device).
+
+    On the H200 (driver 580, torch 2.11) a graph's cost per kernel node rises from ~0.87
+    to ~1.05 µs, for every graph of the process and for good, once work has gone to about
+    five distinct streams (captures on new streams; eager work counts too, at about
+    eight), while 42 graphs captured on one stream leave it at 0.87: SmolLM2's decode
+    step, 351 against 389 µs (bench/NOTES.md, stop 45). A stream per manager put an
+    engine with a few draft descriptors past it, so every manager captures here."""
+    device = torch.cuda.current_device()
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _CAPTURE_STREAMS[device]
+
+
 _SHARED_POOL: Any = None
 # A pool whose graphs have all been freed cannot take new captures (the caching
 # allocator asserts on it). Deciding from the managers alive when a capture starts was
@@ -90,7 +108,7 @@ def shared_graph_pool() -> Any:
     if _SHARED_POOL is None:
         pool = torch.cuda.graph_pool_handle()
         keeper = torch.cuda.CUDAGraph()
-        here, side = torch.cuda.current_stream(), torch.cuda.Stream()
+        here, side = torch.cuda.current_stream(), capture_stream()
         side.wait_stream(here)
         with torch.cuda.stream(side):
             keeper.capture_begin(pool)
@@ -109,7 +127,6 @@ class CudaGraphBackend:
 
     # A CUDA capture records the work and runs none of it; a stand-in may run it.
     executes_on_capture = False
-    _stream = None  # the capture stream, made on first use
 
     def pool(self) -> Any:
         if not torch.cuda.is_available():
@@ -129,11 +146,10 @@ class CudaGraphBackend:
         cache first: a graph captured while requests run (the speculative engine's step
         graphs) then costs no pipeline drain, and later steps no fresh cudaMalloc."""
         graph = torch.cuda.CUDAGraph()
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
+        side = capture_stream()  # shared by every manager (its docstring says why)
         here = torch.cuda.current_stream()
-        self._stream.wait_stream(here)
-        with torch.cuda.stream(self._stream):
+        side.wait_stream(here)
+        with torch.cuda.stream(side):
             if pool is None:
                 graph.capture_begin()
             else:
@@ -142,7 +158,7 @@ class CudaGraphBackend:
                 outputs = fn()
             finally:
                 graph.capture_end()
-        here.wait_stream(self._stream)
+        here.wait_stream(side)
         return graph, outputs
 
     def replay(self, graph: Any) -> Any:

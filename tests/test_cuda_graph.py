@@ -335,6 +335,34 @@ def test_gpu_stale_metadata_bug_is_caught():
     assert problems, "the comparison must catch metadata reused across descriptors"
 
 
+@pytest.mark.gpu
+def test_gpu_every_backend_captures_on_the_one_capture_stream():
+    """Two backends (two managers) and the shared pool's keeper capture on
+    capture_stream(), which waits for the caller's stream first; the caller's stream is
+    restored after. A new stream per capture would slow every graph of the process."""
+    from specdraft.cuda_graph import capture_stream, shared_graph_pool
+
+    pool = shared_graph_pool()
+    here = torch.cuda.current_stream()
+    x = torch.randn(4096, device="cuda")
+    x.mul_(2.0)  # pending on the caller's stream when the captures start
+    seen = []
+
+    def fn():
+        seen.append(torch.cuda.current_stream())
+        return x + 1
+
+    graphs = [CudaGraphBackend().capture(fn, pool) for _ in range(2)]
+    assert seen[0] == seen[1] == capture_stream() != here
+    assert torch.cuda.current_stream() == here
+    want = x + 1
+    for graph, out in graphs:
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("manager_cls", [SpeculatorCudaGraphManager, StaleMetadataSpeculator])
 def test_cpu_replay_semantics_catch_stale_metadata(manager_cls):
