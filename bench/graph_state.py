@@ -17,6 +17,13 @@ nothing (bench/NOTES.md, stop 45). So every graph specdraft captures goes on one
 
     python -m bench.graph_state [--out results] [--mode new-streams] [--counts 1,2,4,8]
         [--ctx 256]
+
+`--main-job` instead runs `specdraft generate` (held-out prompts, k 3, greedy, the
+shipped head; `--batches`, `--repeats`) in a process of its own per run, in turns: as
+the library captures (one stream) and with each graph manager given a stream of its own
+as before stop 45 (`per-manager`, patched in by the run's bootstrap: per_manager_streams),
+and tabulates the job's own target-only and speculative tokens/s. Run it from the
+repository's root (the bootstrap imports bench).
 """
 
 from __future__ import annotations
@@ -55,13 +62,103 @@ def _capture(fn, stream):
     return graph
 
 
+def per_manager_streams() -> None:
+    """Patch specdraft so that each graph backend (one per manager) captures on a stream
+    of its own, as before stop 45 (the shared pool's keeper stays on capture_stream)."""
+    import specdraft.cuda_graph as cg
+
+    one, orig = cg.capture_stream, cg.CudaGraphBackend.capture
+
+    def capture(self, fn, pool):
+        if "_own_stream" not in self.__dict__:
+            self._own_stream = torch.cuda.Stream()
+        cg.capture_stream = lambda: self._own_stream
+        try:
+            return orig(self, fn, pool)
+        finally:
+            cg.capture_stream = one
+
+    cg.CudaGraphBackend.capture = capture
+
+
+# A run's bootstrap: argv[1] is "one" or "per-manager"; the rest is `specdraft`'s argv.
+_BOOT = """
+import sys
+from bench.graph_state import per_manager_streams
+from specdraft.cli import main
+if sys.argv[1] == "per-manager":
+    per_manager_streams()
+sys.exit(main(sys.argv[2:]))
+"""
+JOB_KEYS = ("tokens/s", "speculative: tokens/s", "speculative: acceptance length")
+STREAMS = ("one", "per-manager")
+
+
+def main_job_rows(batches: list[int], repeats: int, run) -> list[dict]:
+    """Runs in turns: for each repeat, each batch, each of STREAMS, `run(streams, batch)`
+    gives the job's output; its table's rates become a row (None where it printed none)."""
+    from bench.goodput import job_table
+
+    rows = []
+    for rep in range(repeats):
+        for batch in batches:
+            for streams in STREAMS if rep % 2 == 0 else STREAMS[::-1]:
+                table = job_table(run(streams, batch))
+                row = {"repeat": rep, "batch": batch, "streams": streams}
+                for key in JOB_KEYS:
+                    try:
+                        row[key] = float(table[key])
+                    except (KeyError, ValueError):
+                        row[key] = None
+                rows.append(row)
+    return rows
+
+
+def _run_job(streams: str, batch: int, timeout_s: float = 300.0) -> str:
+    import subprocess
+
+    cmd = [sys.executable, "-c", _BOOT, streams, "generate", "--prompt-set", "heldout",
+           "--batch", str(batch), "--k", "3", "--temperature", "0", "--seed", "0",
+           "--quiet"]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=timeout_s)  # fmt: skip
+        return proc.stdout
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout or b""
+        return out.decode() if isinstance(out, bytes) else out
+
+
+def main_job_table(rows: list[dict]) -> str:
+    lines = ["| batch | streams | repeat | target-only tok/s | speculative tok/s | AL |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        vals = [r[k] for k in JOB_KEYS]
+        cells = ["-" if v is None else f"{v:.1f}" if v >= 10 else f"{v:.2f}" for v in vals]
+        head = f"| {r['batch']} | {r['streams']} | {r['repeat']} | "
+        lines.append(head + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.graph_state", description=__doc__)
     ap.add_argument("--out", type=Path, default=Path("results"))
     ap.add_argument("--mode", choices=MODES, default="new-streams")
     ap.add_argument("--counts", default="1,2,4,8")
     ap.add_argument("--ctx", type=int, default=256)
+    job_help = "specdraft generate on one capture stream and on one per manager"
+    ap.add_argument("--main-job", action="store_true", help=job_help)
+    ap.add_argument("--batches", default="1", help="--main-job: batch sizes")
+    ap.add_argument("--repeats", type=int, default=2, help="--main-job: runs of each, in turns")
     args = ap.parse_args(argv)
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        ap.error(f"--batches: {args.batches!r} is not a list of integers")
+    if any(b < 1 for b in batches):
+        ap.error(f"--batches: {args.batches!r} must be >= 1 each")
+    if args.repeats < 1:
+        ap.error(f"--repeats: {args.repeats} must be >= 1")
     try:
         counts = [int(c) for c in args.counts.split(",")]
     except ValueError:
@@ -76,6 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     from specdraft.cuda_graph import capture_stream
 
     env = environment()
+    if args.main_job:
+        rows = main_job_rows(batches, args.repeats, _run_job)
+        head = f"{env['gpu']}, torch {env['torch']} (CUDA {env['cuda']}), {env['date']}"
+        text = (f"{head}\n\n`specdraft generate --prompt-set heldout --k 3 --temperature 0`, "
+                f"each run a process of its own, in turns\n\n{main_job_table(rows)}")  # fmt: skip
+        print(text)
+        save_results(args.out, "graph_state_main_job", {"env": env, "rows": rows}, text)
+        return 0 if all(r["tokens/s"] is not None for r in rows) else 1
     step = smollm2_step(args.ctx)
     step()
     torch.cuda.synchronize()
