@@ -43,7 +43,7 @@ def time_graph_us(
 def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
     """fn() captured into a CUDA graph on the runtime's one capture stream
     (specdraft.cuda_graph.capture_stream: a new stream per capture slows every graph of
-    the process once about five have been used), replayed once (warm)."""
+    the process once a few have been used), replayed once (warm)."""
     from specdraft.cuda_graph import capture_stream
 
     stream = capture_stream()

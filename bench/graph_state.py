@@ -9,7 +9,7 @@ graph captured on a new stream (`--mode new-streams`), the same on the capture s
 graph is timed beside them: a change in bandwidth would show there.
 
 On the H200 (driver 580.159, torch 2.11) both kept graphs slow down, for good, once
-captures have gone to about five distinct streams (eager launches: about eight): 0.87 ->
+captures have gone to three to six distinct streams (eager launches alone: eight): 0.87 ->
 1.05 µs a launch in the chain, 351 -> 389 µs a step, the copy unchanged. Streams created
 and never used change nothing, and 40 more graphs on the one capture stream change
 nothing (bench/NOTES.md, stop 45). So every graph specdraft captures goes on one stream

@@ -82,9 +82,9 @@ def capture_stream() -> Any:
     """The one side stream every graph of the process is captured on (per device).
 
     On the H200 (driver 580, torch 2.11) a graph's cost per kernel node rises from ~0.87
-    to ~1.05 µs, for every graph of the process and for good, once work has gone to about
-    five distinct streams (captures on new streams; eager work counts too, at about
-    eight), while 42 graphs captured on one stream leave it at 0.87: SmolLM2's decode
+    to ~1.05 µs, for every graph of the process and for good, once captures have gone
+    to a few distinct streams (three to six in our runs; eager launches alone, eight),
+    while 42 graphs captured on one stream leave it at 0.87: SmolLM2's decode
     step, 351 against 389 µs (bench/NOTES.md, stop 45). A stream per manager put an
     engine with a few draft descriptors past it, so every manager captures here."""
     device = torch.cuda.current_device()

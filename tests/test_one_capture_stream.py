@@ -1,7 +1,7 @@
 """The one-stream rule, checked in the source: specdraft, its kernels and the benchmarks
 make no CUDA stream outside cuda_graph.capture_stream (bench/graph_state.py makes them on
-purpose, to show the cost). On the H200 a process whose work has gone to about five
-distinct streams pays ~0.18 µs more per kernel node in every graph it replays
+purpose, to show the cost). On the H200 a process whose work has gone to a few (three to
+six) distinct streams pays ~0.18 µs more per kernel node in every graph it replays
 (bench/NOTES.md, stop 45), so a stray `torch.cuda.Stream()` in a manager or a timing
 helper slows the engine or skews a benchmark without failing anything else."""
 
