@@ -28,6 +28,14 @@ def time_graph_us(
     torch.cuda.synchronize()
     n = max(min_launches, len(launches))
     graph = capture_graph(lambda: [launches[i % len(launches)]() for i in range(n)])
+    us = replay_us(graph, n, replays=replays)
+    del graph
+    return us
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, launches: int, *, replays: int = 25) -> float:
+    """Median microseconds per launch of a captured graph of `launches` launches, each
+    replay between two events."""
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -35,18 +43,17 @@ def time_graph_us(
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / n)
-    del graph
+        times.append(start.elapsed_time(end) * 1e3 / launches)
     return statistics.median(times)
 
 
-def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+def capture_graph(fn: Callable[[], object], *, stream=None) -> torch.cuda.CUDAGraph:
     """fn() captured into a CUDA graph on the runtime's one capture stream
     (specdraft.cuda_graph.capture_stream: a new stream per capture slows every graph of
-    the process once a few have been used), replayed once (warm)."""
+    the process once a few have been used), or on `stream`; replayed once (warm)."""
     from specdraft.cuda_graph import capture_stream
 
-    stream = capture_stream()
+    stream = capture_stream() if stream is None else stream
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):

@@ -3,7 +3,7 @@
 Two graphs are captured on the runtime's capture stream at the start and kept:
 SmolLM2-135M's decode step (random weights, batch 1, `--ctx` tokens cached), 20 steps a
 graph, and a chain of 1000 launches of a one-element add. Both are timed (device events,
-median of 15 replays) before anything else, then after each of `--counts` of: a one-launch
+median of 25 replays) before anything else, then after each of `--counts` of: a one-launch
 graph captured on a new stream (`--mode new-streams`), the same on the capture stream
 (`one-stream`), or one eager launch on a new stream (`eager-streams`). A 1 GiB copy in a
 graph is timed beside them: a change in bandwidth would show there.
@@ -29,37 +29,12 @@ repository's root (the bootstrap imports bench).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-
-def _graph_us(graph, launches: int) -> float:
-    times = []
-    for _ in range(15):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / launches)
-    return statistics.median(times)
-
-
 MODES = ("new-streams", "one-stream", "eager-streams")
-
-
-def _capture(fn, stream):
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph
 
 
 def per_manager_streams() -> None:
@@ -168,9 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench.graph_state needs an NVIDIA GPU")
         return 2
-    from bench.common import environment, save_results
+    from bench.common import capture_graph, environment, replay_us, save_results
     from bench.draft_round import smollm2_step
-    from specdraft.cuda_graph import capture_stream
 
     env = environment()
     if args.main_job:
@@ -184,19 +158,18 @@ def main(argv: list[str] | None = None) -> int:
     step = smollm2_step(args.ctx)
     step()
     torch.cuda.synchronize()
-    side = capture_stream()
-    graphs = {"step": _capture(lambda: [step() for _ in range(20)], side)}
+    graphs = {"step": capture_graph(lambda: [step() for _ in range(20)])}
     x = torch.randn(64, device="cuda")
-    graphs["chain"] = _capture(lambda: [x.add_(1e-3) for _ in range(1000)], side)
+    graphs["chain"] = capture_graph(lambda: [x.add_(1e-3) for _ in range(1000)])
     src = torch.randn(1 << 28, device="cuda")
     dst = torch.empty_like(src)
-    graphs["copy"] = _capture(lambda: dst.copy_(src), side)
+    graphs["copy"] = capture_graph(lambda: dst.copy_(src))
     rows = []
 
     def measure(label: str) -> None:
-        step_us = _graph_us(graphs["step"], 20)
-        chain_us = _graph_us(graphs["chain"], 1000)
-        copy_tbps = 2 * src.numel() * 4 / (_graph_us(graphs["copy"], 1) * 1e6)
+        step_us = replay_us(graphs["step"], 20)
+        chain_us = replay_us(graphs["chain"], 1000)
+        copy_tbps = 2 * src.numel() * 4 / (replay_us(graphs["copy"], 1) * 1e6)
         rows.append({"after": label, "step_us": step_us, "launch_us": chain_us,
                      "copy_tbps": copy_tbps})  # fmt: skip
         say(f"| {label} | {step_us:.1f} | {chain_us:.3f} | {copy_tbps:.2f} |")
@@ -227,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.synchronize()
                 kept.append(stream)
             else:
-                stream = side if args.mode == "one-stream" else torch.cuda.Stream()
-                kept += [stream, _capture(lambda: y.mul_(1.0), stream)]
+                # one-stream: None, the capture stream the kept graphs are on
+                stream = None if args.mode == "one-stream" else torch.cuda.Stream()
+                kept += [stream, capture_graph(lambda: y.mul_(1.0), stream=stream)]
             done += 1
         measure(f"{done} x {args.mode}")
     save_results(args.out, f"graph_state_{args.mode}", {"env": env, "rows": rows}, "\n".join(lines))
