@@ -13,6 +13,8 @@ Floors: bytes / the read bandwidth measured in the same run (a bf16 reduction):
 the bf16 logits once, and logits plus the fp32 q the issue quotes (the sampler itself
 reads q only at the draft ids and one row per request). Peer: the PyTorch path
 (rejection_sample_torch: sampling.filtered_probs, keyed draws) under the same graph.
+"rows cut": of the B * (K + 1) target rows, those the screen sent to their top-k / top-p
+cut (kernels/rejection.py, "Screening"; a variant `screen=0` cuts every filtered row).
 
     python -m bench.rejection [--out results] [--vocabs 49152,128256] [--batch 64] [--k 5]
 """
@@ -109,6 +111,9 @@ def bench_case(
         if backend == "triton":
             out = sampler(sets[0][0], sets[0][1], sets[0][2], st, sets[0][3])
             row["mean_accepted"] = float(out.num_accepted.float().mean())
+            ws = sampler.workspace
+            if ws.config.screen and params.uses_filter:  # rows the screen left to the cut
+                row["rows_cut"] = int(kr.screened_cut_rows(ws, b, k).sum())
     logits_bytes = b * (k + 1) * v * 2
     q_bytes = b * k * v * 4
     row["floor_logits_us"] = logits_bytes / (read_bw * 1e12) * 1e6
@@ -133,6 +138,7 @@ COLUMNS = [
     ("meets_bar", "meets bar"),
     ("torch_us", "PyTorch path us"),
     ("mean_accepted", "mean accepted"),
+    ("rows_cut", "rows cut"),
 ]
 
 
