@@ -524,6 +524,11 @@ def main(argv: list[str] | None = None) -> int:
         help="time SmolLM2's step and the SmolLM2-shaped head's b1 K3 greedy round this "
         "many times in turn for the 0.2 bar (medians); 0: one step timing",
     )  # fmt: skip
+    ap.add_argument(
+        "--merge-in-o", action="store_true",
+        help="split attention merged by the O projection on its loads, no merge launch "
+        "(specdraft.layers.MERGE_IN_O_PROJ), for the target's step and the drafts alike",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.bar_repeats < 0:
         ap.error(f"--bar-repeats must be >= 0, got {args.bar_repeats}")
@@ -537,11 +542,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     from bench.common import copy_bandwidth_tbps, environment, markdown_table, save_results
+    from specdraft import layers
     from specdraft.draft_buffers import MODE_NAMES
 
+    layers.MERGE_IN_O_PROJ = layers.MERGE_IN_O_PROJ or args.merge_in_o
     env = environment()
     copy_bw = copy_bandwidth_tbps()["best"]
     env["copy_tbps"] = copy_bw
+    env["merge_in_o"] = layers.MERGE_IN_O_PROJ
     print(f"{env['gpu']}: copy {copy_bw:.2f} TB/s; torch {env['torch']}", flush=True)
     ks = [int(x) for x in args.ks.split(",")]
     room = (args.iters * 8 + 64) * (max(ks) + 1)

@@ -36,10 +36,13 @@ from .linear_int8 import (
 )
 from .paged_attention import (
     AttentionLaunchConfig,
+    AttentionSplits,
     check_paged_attention_args,
     choose_launch_config,
+    combine_splits,
     num_sms,
     paged_attention,
+    paged_attention_unmerged,
 )
 from .rejection import (
     RejectionConfig,
@@ -83,6 +86,7 @@ fused_linear = runnable(fused_linear)
 fused_qkv_rope = runnable(fused_qkv_rope)
 store_kv = runnable(store_kv)
 paged_attention = runnable(paged_attention)
+paged_attention_unmerged = runnable(paged_attention_unmerged)
 rms_norm = runnable(rms_norm)
 apply_rotary = runnable(apply_rotary)
 rotary_store_kv = runnable(rotary_store_kv)
@@ -94,6 +98,7 @@ verify_prepare = runnable(verify_prepare)
 
 __all__ = [
     "AttentionLaunchConfig",
+    "AttentionSplits",
     "INTERPRET",
     "RejectionConfig",
     "RejectionWorkspace",
@@ -122,6 +127,7 @@ __all__ = [
     "check_store_kv_args",
     "check_tensors_runnable",
     "check_verify_prepare_args",
+    "combine_splits",
     "choose_launch_config",
     "choose_rejection_config",
     "choose_sample_config",
@@ -142,6 +148,7 @@ __all__ = [
     "linear_small_m",
     "num_sms",
     "paged_attention",
+    "paged_attention_unmerged",
     "pdl_supported",
     "prepare_slot_mapping",
     "quantize_rows_int8",

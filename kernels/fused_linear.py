@@ -45,6 +45,7 @@ import triton.language as tl
 from .fused_mma import MMA_MAX_ROWS, _epilogue, _rope_meta, _rope_store, mma_linear, mma_qkv_rope
 from .guard import INTERPRET
 from .launch import CachedLaunch, pdl_launch, specialization_key
+from .paged_attention import AttentionSplits, _load_qsl, _merge_splits, combine_splits
 from .validation import _check_tensor
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -81,6 +82,29 @@ def _rows_x(x_ptr, kk, km, rr, nn, M, stride_x):
 
 
 @triton.jit
+def _rows_x_merged(x_ptr, rr, nn, M, sp_out_ptr, sp_lse_ptr, qsl_ptr, num_reqs,
+                   BASE: tl.constexpr, KH: tl.constexpr, KL: tl.constexpr, NQH: tl.constexpr,
+                   HD: tl.constexpr, NSPLIT: tl.constexpr, PART_MAX: tl.constexpr):  # fmt: skip
+    """_rows_x where x is a split attention launch's output not yet merged (KH runs of
+    KL from BASE, KL a multiple of the head size HD, a power of two): the partials merged
+    as the combine launch merges them (the same bits, rounded to x's dtype), over
+    [rows, heads, HD] tiles (one lse load a head and split, the partials in HD-long
+    vectors), then laid out as x; rows of padded tokens are zero, as the combine writes
+    them."""
+    ROWS: tl.constexpr = rr.shape[1]
+    HP: tl.constexpr = KH * KL // HD
+    r = tl.reshape(rr, [ROWS, 1, 1])
+    hh = BASE // HD + tl.arange(0, HP)[None, :, None]
+    ok = (r < M) & (hh < NQH)
+    merged = _merge_splits(sp_out_ptr, sp_lse_ptr, (r * NQH + hh).to(tl.int64),
+                           tl.arange(0, HD)[None, None, :], ok, M * NQH, HD, NSPLIT,
+                           PART_MAX)  # fmt: skip
+    merged = tl.where(ok & (r < _load_qsl(qsl_ptr, num_reqs, M)), merged, 0.0)
+    merged = merged.to(x_ptr.dtype.element_ty).to(tl.float32)
+    return tl.reshape(merged, [1, ROWS, KH, KL]) + (nn * 0).to(tl.float32)
+
+
+@triton.jit
 def _rows_part(w, x):
     """A thread's partial sums of w * x over its K runs: [BN, R, KL]."""
     return tl.sum(w * x, axis=2)
@@ -95,11 +119,15 @@ def _lanes_sum(part):
 @triton.jit
 def _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
                KH1: tl.constexpr, KH2: tl.constexpr, KL: tl.constexpr, NORM: tl.constexpr,
-               GLU: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
+               GLU: tl.constexpr, GDC: tl.constexpr, sp_out_ptr, sp_lse_ptr, qsl_ptr, num_reqs,
+               MERGE: tl.constexpr, NQH: tl.constexpr, HD: tl.constexpr, NSPLIT: tl.constexpr,
+               PART_MAX: tl.constexpr):  # fmt: skip
     """The rows kernel's product over tiles [BN, R, KH, KL]: W (and with GLU the up
     rows, N rows further) loaded, the norm weight folded in, then the wait (GDC), then
     x; returns (acc, acc_up) [BN, R] float32, with RMSNorm's row scale applied (acc_up
-    is acc without GLU)."""
+    is acc without GLU). MERGE: x merged from split attention partials (_rows_x_merged:
+    the partials' outputs and lses, query_start_loc, num_reqs; Hq NQH, head_dim HD,
+    NSPLIT splits)."""
     k1, km1, w1 = _rows_w(w_ptr, nn, N, K, stride_w, 0, KH1, KL)
     if GLU:
         _, _, u1 = _rows_w(w_ptr + N * stride_w, nn, N, K, stride_w, 0, KH1, KL)
@@ -120,9 +148,17 @@ def _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
     if GDC:  # weights are in flight; now wait for the kernel that wrote x
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    x1 = _rows_x(x_ptr, k1, km1, rr, nn, M, stride_x)
+    if MERGE:
+        x1 = _rows_x_merged(x_ptr, rr, nn, M, sp_out_ptr, sp_lse_ptr, qsl_ptr, num_reqs, 0,
+                            KH1, KL, NQH, HD, NSPLIT, PART_MAX)  # fmt: skip
+    else:
+        x1 = _rows_x(x_ptr, k1, km1, rr, nn, M, stride_x)
     if KH2 > 0:
-        x2 = _rows_x(x_ptr, k2, km2, rr, nn, M, stride_x)
+        if MERGE:
+            x2 = _rows_x_merged(x_ptr, rr, nn, M, sp_out_ptr, sp_lse_ptr, qsl_ptr, num_reqs,
+                                KH1 * KL, KH2, KL, NQH, HD, NSPLIT, PART_MAX)  # fmt: skip
+        else:
+            x2 = _rows_x(x_ptr, k2, km2, rr, nn, M, stride_x)
     part = _rows_part(w1, x1)
     if GLU:
         part_u = _rows_part(u1, x1)
@@ -166,12 +202,15 @@ def _fused_rows_kernel(
     KH1: tl.constexpr, KH2: tl.constexpr, KL: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, RES: tl.constexpr,
     GDC: tl.constexpr, ROWS: tl.constexpr,
+    sp_out_ptr, sp_lse_ptr, qsl_ptr, num_reqs, MERGE: tl.constexpr, NQH: tl.constexpr,
+    HD: tl.constexpr, NSPLIT: tl.constexpr, PART_MAX: tl.constexpr,
 ):  # fmt: skip
     """All ROWS rows of a program at once over tiles [BLOCK_N, ROWS, KH, KL]: K (KH1 +
     KH2 pieces of KL) runs along the lanes of a warp and the columns along the warps, so
     every reduction stays inside a warp, and each row costs its loads and arithmetic
     but no latency step of its own. GLU: W holds [gate; up] (2N rows) and the output
-    is silu(x W_gate^T) * (x W_up^T)."""
+    is silu(x W_gate^T) * (x W_up^T). MERGE: x is split attention's output, merged
+    from its partials on the way in (fused_linear's x_splits)."""
     rr, nn, rows, cols, omask = _rows_program(M, N, BLOCK_N, ROWS)
     bias, bias_u, res = 0.0, 0.0, 0.0
     if HAS_BIAS:  # before the wait, with the weights
@@ -179,7 +218,8 @@ def _fused_rows_kernel(
         if GLU:
             bias_u = tl.load(b_ptr + N + cols, mask=cols < N, other=0.0).to(tl.float32)
     acc, acc_u = _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
-                            KH1, KH2, KL, NORM, GLU, GDC)  # fmt: skip
+                            KH1, KH2, KL, NORM, GLU, GDC, sp_out_ptr, sp_lse_ptr, qsl_ptr,
+                            num_reqs, MERGE, NQH, HD, NSPLIT, PART_MAX)  # fmt: skip
     if RES:
         res = tl.load(r_ptr + rows * stride_r + cols, mask=omask, other=0.0).to(tl.float32)
     acc = _epilogue(acc, acc_u, bias, bias_u, res, HAS_BIAS, GLU, RES)
@@ -222,7 +262,8 @@ def _fused_qkv_rope_kernel(
     if HAS_BIAS:
         bias = tl.load(b_ptr + col[:, None], mask=col[:, None] < N, other=0.0).to(tl.float32)
     acc, _ = _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
-                        KH1, KH2, KL, NORM, False, GDC)  # fmt: skip
+                        KH1, KH2, KL, NORM, False, GDC, x_ptr, x_ptr, x_ptr, 0, False, 1, 1, 1,
+                        1.0)  # fmt: skip
     if LATE_META:
         head, d, live, rot, cos, sin, slot = _rope_meta(
             jp, rows, M, pos_ptr, slot_ptr, cs_ptr, max_positions, stride_cs, HALF,
@@ -316,6 +357,33 @@ def _load_row(x_ptr, r_ptr, m, M, stride_x, stride_r, ks, kmask, cols, cmask, K,
 
 _ROWS_LAUNCH = CachedLaunch(_fused_rows_kernel)
 _WIDE_LAUNCH = CachedLaunch(_fused_linear_kernel)
+
+
+def _merges(splits: AttentionSplits, m: int, n: int, k: int, x, silu: bool, norm_weight) -> bool:
+    """Whether fused_linear's rows kernel merges x_splits on its loads: it takes the
+    call (no norm, no silu, at most MAX_ROWS rows, K <= ROWS_MAX_K) and its K runs hold
+    whole heads of a power-of-two size."""
+    if n == 0 or m >= MMA_FROM_ROWS or k > ROWS_MAX_K or silu or norm_weight is not None:
+        return False
+    hd = splits.out.shape[2]
+    kl = _rows_tile(k, x.element_size())[2]
+    return hd == splits.part_out.shape[-1] and kl % hd == 0
+
+
+def _check_x_splits(x: torch.Tensor, splits: AttentionSplits | None) -> None:
+    """fused_linear's x_splits: x must be the split launch's output, viewed [T, Hq * D]."""
+    if splits is None:
+        return
+    if not isinstance(splits, AttentionSplits):
+        raise TypeError(f"x_splits must be an AttentionSplits or None, got {type(splits).__name__}")
+    o = splits.out
+    t, hq, d = o.shape
+    if (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype) != (o.data_ptr(), (t, hq * d),
+                                                                (hq * d, 1), o.dtype):  # fmt: skip
+        raise ValueError(
+            f"x_splits: x (shape {tuple(x.shape)}, strides {x.stride()}) must be x_splits.out "
+            f"viewed [{t}, {hq * d}], contiguous"
+        )
 
 
 def check_fused_linear_args(
@@ -477,6 +545,7 @@ def fused_linear(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     pdl: bool = False,
+    x_splits: AttentionSplits | None = None,
 ) -> torch.Tensor:
     """[M, N] = g(f(x) @ weight^T (+ bias)) (+ residual), M <= MAX_ROWS, one launch.
 
@@ -486,16 +555,26 @@ def fused_linear(
     SiLU-and-multiply. The prologue and epilogue run in float32; the output is rounded
     once. out may be residual itself (an in-place residual stream), never overlap x.
     pdl=True launches with programmatic dependent launch (CUDA, compute capability 9
-    or later; see kernels.pdl_supported)."""
+    or later; see kernels.pdl_supported).
+
+    x_splits: x is the output of a split attention launch whose partials are not merged
+    yet (kernels.paged_attention_unmerged; x = x_splits.out viewed [T, Hq * D]). The
+    rows kernel merges them on its loads, as the combine launch would (the same bits),
+    and x is never written; where another kernel takes the shape (or with norm_weight /
+    silu) the combine launch writes x first."""
     check_fused_linear_args(
         x, weight, bias=bias, norm_weight=norm_weight, silu=silu, glu=glu, residual=residual,
         out=out,
     )  # fmt: skip
+    _check_x_splits(x, x_splits)
     m = x.shape[0]
     n, k = weight.shape
     n = n // 2 if glu else n
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    merge = x_splits is not None and _merges(x_splits, m, n, k, x, silu, norm_weight)
+    if x_splits is not None and not merge:
+        combine_splits(x_splits, pdl=pdl)
     if n == 0:
         return out
     gdc, options = pdl_launch(pdl)
@@ -512,7 +591,14 @@ def fused_linear(
     if k <= ROWS_MAX_K and not silu:  # the wide kernel forms silu(gate) * up once a program
         kh1, kh2, kl, block_n, warps = _rows_tile(k, x.element_size())
         rows = triton.next_power_of_2(m)  # every row in one program
-        args = common + (kh1, kh2, kl, block_n) + bias_norm + tail + (rows,)
+        if merge:
+            sp = x_splits
+            _, nqh, hd = sp.out.shape
+            split = (sp.part_out, sp.part_lse, sp.query_start_loc, sp.num_reqs, True, nqh, hd,
+                     sp.num_splits, sp.part_max)  # fmt: skip
+        else:
+            split = (x, x, x, 0, False, 1, 1, 1, 1.0)
+        args = common + (kh1, kh2, kl, block_n) + bias_norm + tail + (rows,) + split
         launch = _ROWS_LAUNCH
     else:
         kp, block_n, warps = _wide_tile(k)

@@ -33,6 +33,7 @@ such metadata into errors before the launch where a host read is affordable.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from functools import cache
 
@@ -418,6 +419,42 @@ def _paged_attention_kernel(
 
 
 @triton.jit
+def _merge_splits(part_out_ptr, part_lse_ptr, row, d, ok, split_rows, HEAD_DIM_P: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr, PART_MAX: tl.constexpr):  # fmt: skip
+    """The merged attention output (float32) at partial rows `row` (token * NUM_Q_HEADS +
+    head, the first split's) and dims `d`, where `ok`; split s's rows lie split_rows
+    further on. The splits are summed one after another in split order: the combine
+    launch and a consumer merging on its loads (kernels.fused_linear's x_splits) give
+    the same bits.
+
+    With consistent metadata every split wrote a finite or -inf lse and a bounded
+    partial. A token no request covers (only with an inconsistent query_start_loc: rows
+    before its first entry, or skipped by a decreasing one) holds whatever the allocator
+    left: NaN / +inf lse count as empty splits, and partials are read only for splits
+    that count, zeroed where NaN and clamped to +-PART_MAX, so the merged value is
+    finite (garbage, but finite)."""
+    lse_max = tl.full(row.shape, float("-inf"), tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        lse = tl.load(part_lse_ptr + s * split_rows + row, mask=ok, other=float("-inf"))
+        lse = tl.where((lse == lse) & (lse < float("inf")), lse, float("-inf"))
+        lse_max = tl.maximum(lse_max, lse)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    num = tl.zeros(d.shape, tl.float32) + tl.zeros(row.shape, tl.float32)
+    den = tl.zeros(row.shape, tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        lse = tl.load(part_lse_ptr + s * split_rows + row, mask=ok, other=float("-inf"))
+        lse = tl.where((lse == lse) & (lse < float("inf")), lse, float("-inf"))
+        w = tl.exp2(lse - lse_max)
+        part = tl.load(part_out_ptr + (s * split_rows + row) * HEAD_DIM_P + d,
+                       mask=ok & (w > 0.0), other=0.0)  # fmt: skip
+        part = tl.where(part == part, part, 0.0)
+        part = tl.minimum(tl.maximum(part, -PART_MAX), PART_MAX)
+        num += w * part
+        den += w
+    return num / tl.where(den == 0.0, 1.0, den)
+
+
+@triton.jit
 def _combine_splits_kernel(
     out_ptr,
     part_out_ptr,
@@ -448,31 +485,11 @@ def _combine_splits_kernel(
         # Padded token: no request owns it, and no partial was written for it.
         tl.store(o_ptrs, tl.zeros([HEAD_DIM_P], dtype=out_ptr.dtype.element_ty), mask=d_mask)
         return
-    offs_s = tl.arange(0, NUM_SPLITS)
-    row = (offs_s * num_tokens + tok) * NUM_Q_HEADS + head
-    lse = tl.load(part_lse_ptr + row)
-    # With consistent metadata every split wrote a finite or -inf lse and a bounded
-    # partial for this token. A token no request covers (only with an inconsistent
-    # query_start_loc: rows before its first entry, or skipped by a decreasing one) holds
-    # whatever the allocator left: NaN / +inf lse count as empty splits, and partials are
-    # read only for splits that count, zeroed where NaN and clamped to +-PART_MAX, so the
-    # merged row is finite (garbage, but finite, in the out dtype). A few selects on a
-    # [NUM_SPLITS, HEAD_DIM] tile the kernel loads anyway.
-    lse = tl.where((lse == lse) & (lse < float("inf")), lse, float("-inf"))
-    lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp2(lse - lse_max)
-    parts = tl.load(
-        part_out_ptr + row[:, None] * HEAD_DIM_P + offs_d[None, :],
-        mask=(w > 0.0)[:, None],
-        other=0.0,
-    )
-    parts = tl.where(parts == parts, parts, 0.0)
-    parts = tl.minimum(tl.maximum(parts, -PART_MAX), PART_MAX)
-    num = tl.sum(w[:, None] * parts, 0)
-    den = tl.sum(w, 0)
-    den = tl.where(den == 0.0, 1.0, den)
-    tl.store(o_ptrs, (num / den).to(out_ptr.dtype.element_ty), mask=d_mask)
+    row = tl.zeros([1], tl.int64) + tok * NUM_Q_HEADS + head
+    merged = _merge_splits(part_out_ptr, part_lse_ptr, row, offs_d, row >= 0,
+                           num_tokens.to(tl.int64) * NUM_Q_HEADS, HEAD_DIM_P, NUM_SPLITS,
+                           PART_MAX)  # fmt: skip
+    tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @dataclass(frozen=True)
@@ -589,7 +606,14 @@ def _floor_pow2(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
-def paged_attention(
+def paged_attention(q: torch.Tensor, *args, pdl: bool = False, **kw) -> torch.Tensor:
+    """Causal attention of a ragged batch of queries over a paged K/V cache (the
+    arguments and their contract: paged_attention_unmerged); split launches merge their
+    partials in a second launch."""
+    return paged_attention_unmerged(q, *args, pdl=pdl, merge=True, **kw)[0]
+
+
+def paged_attention_unmerged(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -606,8 +630,12 @@ def paged_attention(
     num_splits: int | None = None,
     config: AttentionLaunchConfig | None = None,
     pdl: bool = False,
-) -> torch.Tensor:
-    """Causal attention of a ragged batch of queries over a paged K/V cache.
+    merge: bool = False,
+) -> tuple[torch.Tensor, AttentionSplits | None]:
+    """Causal attention of a ragged batch of queries over a paged K/V cache: (out, None)
+    when the launch does not split its keys, else (out, its AttentionSplits), out then
+    written only with merge=True (the combine launch), else left to the caller
+    (combine_splits, or a consumer that merges on its loads).
 
     q: [num_tokens, num_q_heads, head_dim]; k_cache, v_cache:
     [num_blocks, block_size, num_kv_heads, head_dim]; query_start_loc: int32
@@ -655,7 +683,7 @@ def paged_attention(
     if out is None:
         out = torch.empty_like(q)
     if num_tokens == 0:
-        return out
+        return out, None
     if max_query_len is None:
         max_query_len = num_tokens
 
@@ -731,25 +759,65 @@ def paged_attention(
         num_stages=cfg.num_stages,
         **launch_pdl,
     )
-    if cfg.num_splits > 1:
-        _combine_splits_kernel[(num_tokens, num_q_heads)](
-            out,
-            part_out,
-            part_lse,
-            query_start_loc,
-            num_reqs,
-            num_tokens,
-            out.stride(0),
-            out.stride(1),
-            NUM_Q_HEADS=num_q_heads,
-            HEAD_DIM=head_dim,
-            HEAD_DIM_P=head_dim_p,
-            NUM_SPLITS=cfg.num_splits,
-            # Bounds partials that no program wrote (see the kernel): the out dtype's
-            # range for fp16, a value no real attention output reaches otherwise.
-            PART_MAX=65504.0 if q.dtype == torch.float16 else 1e30,
-            GDC=pdl,
-            num_warps=1 if head_dim_p <= 128 else 2,
-            **launch_pdl,
-        )
+    if cfg.num_splits == 1:
+        return out, None
+    splits = AttentionSplits(out, part_out, part_lse, query_start_loc, num_reqs, cfg.num_splits)
+    if merge:
+        combine_splits(splits, pdl=pdl)
+    return out, splits
+
+
+# paged_attention takes paged_attention_unmerged's arguments but merge (the guard's
+# error messages name arguments from the signature).
+paged_attention.__signature__ = inspect.signature(paged_attention_unmerged).replace(
+    parameters=[
+        p for n, p in inspect.signature(paged_attention_unmerged).parameters.items() if n != "merge"
+    ],
+    return_annotation="torch.Tensor",
+)
+
+
+@dataclass(frozen=True)
+class AttentionSplits:
+    """A split launch's partials before their merge: what the combine launch reads, or
+    a consumer that merges them on its loads (kernels.fused_linear's x_splits)."""
+
+    out: torch.Tensor  # [num_tokens, Hq, D]: where the merge writes (its dtype, its rows)
+    part_out: torch.Tensor  # [num_splits, num_tokens, Hq, D padded] float32
+    part_lse: torch.Tensor  # [num_splits, num_tokens, Hq] float32 (log2 units)
+    query_start_loc: torch.Tensor
+    num_reqs: int
+    num_splits: int
+
+    @property
+    def part_max(self) -> float:
+        """Bound on partials that no program wrote (_merge_splits): the out dtype's range
+        for fp16, a value no real attention output reaches otherwise."""
+        return 65504.0 if self.out.dtype == torch.float16 else 1e30
+
+
+def combine_splits(splits: AttentionSplits, *, pdl: bool = False) -> torch.Tensor:
+    """Merge a split launch's partials into splits.out (one launch); returns it."""
+    out = splits.out
+    num_tokens, num_q_heads, head_dim = out.shape
+    head_dim_p = splits.part_out.shape[-1]
+    pdl, launch_pdl = pdl_launch(pdl)
+    _combine_splits_kernel[(num_tokens, num_q_heads)](
+        out,
+        splits.part_out,
+        splits.part_lse,
+        splits.query_start_loc,
+        splits.num_reqs,
+        num_tokens,
+        out.stride(0),
+        out.stride(1),
+        NUM_Q_HEADS=num_q_heads,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P=head_dim_p,
+        NUM_SPLITS=splits.num_splits,
+        PART_MAX=splits.part_max,
+        GDC=pdl,
+        num_warps=1 if head_dim_p <= 128 else 2,
+        **launch_pdl,
+    )
     return out

@@ -6,9 +6,9 @@ import math
 
 import torch
 
-from specdraft.kernels import as_int, check_paged_attention_args
+from specdraft.kernels import AttentionSplits, as_int, check_paged_attention_args
 from specdraft.kernels.validation import MAX_HEAD_DIM
-from specdraft.ops import paged_attention, store_kv
+from specdraft.ops import paged_attention, paged_attention_unmerged, store_kv
 
 from .attn_metadata import AttentionMetadata
 
@@ -97,6 +97,24 @@ class PagedAttention(torch.nn.Module):
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention(
             q, k_cache, v_cache, *self._metadata(meta), self.scale, out=out, pdl=pdl,
+            **self._options(meta),
+        )  # fmt: skip
+
+    def forward_unmerged(
+        self,
+        q: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        *,
+        pdl: bool = False,
+    ) -> tuple[torch.Tensor, AttentionSplits | None]:
+        """forward(q, ..., stored=True) on the Triton backend, a split launch's partials
+        left unmerged: (out, None) when the launch does not split, else (out, its
+        AttentionSplits), out unwritten (the caller merges: kernels.combine_splits, or
+        kernels.fused_linear's x_splits)."""
+        k_cache, v_cache = kv_cache
+        return paged_attention_unmerged(
+            q, k_cache, v_cache, *self._metadata(meta), self.scale, pdl=pdl,
             **self._options(meta),
         )  # fmt: skip
 

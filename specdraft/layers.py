@@ -27,6 +27,11 @@ from specdraft.ops import apply_rotary, rms_norm, rotary_store_kv, silu_and_mul
 from .attention import PagedAttention
 from .attn_metadata import AttentionMetadata
 
+# The fused decode path's split attention: False, a merge launch after attention; True,
+# the O projection merges the partials on its loads (kernels.fused_linear's x_splits), one
+# launch a layer fewer. Bench and tests set it.
+MERGE_IN_O_PROJ = False
+
 if TYPE_CHECKING:  # specdraft.models imports this module
     from .models.config import DecoderConfig, RopeConfig
 
@@ -234,13 +239,16 @@ class Attention(nn.Module):
         eps: float,
         pdl: bool,
         late_meta: bool = False,
-    ) -> torch.Tensor:
+        merge: bool = True,
+    ) -> tuple[torch.Tensor, kernels.AttentionSplits | None]:
         """The fused decode path's attention half: QKV projection (with the RMSNorm
-        before it folded in), rotary, the K/V store and attention; returns [num_tokens,
-        Hq D]. One launch for the first three where kernels.fused_qkv_rope takes the
-        shapes (whole heads rotated), else fused_linear then rotary_store_kv. late_meta:
-        the kernel before wrote meta's positions and slots (fused_qkv_rope's flag; the
-        two-launch path reads them a launch later anyway)."""
+        before it folded in), rotary, the K/V store and attention; returns ([num_tokens,
+        Hq D], None). One launch for the first three where kernels.fused_qkv_rope takes
+        the shapes (whole heads rotated), else fused_linear then rotary_store_kv.
+        late_meta: the kernel before wrote meta's positions and slots (fused_qkv_rope's
+        flag; the two-launch path reads them a launch later anyway). merge=False: a
+        split attention launch leaves its partials unmerged and returns them second (the
+        output unwritten: the O projection merges them on its loads)."""
         t = x.shape[0]
         cos_sin = self.rotary.cos_sin_cache
         if not kernels.fused_qkv_rope_supported(x.shape[1], self.head_dim, cos_sin.shape[1]):
@@ -248,7 +256,9 @@ class Attention(nn.Module):
                 x, self.qkv_proj.weight, bias=self.qkv_proj.bias, norm_weight=norm_weight,
                 eps=eps, pdl=pdl,
             )  # fmt: skip
-            return self.attend(qkv, meta, kv_cache, pdl=pdl)
+            if merge:
+                return self.attend(qkv, meta, kv_cache, pdl=pdl), None
+            return self.attend(qkv, meta, kv_cache, pdl=pdl, merge=False)
         q_out = torch.empty((t, self.q_size), dtype=x.dtype, device=x.device)
         q = q_out.view(t, self.num_heads, self.head_dim)
         # All checks before the first write (the launch writes the cache); q's heads stand
@@ -261,14 +271,31 @@ class Attention(nn.Module):
             meta.slot_mapping, num_q_heads=self.num_heads, bias=self.qkv_proj.bias,
             norm_weight=norm_weight, eps=eps, out=q_out, pdl=pdl, late_meta=late_meta,
         )  # fmt: skip
-        out = self.attn(q, stand_in, stand_in, kv_cache, meta, stored=True, pdl=pdl)
-        return out.view(t, self.q_size)
+        return self._attend_stored(q, kv_cache, meta, pdl, merge)
+
+    def _attend_stored(self, q, kv_cache, meta, pdl: bool, merge: bool):
+        """Attention over a cache that holds this step's K/V: ([T, Hq D], splits)."""
+        t = q.shape[0]
+        if merge:
+            stand_in = q[:, : self.num_kv_heads]  # stored=True: k and v are not read
+            out = self.attn(q, stand_in, stand_in, kv_cache, meta, stored=True, pdl=pdl)
+            splits = None
+        else:
+            out, splits = self.attn.forward_unmerged(q, kv_cache, meta, pdl=pdl)
+        return out.view(t, self.q_size), splits
 
     def attend(
-        self, qkv: torch.Tensor, meta: AttentionMetadata, kv_cache: KVPair, *, pdl: bool = False
-    ) -> torch.Tensor:
+        self,
+        qkv: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVPair,
+        *,
+        pdl: bool = False,
+        merge: bool = True,
+    ) -> torch.Tensor | tuple[torch.Tensor, kernels.AttentionSplits | None]:
         """Rotary, the K/V store and attention over the QKV projection's output qkv
-        [num_tokens, (Hq + 2 Hkv) D]; returns [num_tokens, Hq D] (q is rotated in place)."""
+        [num_tokens, (Hq + 2 Hkv) D]; returns [num_tokens, Hq D] (q is rotated in place),
+        or with merge=False (out, splits) as project_attend's."""
         t = qkv.shape[0]
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
@@ -283,8 +310,10 @@ class Attention(nn.Module):
             q, k, v, meta.positions, self.rotary.cos_sin_cache, k_cache, v_cache,
             meta.slot_mapping, pdl=pdl,
         )  # fmt: skip
-        out = self.attn(q, k, v, kv_cache, meta, stored=True, pdl=pdl)
-        return out.view(t, self.q_size)
+        if merge:
+            out = self.attn(q, k, v, kv_cache, meta, stored=True, pdl=pdl)
+            return out.view(t, self.q_size)
+        return self._attend_stored(q, kv_cache, meta, pdl, merge)
 
 
 class GatedMLP(nn.Module):
@@ -385,13 +414,15 @@ class DecoderLayer(nn.Module):
                 f"[num_tokens, {attn.qkv_proj.in_features}]"
             )
         norm = self.input_layernorm
-        out = attn.project_attend(
+        out, splits = attn.project_attend(
             stream, meta, kv_cache, norm_weight=None if norm is None else norm.weight,
             eps=1e-6 if norm is None else norm.eps, pdl=pdl, late_meta=late_meta,
+            merge=not MERGE_IN_O_PROJ,
         )  # fmt: skip
         ops.fused_linear(
-            out, attn.o_proj.weight, bias=attn.o_proj.bias, residual=stream, out=stream, pdl=pdl
-        )
+            out, attn.o_proj.weight, bias=attn.o_proj.bias, residual=stream, out=stream, pdl=pdl,
+            x_splits=splits,
+        )  # fmt: skip
         post = self.post_attention_layernorm
         act = ops.fused_linear(
             stream, mlp.gate_up_proj.weight, norm_weight=post.weight, eps=post.eps, glu=True,

@@ -264,6 +264,12 @@ def paged_attention(
     return impl(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, pdl=pdl, **kw)
 
 
+def paged_attention_unmerged(q, *args, **kw):
+    """kernels.paged_attention_unmerged (Triton backend only: the fused decode path's
+    attention, whose split partials the output projection merges on its loads)."""
+    return kernels.paged_attention_unmerged(q, *args, **kw)
+
+
 def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
     impl = _impl("store_kv", k)
     if impl is torch_ops.store_kv:

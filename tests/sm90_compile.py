@@ -194,6 +194,15 @@ def decode_path_compiles() -> list[tuple[str, object]]:
     table = torch.arange(t * 2, dtype=torch.int32).view(t, 2) % blocks
     pa.paged_attention(q, kc, vc, qsl, seq, table, 0.125, max_query_len=1, max_seq_len=24,
                        num_splits=2, pdl=True)  # fmt: skip
+    # the O projection merging split attention's partials on its loads (x_splits), 8 splits
+    for m in (1, 4):
+        label[0] = f"decode M {m} o merging splits"
+        out, splits = pa.paged_attention_unmerged(
+            q[:m], kc, vc, qsl[: m + 1], seq[:m], table[:m], 0.125, max_query_len=1,
+            max_seq_len=24, num_splits=8, pdl=True,
+        )  # fmt: skip
+        fl.fused_linear(out.view(m, hq * d), torch.randn(h, hq * d).to(bf), residual=stream[:1]
+                        .expand(m, h).contiguous(), x_splits=splits, pdl=True)  # fmt: skip
     return got
 
 

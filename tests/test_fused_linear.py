@@ -637,3 +637,117 @@ def test_linear_one_row_stays_on_torch_with_the_fused_path_off(monkeypatch):
 def test_gpu_linear_one_row_wide_k_takes_the_fused_kernel(monkeypatch):
     for k, n in ((4096, 3000), (14336, 512), (1536, 1000)):
         _one_row_linear("cuda", torch.bfloat16, k, n, monkeypatch)
+
+
+# ------------------------------------------------- split attention merged in the O projection
+
+
+def _split_attention(device, dtype, t, seed):
+    """A split attention launch (4 splits) over a ragged batch: 2 requests of 1 and 3
+    query tokens, the tokens past them padding, partials left unmerged; its `out` poisoned."""
+    g = torch.Generator().manual_seed(seed)
+    hq, hkv, d, bs = 4, 2, 16, 4
+    kc = torch.randn(16, bs, hkv, d, generator=g).to(device, dtype)
+    vc = torch.randn(16, bs, hkv, d, generator=g).to(device, dtype)
+    q = torch.randn(t, hq, d, generator=g).to(device, dtype)
+    qsl = torch.tensor([0, 1, 4], dtype=torch.int32, device=device)
+    seq = torch.tensor([9, 14], dtype=torch.int32, device=device)
+    table = torch.arange(1, 9, dtype=torch.int32, device=device).view(2, 4)
+    out = torch.full((t, hq, d), float("nan"), dtype=dtype, device=device)
+    _, splits = kernels.paged_attention_unmerged(
+        q, kc, vc, qsl, seq, table, 0.25, out=out, num_splits=4, max_query_len=3
+    )
+    assert splits is not None and splits.num_splits == 4
+    return out, splits
+
+
+def _merged_against_combined(device, dtype, t, **kw):
+    out, splits = _split_attention(device, dtype, t, seed=t)
+    g = torch.Generator().manual_seed(100 + t)
+    k = out.shape[1] * out.shape[2]
+    w = (torch.randn(24, k, generator=g) / k**0.5).to(device, dtype)
+    b = torch.randn(24, generator=g).to(device, dtype)
+    res = torch.randn(t, 24, generator=g).to(device, dtype)
+    x = out.view(t, k)
+    merged = fused_linear(x, w, bias=b, residual=res.clone(), x_splits=splits, **kw)
+    written = not bool(out.isnan().all())
+    kernels.combine_splits(splits)
+    assert not bool(out.isnan().any()) and bool((out[4:] == 0).all())  # padded tokens: zeros
+    combined = fused_linear(x, w, bias=b, residual=res.clone(), **kw)
+    return merged, combined, written
+
+
+@pytest.mark.parametrize("t", [5, 8])
+def test_fused_linear_merges_split_attention_on_its_loads(t, device):
+    """x_splits: the rows kernel merges the partials as the combine launch would, so the
+    output is bit for bit the combine launch's followed by the plain projection, padded
+    tokens included, and x itself is never written."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    merged, combined, written = _merged_against_combined(device, dtype, t)
+    assert not written
+    assert torch.equal(merged, combined)
+
+
+@pytest.mark.parametrize("t, kw", [(5, {"norm_weight": True}), (12, {})])
+def test_fused_linear_x_splits_falls_back_to_the_merge_launch(t, kw, device):
+    """Where the rows kernel does not take the call (a norm before it, or past MAX_ROWS
+    rows: the tensor-core kernels) the combine launch writes x first: the same output."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    if kw.get("norm_weight"):
+        kw = {"norm_weight": torch.rand(64, device=device, dtype=dtype) + 0.5}
+    merged, combined, written = _merged_against_combined(device, dtype, t, **kw)
+    assert written
+    assert torch.equal(merged, combined)
+
+
+def test_fused_linear_bad_x_splits(device):
+    """x_splits must be an AttentionSplits whose output x is: a clear error, nothing
+    written."""
+    dtype = torch.float32
+    out, splits = _split_attention(device, dtype, 5, seed=1)
+    w = torch.randn(8, 64, device=device, dtype=dtype)
+    y = torch.full((5, 8), 7.0, device=device, dtype=dtype)
+    with pytest.raises(TypeError, match="x_splits must be an AttentionSplits"):
+        fused_linear(out.view(5, 64), w, out=y, x_splits=(splits.part_out, splits.part_lse))
+    with pytest.raises(ValueError, match="x_splits: x"):
+        fused_linear(torch.zeros(5, 64, device=device, dtype=dtype), w, out=y, x_splits=splits)
+    assert bool((y == 7.0).all()) and bool(out.isnan().all())
+
+
+@pytest.mark.interpreter
+def test_merge_in_o_projection_matches_the_merge_launch(monkeypatch):
+    """layers.MERGE_IN_O_PROJ: the fused decode steps of a model with split attention
+    (4 splits, as the GPU takes at long contexts) give the same hidden states, logits and
+    aux states,
+    bit for bit, with the O projection merging the partials and with the merge launch;
+    the merge launch runs only in the latter."""
+    import importlib
+
+    from specdraft import layers
+
+    pa = importlib.import_module("specdraft.kernels.paged_attention")
+
+    choose = pa.choose_launch_config
+    monkeypatch.setattr(pa, "choose_launch_config", lambda **kw: choose(**{**kw, "num_splits": 4}))
+    cfg = tiny_config("llama", num_layers=2)
+    model = random_causal_lm(cfg, dtype=torch.float32, device="cpu", seed=3)
+    combines = []
+    real = pa.combine_splits
+
+    def spy(splits, **kw):
+        combines.append(splits.out.shape[0])
+        return real(splits, **kw)
+
+    monkeypatch.setattr(pa, "combine_splits", spy)
+    monkeypatch.setattr(layers, "MERGE_IN_O_PROJ", False)
+    with torch.no_grad():
+        plain = _model_logits(model, cfg, "cpu", True)
+    launches = len(combines)
+    monkeypatch.setattr(layers, "MERGE_IN_O_PROJ", True)
+    with torch.no_grad():
+        merged = _model_logits(model, cfg, "cpu", True)
+    # 3 decode steps x 2 layers merged by a launch; none with the merge in O (the
+    # unfused prefill merges by launch either way)
+    assert launches - (len(combines) - launches) == 3 * 2, combines
+    for a, b in zip(plain, merged):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
