@@ -798,6 +798,8 @@ class AttentionSplits:
 
 def combine_splits(splits: AttentionSplits, *, pdl: bool = False) -> torch.Tensor:
     """Merge a split launch's partials into splits.out (one launch); returns it."""
+    if not isinstance(splits, AttentionSplits):
+        raise TypeError(f"splits must be an AttentionSplits, got {type(splits).__name__}")
     out = splits.out
     num_tokens, num_q_heads, head_dim = out.shape
     head_dim_p = splits.part_out.shape[-1]

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from specdraft import kernels
 from specdraft.kernels import paged_attention
 from specdraft.kernels.paged_attention import (
     AttentionLaunchConfig,
@@ -376,7 +377,7 @@ def _good(device):
     )
 
 
-def _call(b, **over):
+def _call(b, fn=paged_attention, **over):
     args = dict(
         q=b.q,
         k_cache=b.k_cache,
@@ -388,7 +389,7 @@ def _call(b, **over):
     )
     kwargs = {k: over.pop(k) for k in list(over) if k not in args}
     args.update(over)
-    return paged_attention(*args.values(), **kwargs)
+    return fn(*args.values(), **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -417,14 +418,32 @@ def _call(b, **over):
         (lambda b: {"q": "not a tensor"}, TypeError, "q must be a torch.Tensor"),
     ],
 )
-def test_bad_input_raises_and_writes_nothing(device, change, exc, words):
+@pytest.mark.parametrize("unmerged", [False, True], ids=["merged", "unmerged"])
+def test_bad_input_raises_and_writes_nothing(device, change, exc, words, unmerged):
+    """Both launchers (paged_attention, paged_attention_unmerged) check the same."""
     b = _good(device)
     out = torch.full_like(b.q, 7.0)
     over = change(b)
     over.setdefault("out", out)
+    fn = kernels.paged_attention_unmerged if unmerged else paged_attention
     with pytest.raises(exc, match=words):
-        _call(b, **over)
+        _call(b, fn, **over)
     assert torch.equal(out, torch.full_like(b.q, 7.0))
+
+
+def test_combine_splits_takes_only_attention_splits(device):
+    b = _good(device)
+    out, splits = kernels.paged_attention_unmerged(
+        b.q, b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens, b.block_table, 0.125,
+        num_splits=4,
+    )  # fmt: skip
+    assert splits is not None
+    with pytest.raises(TypeError, match="splits must be an AttentionSplits"):
+        kernels.combine_splits((splits.part_out, splits.part_lse))
+    assert kernels.combine_splits(splits) is out and bool(torch.isfinite(out).all())
+    ref = paged_attention(b.q, b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens,
+                          b.block_table, 0.125, num_splits=4)  # fmt: skip
+    assert torch.equal(out, ref)
 
 
 # ---- GPU: bf16, large shapes, > 2^31-element cache, CUDA-graph replay --------------
