@@ -33,6 +33,7 @@ from .linear_int8 import (
     linear_int8,
     linear_int8_partials,
     quantize_rows_int8,
+    resolve_act_int8,
 )
 from .paged_attention import (
     AttentionLaunchConfig,
@@ -152,6 +153,7 @@ __all__ = [
     "pdl_supported",
     "prepare_slot_mapping",
     "quantize_rows_int8",
+    "resolve_act_int8",
     "rejection_sample",
     "resolve_fed_ids",
     "rms_norm",

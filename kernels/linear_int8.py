@@ -31,11 +31,40 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
+def _rint(v):
+    """v rounded to the nearest integer, ties to even (torch.round), as float32."""
+    f = tl.floor(v)
+    d = v - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+    return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
+
+
+@triton.jit
+def _x_row_scale(xrow, K, rmask, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Per row of x: s_x = absmax / 127 and r_x = 127 / absmax (each correctly rounded;
+    1 and 0 for an all-zero or non-finite row), and whether the row is finite."""
+    amax = tl.zeros((ROWS,), dtype=tl.float32)
+    nans = tl.zeros((ROWS,), dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(xrow + ks[None, :], mask=rmask[:, None] & (ks < K)[None, :], other=0.0)
+        xt = xt.to(tl.float32)
+        nans += tl.sum((xt != xt).to(tl.int32), axis=1)  # max() may pass a NaN over
+        amax = tl.maximum(amax, tl.max(tl.where(xt != xt, 0.0, tl.abs(xt)), axis=1))
+    finite = (amax < float("inf")) & (nans == 0)
+    live = finite & (amax > 0)
+    safe = tl.where(live, amax, 127.0)  # no division by 0 or inf in the lanes not taken
+    sx = tl.where(live, tl.math.div_rn(safe, 127.0), 1.0)
+    rx = tl.where(live, tl.math.div_rn(127.0, safe), 0.0)  # x_q = round(x * rx)
+    return sx, rx, finite
+
+
+@triton.jit
 def _linear_int8_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o, idx_ptr, xr_ptr,
     x_len, IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr, ROWS: tl.constexpr, GDC: tl.constexpr, PARTS: tl.constexpr,
-    GATHER: tl.constexpr,
+    GATHER: tl.constexpr, XQ: tl.constexpr,
 ):  # fmt: skip
     if GDC:  # x (and its row index) comes from the kernels before
         tl.extra.cuda.gdc_wait()
@@ -50,17 +79,32 @@ def _linear_int8_kernel(
         src = tl.load(xr_ptr + rows, mask=rmask, other=0)
         src = tl.minimum(tl.maximum(src, 0), x_len - 1)
     xrow = x_ptr + src[:, None] * stride_x
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < K
-        w = tl.load(wrow + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0)
-        x = tl.load(xrow + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        w = w.to(x.dtype)
-        if IEEE:  # float32 x: full-precision products, as the float32 reference computes
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee", out_dtype=tl.float32)
-        else:
-            acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
+    if XQ:  # x's rows to int8 as well (absmax / 127 a row): int8 products, int32 sums
+        sx, rx, finite = _x_row_scale(xrow, K, rmask, ROWS, BLOCK_K)
+        acc_i = tl.zeros((ROWS, BLOCK_N), dtype=tl.int32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            kmask = ks < K
+            w = tl.load(wrow + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0)
+            x = tl.load(xrow + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            v = tl.where(finite[:, None], x.to(tl.float32), 0.0) * rx[:, None]
+            xq = _rint(v)  # x times r_x: one multiply an element, not a division
+            xq = tl.minimum(tl.maximum(xq, -127.0), 127.0).to(tl.int8)
+            acc_i += tl.dot(xq, tl.trans(w), out_dtype=tl.int32)
+        acc = acc_i.to(tl.float32) * sx[:, None]
+        acc = tl.where(finite[:, None], acc, float("nan"))  # a non-finite row: NaN logits
+    else:
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            kmask = ks < K
+            w = tl.load(wrow + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0)
+            x = tl.load(xrow + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            w = w.to(x.dtype)
+            if IEEE:  # float32 x: full-precision products, as the float32 reference does
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee", out_dtype=tl.float32)
+            else:
+                acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
     scale = tl.load(s_ptr + cols, mask=cmask, other=0.0)
     y = (acc * scale[None, :]).to(x_ptr.dtype.element_ty)
     if not PARTS:
@@ -141,11 +185,31 @@ def _config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     return fit(128, n), fit(128, k), 3, 8, 16
 
 
-def linear_int8(x, weight, scale, *, out=None, x_rows=None, pdl: bool = False) -> torch.Tensor:
+# act_int8's default (kept off: an experiment; bench/NOTES.md, stop 45)
+ACT_INT8 = False
+
+
+def resolve_act_int8(act_int8) -> bool:
+    """act_int8 as given (a bool), or ACT_INT8 for None; TypeError otherwise."""
+    if act_int8 is None:
+        return ACT_INT8
+    if not isinstance(act_int8, bool):
+        raise TypeError(f"act_int8 must be a bool or None, got {type(act_int8).__name__}")
+    return act_int8
+
+
+def linear_int8(
+    x, weight, scale, *, out=None, x_rows=None, pdl: bool = False, act_int8: bool | None = None
+) -> torch.Tensor:
     """x [M, K] @ (weight [N, K] int8 * scale [N, 1])^T -> [M, N] in x's dtype, the sums
     in float32 and each scaled once. x_rows (int64 [M'], values in [0, M); outside,
     clamped): the product of x's rows x_rows instead, [M', N], read in place (no
-    gather launch). pdl: launch with programmatic dependent launch."""
+    gather launch). pdl: launch with programmatic dependent launch. act_int8 (None:
+    ACT_INT8): each row of x is quantized too, x_q = round(x * r_x) in [-127, 127] with
+    r_x = 127 / max |x| (float32, ties to even; a row that is not finite gives NaN), and
+    y = float32(x_q W_q^T summed in int32) * s_x * scale, s_x = max |x| / 127: int8
+    tensor-core products."""
+    act_int8 = resolve_act_int8(act_int8)
     check_linear_int8_args(x, weight, scale, out=out, x_rows=x_rows)
     m, k = _rows_of(x, x_rows), x.shape[1]
     n = weight.shape[0]
@@ -155,21 +219,23 @@ def linear_int8(x, weight, scale, *, out=None, x_rows=None, pdl: bool = False) -
         return out
     if k == 0:
         return out.zero_()
-    _launch(x, weight, scale, out, pdl, x_rows=x_rows)
+    _launch(x, weight, scale, out, pdl, x_rows=x_rows, act_int8=act_int8)
     return out
 
 
-def _launch(x, weight, scale, out, pdl: bool, idx=None, x_rows=None) -> None:
+def _launch(x, weight, scale, out, pdl: bool, idx=None, x_rows=None, act_int8=False) -> None:
     """out: the logits; with idx, the partial maxima instead, idx their columns."""
     m, k = _rows_of(x, x_rows), x.shape[1]
     n = weight.shape[0]
     block_n, block_k, stages, warps, rows = _config(m, n, k)
+    if act_int8:
+        block_k = max(block_k, 32)  # an int8 tensor-core step is 32 deep
     gdc, opts = pdl_launch(pdl)
     gather = x_rows is not None
     args = (x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
             out if idx is None else idx, x_rows if gather else out, x.shape[0],
             x.dtype == torch.float32, block_n, block_k, stages, rows, gdc, idx is not None,
-            gather)  # fmt: skip
+            gather, act_int8)  # fmt: skip
     key = specialization_key(args) + (x.device.index, warps)
     _LAUNCH(key, (cdiv(n, block_n), cdiv(m, rows)), args, {"num_warps": warps, **opts})
 
@@ -203,18 +269,21 @@ def check_linear_int8_partials_args(x, weight, scale, part_val, part_idx, x_rows
 
 
 def linear_int8_partials(
-    x, weight, scale, part_val, part_idx, *, x_rows=None, pdl: bool = False
-) -> int:
+    x, weight, scale, part_val, part_idx, *, x_rows=None, pdl: bool = False,
+    act_int8: bool | None = None,
+) -> int:  # fmt: skip
     """The first half of a greedy argmax over x (weight * scale)^T without writing the
     logits: for row i and column block b, part_val[i, b] = the block's maximum of the
     logits rounded to x's dtype (compared in float32; NaN ranks highest) and part_idx[i,
     b] its first column. Returns the number of blocks; the token is the part_idx of the
     first block holding the row's largest part_val (reduce_argmax_parts, or the draft
-    round's advance / epilogue, which need the token anyway). x_rows: as linear_int8's."""
+    round's advance / epilogue, which need the token anyway). x_rows, act_int8: as
+    linear_int8's."""
+    act_int8 = resolve_act_int8(act_int8)
     check_linear_int8_partials_args(x, weight, scale, part_val, part_idx, x_rows)
     m = _rows_of(x, x_rows)
     if m > 0:
-        _launch(x, weight, scale, part_val, pdl, idx=part_idx, x_rows=x_rows)
+        _launch(x, weight, scale, part_val, pdl, idx=part_idx, x_rows=x_rows, act_int8=act_int8)
     return argmax_blocks(m, weight.shape[0], x.shape[1])
 
 

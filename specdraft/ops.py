@@ -216,19 +216,23 @@ def linear_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, **kw
     """x @ (weight int8 [N, K] * scale [N, 1])^T in x's dtype (kernels.linear_int8)."""
     if backend_for(x) == "triton":
         return kernels.linear_int8(x, weight, scale, **kw)
+    kw["act_int8"] = kernels.resolve_act_int8(kw.get("act_int8"))
     kernels.check_linear_int8_args(x, weight, scale, out=kw.get("out"), x_rows=kw.get("x_rows"))
     return torch_ops.linear_int8(x, weight, scale, **kw)
 
 
-def linear_int8_partials(x, weight, scale, part_val, part_idx, *, x_rows=None, pdl=False) -> int:
+def linear_int8_partials(
+    x, weight, scale, part_val, part_idx, *, x_rows=None, pdl=False, act_int8=None
+) -> int:
     """A greedy argmax over x (weight * scale)^T (x's rows x_rows) left as (maximum,
     first column) per column block in part_val / part_idx, no logits written; returns
     the block count (kernels.linear_int8_partials; the PyTorch path writes one block)."""
     args = (x, weight, scale, part_val, part_idx)
     if backend_for(x) == "triton":
-        return kernels.linear_int8_partials(*args, x_rows=x_rows, pdl=pdl)
+        return kernels.linear_int8_partials(*args, x_rows=x_rows, pdl=pdl, act_int8=act_int8)
+    act_int8 = kernels.resolve_act_int8(act_int8)
     kernels.check_linear_int8_partials_args(*args, x_rows)
-    return torch_ops.linear_int8_partials(*args, x_rows=x_rows)
+    return torch_ops.linear_int8_partials(*args, x_rows=x_rows, act_int8=act_int8)
 
 
 def argmax(

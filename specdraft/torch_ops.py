@@ -186,23 +186,39 @@ def _gathered(x, x_rows):
     return x.index_select(0, x_rows.clamp(0, max(x.shape[0] - 1, 0)))
 
 
-def linear_int8(x, weight, scale, *, out=None, x_rows=None, pdl: bool = False) -> torch.Tensor:
+def linear_int8(
+    x, weight, scale, *, out=None, x_rows=None, pdl: bool = False, act_int8: bool = False
+) -> torch.Tensor:
     """As kernels.linear_int8: float32 sums of x (its rows x_rows) times the int8
-    weights, then each column scaled once, rounded to x's dtype."""
+    weights, then each column scaled once, rounded to x's dtype. act_int8: x's rows to
+    int8 as the kernel defines it; the integer sums are exact here (float64), rounded
+    to float32 once as the kernel's int32 sums are, then the same two multiplies."""
     x = _gathered(x, x_rows)
-    y = (F.linear(x.float(), weight.float()) * scale).to(x.dtype)
+    if act_int8:
+        xf = x.float()
+        amax = xf.abs().amax(dim=1, keepdim=True)
+        finite = torch.isfinite(amax)
+        live = finite & (amax > 0)
+        sx = torch.where(live, amax / 127.0, torch.ones_like(amax))
+        rx = torch.where(live, 127.0 / amax, torch.zeros_like(amax))
+        xq = torch.round(torch.where(finite, xf * rx, 0.0)).clamp_(-127, 127)
+        acc = (xq.double() @ weight.double().T).float() * sx
+        y = torch.where(finite, acc * scale, float("nan")).to(x.dtype)
+    else:
+        y = (F.linear(x.float(), weight.float()) * scale).to(x.dtype)
     if out is None:
         return y
     return out.copy_(y)
 
 
 def linear_int8_partials(
-    x, weight, scale, part_val, part_idx, *, x_rows=None, pdl: bool = False
-) -> int:
+    x, weight, scale, part_val, part_idx, *, x_rows=None, pdl: bool = False,
+    act_int8: bool = False,
+) -> int:  # fmt: skip
     """As kernels.linear_int8_partials with one block a row: each row's maximum of the
     rounded logits (NaN highest) and its first column; returns 1."""
     x = _gathered(x, x_rows)
-    v = linear_int8(x, weight, scale).float()
+    v = linear_int8(x, weight, scale, act_int8=act_int8).float()
     v = torch.where(torch.isnan(v), float("inf"), v)
     m = x.shape[0]
     part_val[:m, 0] = v.max(dim=1).values

@@ -157,6 +157,9 @@ def decode_path_compiles() -> list[tuple[str, object]]:
         label[0] = f"decode M {m} int8 lm_head {n} x {k}"
         q8 = torch.zeros(n, k, dtype=torch.int8)
         li.linear_int8(torch.randn(m, k).to(bf), q8, torch.ones(n), pdl=True)
+        if m in (1, 8, 64):  # x's rows to int8 too: int8 tensor-core products
+            label[0] = f"decode M {m} int8 lm_head {n} x {k} act_int8"
+            li.linear_int8(torch.randn(m, k).to(bf), q8, torch.ones(n), pdl=True, act_int8=True)
     # a greedy step's argmax partials from that lm_head, finished by advance / epilogue
     dr = importlib.import_module("kernels.draft_round")
     from tests.test_drafter import _random_buffers

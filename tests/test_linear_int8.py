@@ -124,6 +124,116 @@ def test_linear_int8_partials_reduce_to_the_argmax(dtype):
     check_partials_case("cpu", dtype, 5, 64, 500, ties=True, seed=7)
 
 
+def reference_a8(x, q, s) -> torch.Tensor:
+    """act_int8's definition in float64: x's rows to int8 (times 127 / absmax in float32,
+    ties to even), exact integer sums, then the two scales (absmax / 127 in float32)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    live = amax > 0
+    sx = torch.where(live, amax / 127.0, torch.ones_like(amax))
+    rx = torch.where(live, 127.0 / amax, torch.zeros_like(amax))
+    xq = torch.round(xf * rx).clamp(-127, 127)
+    return (xq.double() @ q.double().T) * sx.double() * s.double()
+
+
+def check_a8_case(device, dtype, m, k, n, *, seed, gather=False, pdl=False):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, s = kernels.quantize_rows_int8(torch.randn(n, k, device=device, generator=g))
+    x = (torch.randn(m, k, device=device, generator=g) * 3).to(dtype)
+    x[0, k // 2] = 40.0  # an outlier sets row 0's scale
+    if m > 1:
+        x[1] = 0.0  # an all-zero row: scale 1, zero logits
+    rows = torch.randint(0, m, (m + 2,), device=device, generator=g) if gather else None
+    xr = x if rows is None else x[rows]
+    out = torch.full((xr.shape[0], n), float("nan"), device=device, dtype=dtype)
+    kernels.linear_int8(x, q, s, out=out, x_rows=rows, pdl=pdl, act_int8=True)
+    want = reference_a8(xr, q, s)
+    xq_mag = (reference_a8(xr.abs(), q.abs(), s)).abs()  # the sums' magnitude
+    err = (out.double() - want).abs()
+    tol = 4e-7 * xq_mag + 1e-30  # int32 -> float32, two float32 multiplies
+    if dtype != torch.float32:
+        tol = tol + 2 * rounding(want, dtype)
+    assert torch.isfinite(out).all(), "every element written"
+    assert bool((err <= tol).all()), (err.max().item(), (err / tol).max().item())
+    # and the partials rank those logits as argmax_rows does
+    blocks = kernels.argmax_blocks(xr.shape[0], n, k)
+    val = torch.full((xr.shape[0], blocks), float("nan"), device=device)
+    idx = torch.full((xr.shape[0], blocks), -7, dtype=torch.int32, device=device)
+    kernels.linear_int8_partials(x, q, s, val, idx, x_rows=rows, pdl=pdl, act_int8=True)
+    from specdraft.torch_ops import reduce_argmax_parts
+
+    got = reduce_argmax_parts(val, idx, xr.shape[0], blocks)
+    assert torch.equal(got, kernels.argmax_rows(out))
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_act_int8_matches_its_float64_definition(dtype):
+    # SmolLM2's K with a 16-row tile, a 64-row tile, K below one 32-deep step, x_rows
+    for i, (m, k, n) in enumerate(((1, 576, 300), (3, 200, 70), (20, 64, 130), (2, 20, 40))):
+        check_a8_case("cpu", dtype, m, k, n, seed=60 + i)
+    check_a8_case("cpu", dtype, 4, 96, 50, seed=70, gather=True)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_act_int8_torch_path_equals_the_kernel_bit_for_bit(dtype):
+    from specdraft.torch_ops import reduce_argmax_parts
+
+    g = torch.Generator().manual_seed(6)
+    q, s = kernels.quantize_rows_int8(torch.randn(300, 576, generator=g))
+    x = (torch.randn(4, 576, generator=g) * 2).to(dtype)
+    x[2, 7] = float("nan")
+    rows = torch.tensor([3, 0, 2, 2, 1])
+    a = ops.linear_int8(x, q, s, x_rows=rows, act_int8=True)
+    with ops.use_backend("torch"):
+        b = ops.linear_int8(x, q, s, x_rows=rows, act_int8=True)
+        nb = kernels.argmax_blocks(5, 300, 576)  # the buffers' size, whichever path
+        val, idx = torch.empty(5, nb), torch.empty(5, nb, dtype=torch.int32)
+        assert ops.linear_int8_partials(x, q, s, val, idx, x_rows=rows, act_int8=True) == 1
+    assert bool(((a == b) | (a.isnan() & b.isnan())).all()), "bit for bit, NaN rows alike"
+    assert a[2].isnan().all() and a[3].isnan().all() and not a[[0, 1, 4]].isnan().any()
+    assert torch.equal(reduce_argmax_parts(val, idx, 5, 1), kernels.argmax_rows(a))
+
+
+@interp
+def test_act_int8_a_row_that_is_not_finite_gives_nan_and_spares_the_others():
+    q, s = kernels.quantize_rows_int8(torch.randn(40, 64))
+    x = torch.randn(3, 64)
+    x[1, 5] = float("inf")
+    out = kernels.linear_int8(x, q, s, act_int8=True)
+    assert out[1].isnan().all()
+    ref = reference_a8(x[[0, 2]], q, s)
+    assert torch.allclose(out[[0, 2]].double(), ref, rtol=1e-6, atol=1e-6)
+
+
+@interp
+def test_act_int8_rounds_ties_to_even():
+    # absmax 127: r_x = 1, so x * r_x is x and every .5 is a tie
+    halves = [0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5]
+    x = torch.tensor([[127.0] + halves + [0.0] * 7])
+    q = torch.eye(16, dtype=torch.int8)  # logits = x_q times the row scales
+    s = torch.ones(16)
+    out = kernels.linear_int8(x, q, s, act_int8=True)
+    want = [127.0, 0.0, 2.0, 2.0, -0.0, -2.0, -2.0, 126.0, -126.0] + [0.0] * 7
+    assert out[0].tolist() == want
+
+
+@interp
+@pytest.mark.parametrize("bad", [1, "yes", torch.tensor(True)])
+def test_act_int8_must_be_a_bool(bad):
+    q, s = kernels.quantize_rows_int8(torch.randn(40, 64))
+    x = torch.randn(2, 64)
+    out = torch.full((2, 40), 7.0)
+    val = torch.full((2, 1), 7.0)
+    idx = torch.full((2, 1), 7, dtype=torch.int32)
+    with pytest.raises(TypeError, match="act_int8"):
+        kernels.linear_int8(x, q, s, out=out, act_int8=bad)
+    with pytest.raises(TypeError, match="act_int8"):
+        kernels.linear_int8_partials(x, q, s, val, idx, act_int8=bad)
+    assert bool((out == 7.0).all()) and bool((val == 7.0).all()) and bool((idx == 7).all())
+
+
 @interp
 def test_linear_int8_partials_torch_path_reduces_alike():
     from specdraft.torch_ops import reduce_argmax_parts
@@ -517,6 +627,16 @@ def test_gpu_linear_int8_partials_reduce_to_the_argmax(dtype, pdl):
                                    (3, 4096, 2048))):  # fmt: skip
         check_partials_case("cuda", dtype, m, k, n, pdl=pdl, seed=i)
     check_partials_case("cuda", dtype, 8, 576, 49152, ties=True, pdl=pdl, seed=9)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gpu_act_int8_matches_its_float64_definition(dtype, pdl):
+    for i, (m, k, n) in enumerate(((1, 576, 49152), (8, 576, 49152), (64, 576, 49152),
+                                   (3, 4096, 2048), (2, 20, 40))):  # fmt: skip
+        check_a8_case("cuda", dtype, m, k, n, seed=80 + i, pdl=pdl)
+    check_a8_case("cuda", dtype, 4, 576, 1000, seed=90, gather=True, pdl=pdl)
 
 
 @gpu
