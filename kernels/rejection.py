@@ -57,8 +57,10 @@ draft's value (C, from the partials) and the row's mass Z: top-p keeps the token
 C < top_p * Z, and then M lies in [max(top_p * Z, C + its own mass), Z], so p = e / M lies
 in a bracket; acceptance (p > 0 and (p >= q or u q < p)) grows with p, so the bracket's
 ends decide it unless u falls between them. Top-k cuts the token iff at least k values lie
-above it (an exact count). Each row gets SURE_ACCEPT, SURE_REJECT or EXACT (with margins
-of 2^-12 Z over the float estimates); a request's cuts run only on its EXACT rows from
+above it (an exact count); after top-k, M lies in [C + its own mass, Z] and top-p keeps
+the token if C < top_p (C + its own mass). Each row gets SURE_ACCEPT, SURE_REJECT or
+EXACT (with margins of 2^-12 Z over the float estimates); a request's cuts run only on
+its EXACT rows from
 its first row not surely accepted up to its first SURE_REJECT (or its bonus row), and on
 that row, where the residual or bonus draw needs the kept set. The decisions, hence the
 outputs, are bit for bit the unscreened sampler's. On B 64, K 5, V 49152 with the
@@ -271,18 +273,24 @@ def _screen(
     qx = tl.load(q_ptr + req * stride_qb + j * stride_qk + dc, mask=live, other=1.0)
     seed = tl.load(seed_ptr + req, mask=live, other=0)
     u = _uniform(_stream_key(seed, pos + j, ACCEPT_MUL), tl.zeros(rows.shape, tl.uint64))
-    # Top-p keeps the token iff the mass strictly above it is below top_p times the row's
-    # mass (after top-k: its survivors' mass, at most the row's; so "above" only proves a
-    # cut there); top-k keeps it iff fewer than k values lie above it.
+    # Top-k keeps the token iff fewer than k values lie above it. Top-p keeps it iff the
+    # mass strictly above it is below top_p times the mass it filters: the row's, or after
+    # top-k its survivors', which lies between the mass from the token up (all survivors
+    # when the token is one) and the row's.
     tot64 = tot.to(tl.float64)
-    target = topp.to(tl.float64) * tot64
     c64 = above.to(tl.float64)
+    own = c64 + ex.to(tl.float64)  # the mass from the token up (its ties: at least itself)
     margin = tot64 * _SCREEN_TOL
-    cut = (use_p & (c64 > target + margin)) | (use_k & (cnt >= topk))
-    kept = use_p & (use_k == 0) & (c64 < target - margin)
-    # A kept token's row keeps a mass M in [max(target, above + its own), tot]: bounds on
+    in_k = (use_k == 0) | (cnt < topk)
+    target = topp.to(tl.float64) * tot64
+    target_lo = tl.where(use_k, topp.to(tl.float64) * own, target)
+    cut = (use_p & (c64 > target + margin)) | (in_k == 0)
+    kept = in_k & ((use_p == 0) | (c64 < target_lo - margin))
+    # A kept token's row keeps a mass M in [max(top-p's target, the mass from it up), tot]
+    # (after top-k the target is not known, and the second bound alone holds): bounds on
     # p = exp(z - m) / M, and acceptance (p > 0 and (p >= q or u q < p)) grows with p.
-    m_lo = (tl.maximum(target, c64 + ex.to(tl.float64)) * (1.0 - _SCREEN_TOL)).to(tl.float32)
+    floor = tl.where(use_p & (use_k == 0), target, 0.0)
+    m_lo = (tl.maximum(floor, own) * (1.0 - _SCREEN_TOL)).to(tl.float32)
     m_hi = (tot64 * (1.0 + _SCREEN_TOL)).to(tl.float32)
     p_lo = tl.math.div_rn(ex, m_hi)
     p_hi = tl.math.div_rn(ex, tl.maximum(m_lo, 1e-30))

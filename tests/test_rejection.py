@@ -666,6 +666,42 @@ def test_screen_states_are_sound():
     assert bool((state[~nothing & ~present] == kr.NO_DRAFT).all())
 
 
+@interp
+def test_screen_after_top_k_bounds_the_survivors_mass():
+    """Top-k then top-p: drafts among each row's top-k tokens (ranks 1 to k), where the
+    top-p cut over the survivors' mass (not the row's) decides; a flat q, so a kept draft
+    is accepted. SURE_ACCEPT only where the float64 reference accepts, and the screened
+    sampler's outputs are the unscreened one's."""
+    b, k, v = 12, 5, 203
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(b * (k + 1), v, generator=g) * 2
+    kinds = [SP(1.0, top_k=40, top_p=0.5), SP(1.0, top_k=9, top_p=0.7), SP(0.8, top_k=20)]
+    st = make_params(b, kinds, seed0=3)
+    rank = torch.randint(0, 40, (b, k), generator=g)
+    order = logits.view(b, k + 1, v)[:, :k].argsort(-1, descending=True)
+    topk = torch.tensor([kinds[i % len(kinds)].top_k for i in range(b)])
+    drafts = order.gather(2, torch.minimum(rank, topk[:, None] - 1)[..., None])[..., 0]
+    q = torch.full((b, k, v), 1.0 / v)
+    pos = torch.randint(0, 10**6, (b,), generator=g)
+    outs = []
+    for screen in (False, True):
+        cfg = dataclasses.replace(kr.choose_rejection_config(v, b, k), screen=screen)
+        batch = Batch(logits, drafts, q, st, pos, cfg)
+        batch.run()
+        outs.append([t.clone() for t in batch.outs()])
+    assert all(torch.equal(x, y) for x, y in zip(*outs))
+    state = batch.ws.row_state[: b * (k + 1)].view(b, k + 1)[:, :k]
+    rep = torch.arange(b).repeat_interleave(k + 1)
+    stv = st.select(rep)
+    p = ref_filtered64(logits, stv.greedy, stv.temperature, stv.top_k, stv.top_p)
+    px = p.view(b, k + 1, v)[:, :k].gather(2, drafts[..., None])[..., 0]
+    u = keyed_uniform(st.seed[:, None], pos[:, None] + torch.arange(k), ACCEPT).double()
+    accept = (px > 0) & ((px >= 1.0 / v) | (u / v < px))
+    sure_a, sure_r = state == kr.SURE_ACCEPT, state == kr.SURE_REJECT
+    assert int(sure_a.sum()) > 0 and int(sure_r.sum()) > 0
+    assert bool(accept[sure_a].all()) and not bool(accept[sure_r].any())
+
+
 # ---------------------------------------------------------------------- losslessness
 
 
