@@ -1119,11 +1119,12 @@ def _resample_kernel(
     logits_ptr, stride_lm, drafts_ptr, stride_db, q_ptr, stride_qb, stride_qk,
     greedy_ptr, temp_ptr, seed_ptr, pos_ptr, rmax_ptr, rthr_ptr, rsum_ptr,
     pmax_ptr, parg_ptr, walk_ptr, rval_ptr, ridx_ptr, done_ptr,
-    tokens_ptr, stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr,
+    tokens_ptr, stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr, state_ptr,
     B, K, V, NB, NB2,
     ROWS: tl.constexpr, KP: tl.constexpr, NBP: tl.constexpr, NB2P: tl.constexpr,
     BLOCK_V: tl.constexpr, SUB: tl.constexpr, RESIDUAL_MUL: tl.constexpr,
-    BONUS_MUL: tl.constexpr,
+    BONUS_MUL: tl.constexpr, WALK: tl.constexpr, ACCEPT_MUL: tl.constexpr,
+    SCREEN: tl.constexpr,
     GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Program (i, blk): the exponential races of a tile of ROWS requests over
@@ -1132,16 +1133,26 @@ def _resample_kernel(
     top-k / top-p, or p <= q) draws nothing there, and a slice with no weight in the
     whole tile is skipped. Each request has its own ticket (as in the greedy kernel):
     the last of its NB2 programs writes its tokens, counts and counters, for every
-    request of the tile it was last for."""
+    request of the tile it was last for. WALK: each program walks its requests' drafts
+    itself (the sampled ones; the last program every one) instead of reading the walk
+    launch's k and r: the same _walk, so the same k and r, and one launch fewer."""
     _gdc_enter(GDC)
     req = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     blk = tl.program_id(1)
     rmask = req < B
     pos = tl.load(pos_ptr + req, mask=rmask, other=-1)
     greedy = tl.load(greedy_ptr + req, mask=rmask, other=1) != 0
-    k = tl.load(walk_ptr + req * 2, mask=rmask, other=0)
-    r = tl.load(walk_ptr + req * 2 + 1, mask=rmask, other=0)
     race = rmask & (greedy == 0) & (pos >= 0)  # padded and greedy requests need no race
+    if WALK:
+        _, tw, sw, _ = _load_request(req, rmask, greedy_ptr, temp_ptr, seed_ptr, pos_ptr, True)
+        _, k, r, _ = _walk(
+            req, race, drafts_ptr, stride_db, logits_ptr, stride_lm, q_ptr, stride_qb,
+            stride_qk, greedy, tw, sw, pos, rmax_ptr, rthr_ptr, rsum_ptr, pmax_ptr, parg_ptr,
+            state_ptr, K, V, NB, KP, NBP, True, False, ACCEPT_MUL, SCREEN,
+        )  # fmt: skip
+    else:
+        k = tl.load(walk_ptr + req * 2, mask=rmask, other=0)
+        r = tl.load(walk_ptr + req * 2 + 1, mask=rmask, other=0)
     if tl.max(race.to(tl.int32), axis=0) != 0:
         t = tl.load(temp_ptr + req, mask=race, other=1.0)
         seed = tl.load(seed_ptr + req, mask=race, other=0)
@@ -1192,6 +1203,16 @@ def _resample_kernel(
         tl.store(done_ptr + req, tl.zeros([ROWS], tl.int32), mask=last)
         jj = tl.arange(0, KP)
         real = last & (pos >= 0)
+        if WALK:  # every request of the tile, greedy ones too (as the walk launch)
+            _, tw, sw, _ = _load_request(req, rmask, greedy_ptr, temp_ptr, seed_ptr, pos_ptr,
+                                         True)  # fmt: skip
+            _, k, r, _ = _walk(
+                req, real, drafts_ptr, stride_db, logits_ptr, stride_lm, q_ptr, stride_qb,
+                stride_qk, greedy, tw, sw, pos, rmax_ptr, rthr_ptr, rsum_ptr, pmax_ptr,
+                parg_ptr, state_ptr, K, V, NB, KP, NBP, True, True, ACCEPT_MUL, SCREEN,
+            )  # fmt: skip
+            k = tl.where(real, k, 0)
+            r = tl.where(real, r, 0)
         dm = real[:, None] & (jj < K)[None, :]
         d = tl.load(drafts_ptr + req[:, None] * stride_db + jj[None, :], mask=dm, other=-1)
         _emit(
@@ -1370,6 +1391,10 @@ class RejectionConfig:
     # request's K + 1 rows); used while B * (K + 1) <= 65535 (the grid's second dimension)
     screen: bool = True  # screen the drafts before the cuts: only the rows whose
     # decision needs its exact cut get one (module docstring, "Screening")
+    # The race programs walk the drafts themselves: no walk launch (~8 µs as its own
+    # launch at B 64, K 5, stop 25), but each race program then holds the walk too (sm_90:
+    # 52 registers against 40, 9 programs an SM against 12). Off until measured.
+    walk_in_race: bool = False
 
     @property
     def max_passes(self) -> int:
@@ -1761,15 +1786,18 @@ def _plan(
                 cfg.warps_f if fast_only else 8 if cfg.rows_t * cfg.block_t >= 2048 else 4,
                 pdl,
             )  # fmt: skip
-    _WALK.add(
-        launches,
-        (triton.cdiv(b, cfg.rows_w),),
-        (target_logits, lm, draft_tokens, draft_tokens.stride(0), q, *sq, greedy, temperature,
-         seed, positions, ws.row_max, ws.row_thr, ws.row_sum, ws.part_max, ws.part_arg,
-         ws.row_state, ws.walk, b, k, v, nb, cfg.rows_w, kp, nbp, mul_a, screen),
-        4,
-        pdl,
-    )  # fmt: skip
+    fold = bool(cfg.walk_in_race)
+    if not fold:
+        _WALK.add(
+            launches,
+            (triton.cdiv(b, cfg.rows_w),),
+            (target_logits, lm, draft_tokens, draft_tokens.stride(0), q, *sq, greedy,
+             temperature, seed, positions, ws.row_max, ws.row_thr, ws.row_sum, ws.part_max,
+             ws.part_arg, ws.row_state, ws.walk, b, k, v, nb, cfg.rows_w, kp, nbp, mul_a,
+             screen),
+            4,
+            pdl,
+        )  # fmt: skip
     sub_r = min(cfg.sub_r, cfg.block_r)
     race_tile = cfg.rows_r * sub_r
     _RESAMPLE.add(
@@ -1779,8 +1807,8 @@ def _plan(
          temperature, seed, positions, ws.row_max, ws.row_thr, ws.row_sum, ws.part_max,
          ws.part_arg, ws.walk, ws.race_val, ws.race_idx, ws.done, out_tokens,
          out_tokens.stride(0), out_num_accepted, out_num_emitted, proposed_counts,
-         accepted_counts, b, k, v, nb, nb2, cfg.rows_r, kp, nbp, _p2(nb2), cfg.block_r, sub_r,
-         mul_r, mul_b),
+         accepted_counts, ws.row_state, b, k, v, nb, nb2, cfg.rows_r, kp, nbp, _p2(nb2),
+         cfg.block_r, sub_r, mul_r, mul_b, fold, mul_a, screen),
         8 if race_tile >= 2048 else 4 if race_tile >= 512 else 2 if race_tile >= 128 else 1,
         pdl,
     )  # fmt: skip

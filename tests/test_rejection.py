@@ -490,8 +490,8 @@ def test_tiles_bit_equal_to_one_row_per_program(device):
     requests; four race blocks per row, so each request's own ticket picks its last
     program. Thresholds, kept masses, race winners, tokens and counters are the same bit
     for bit; the kept sets are filtered_probs' and the tokens the reference's. The same
-    tiles screened (only the rows a decision needs get a cut): the same race winners,
-    tokens and counters."""
+    tiles screened (only the rows a decision needs get a cut), and with the walk inside
+    the race programs: the same race winners, tokens and counters."""
     k, v = 2, 203
     g = torch.Generator().manual_seed(31)
     rows, _ = _filter_rows(v, g)
@@ -511,6 +511,9 @@ def test_tiles_bit_equal_to_one_row_per_program(device):
     tiles = (ROW_TILES, BAND_TILES, dataclasses.replace(BAND_TILES, rows_t=64, rows_r=64),
              FAST_TILES, FAST_SMALL_TILES)  # fmt: skip
     tiles = [dataclasses.replace(c, screen=s) for s in (False, True) for c in tiles]
+    # the walk inside the race programs (walk_in_race), unscreened and screened
+    tiles += [dataclasses.replace(c, walk_in_race=True, screen=s)
+              for c, s in ((ROW_TILES, False), (FAST_TILES, True), (BAND_TILES, True))]  # fmt: skip
     for cfg in tiles:
         batch = Batch(logits.to(device), drafts.to(device), q.to(device), _on(st, device),
                       pos.to(device), cfg)  # fmt: skip
@@ -582,7 +585,8 @@ def _screen_case(b, k, v, g):
 def test_screened_equals_unscreened(tiles, device, monkeypatch):
     """Screening is an optimisation only: with it, every output (tokens, counts,
     counters, race winners) is bit for bit the unscreened sampler's, and each row the
-    screen sends to its cut gets the same threshold and kept mass. Fewer rows are cut."""
+    screen sends to its cut gets the same threshold and kept mass. Fewer rows are cut.
+    (Two of the tilings also walk inside the race programs, another optimisation only.)"""
     monkeypatch.setenv("SPECDRAFT_VALIDATE", "0")  # drafts outside the vocabulary too
     b, k, v = 14, 3, 203
     base = {"default": None, "band": BAND_TILES, "fast": FAST_TILES,
@@ -595,7 +599,9 @@ def test_screened_equals_unscreened(tiles, device, monkeypatch):
         args = [logits.to(device), drafts.to(device), q.to(device), _on(st, device), pos.to(device)]
         outs = []
         for screen in (False, True):
-            batch = Batch(*args, dataclasses.replace(base, screen=screen))
+            # screened, the band and fast tiles also walk inside the race programs
+            fold = screen and tiles in ("band", "fast")
+            batch = Batch(*args, dataclasses.replace(base, screen=screen, walk_in_race=fold))
             ws = batch.ws
             for t in (ws.row_thr, ws.row_sum, ws.race_val):
                 t.fill_(float("nan"))
