@@ -29,7 +29,11 @@ head's b1 K3 greedy round, taken in turn.
 
     python -m bench.draft_round [--out results] [--ctx 256] [--batches 1,8,64]
         [--ks 1,3,5,7] [--cases ...] [--modes greedy] [--iters 30] [--lm-head bf16,int8]
-        [--bar-repeats 5]
+        [--bar-repeats 5] [--merge-in-o] [--act-int8]
+
+--merge-in-o: split attention merged by the O projection (specdraft.layers.MERGE_IN_O_PROJ)
+for SmolLM2's step and the drafts alike; --act-int8: the int8 lm_heads quantize their
+input rows too (kernels.linear_int8.ACT_INT8). Both are experiments, off by default.
 
 --lm-head int8 gives every draft an int8 copy of its lm_head (per-row scales; bf16,int8:
 both, one after the other in the same run): the floor counts its bytes, the bars name it.
@@ -40,6 +44,7 @@ A suffix :N (int8:16384) gives the EAGLE-1 heads a draft vocabulary of N ids
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 import statistics
 import sys
@@ -529,6 +534,11 @@ def main(argv: list[str] | None = None) -> int:
         help="split attention merged by the O projection on its loads, no merge launch "
         "(specdraft.layers.MERGE_IN_O_PROJ), for the target's step and the drafts alike",
     )  # fmt: skip
+    ap.add_argument(
+        "--act-int8", action="store_true",
+        help="int8 lm_heads quantize their input rows to int8 too: int8 tensor-core products "
+        "(specdraft.kernels.linear_int8.ACT_INT8)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.bar_repeats < 0:
         ap.error(f"--bar-repeats must be >= 0, got {args.bar_repeats}")
@@ -546,10 +556,12 @@ def main(argv: list[str] | None = None) -> int:
     from specdraft.draft_buffers import MODE_NAMES
 
     layers.MERGE_IN_O_PROJ = layers.MERGE_IN_O_PROJ or args.merge_in_o
+    li = importlib.import_module("specdraft.kernels.linear_int8")
+    li.ACT_INT8 = li.ACT_INT8 or args.act_int8
     env = environment()
     copy_bw = copy_bandwidth_tbps()["best"]
     env["copy_tbps"] = copy_bw
-    env["merge_in_o"] = layers.MERGE_IN_O_PROJ
+    env["merge_in_o"], env["act_int8"] = layers.MERGE_IN_O_PROJ, li.ACT_INT8
     print(f"{env['gpu']}: copy {copy_bw:.2f} TB/s; torch {env['torch']}", flush=True)
     ks = [int(x) for x in args.ks.split(",")]
     room = (args.iters * 8 + 64) * (max(ks) + 1)
