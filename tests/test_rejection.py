@@ -1129,14 +1129,26 @@ def _gpu_case(b, k, v, seed=0):
 @gpu
 @pytest.mark.parametrize("v", [49152, 128256])
 def test_gpu_bf16_large_vocab_matches_reference(v):
+    """The default (screened) sampler's tokens against the reference; the same outputs
+    unscreened, every filtered row then cut, its kept set filtered_probs'."""
     b, k = 16, 5
     logits, drafts, q, st, pos = _gpu_case(b, k, v, seed=v)
-    batch = Batch(logits.cuda(), drafts.cuda(), q.cuda(), _on(st, "cuda"), pos.cuda())
-    tokens, nacc, nemit = (t.cpu() for t in batch.run())
+    args = (logits.cuda(), drafts.cuda(), q.cuda(), _on(st, "cuda"), pos.cuda())
+    screened = Batch(*args)
+    assert screened.ws.config.screen
+    tokens, nacc, nemit = (t.cpu() for t in screened.run())
     rt, rn, re = ref_rejection(logits.float(), drafts, q, st, pos)
     # bf16 rows are full of exact ties (handled exactly); only a top-p cut within float
     # rounding of top_p * mass may differ: allow one request in 16.
     assert int((tokens != rt).any(1).sum()) <= 1
+    cfg = dataclasses.replace(kr.choose_rejection_config(v, b, k), screen=False)
+    batch = Batch(*args, cfg)
+    batch.run()
+    assert all(torch.equal(x, y) for x, y in zip(batch.outs(), screened.outs()))
+    need = kr.screened_cut_rows(screened.ws, b, k).cuda()
+    assert torch.equal(
+        screened.ws.row_thr[: b * (k + 1)][need], batch.ws.row_thr[: b * (k + 1)][need]
+    )
     # The kept sets against sampling.filtered_probs on the same device.
     rep = torch.arange(b).repeat_interleave(k + 1).cuda()
     want = filtered_probs(logits.cuda(), _on(st, "cuda").select(rep)) > 0
