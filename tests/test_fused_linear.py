@@ -643,21 +643,24 @@ def test_gpu_linear_one_row_wide_k_takes_the_fused_kernel(monkeypatch):
 
 
 def _split_attention(device, dtype, t, seed):
-    """A split attention launch (4 splits) over a ragged batch: 2 requests of 1 and 3
-    query tokens, the tokens past them padding, partials left unmerged; its `out` poisoned."""
+    """A split attention launch (4 splits, each holding keys: contexts of 300 and 520)
+    over a ragged batch: 2 requests of 1 and 3 query tokens, the tokens past them
+    padding, partials left unmerged; its `out` poisoned."""
     g = torch.Generator().manual_seed(seed)
-    hq, hkv, d, bs = 4, 2, 16, 4
-    kc = torch.randn(16, bs, hkv, d, generator=g).to(device, dtype)
-    vc = torch.randn(16, bs, hkv, d, generator=g).to(device, dtype)
+    hq, hkv, d, bs = 4, 2, 32, 16
+    kc = torch.randn(80, bs, hkv, d, generator=g).to(device, dtype)
+    vc = torch.randn(80, bs, hkv, d, generator=g).to(device, dtype)
     q = torch.randn(t, hq, d, generator=g).to(device, dtype)
     qsl = torch.tensor([0, 1, 4], dtype=torch.int32, device=device)
-    seq = torch.tensor([9, 14], dtype=torch.int32, device=device)
-    table = torch.arange(1, 9, dtype=torch.int32, device=device).view(2, 4)
+    seq = torch.tensor([300, 520], dtype=torch.int32, device=device)
+    table = (torch.randperm(79, generator=g)[:66] + 1).to(torch.int32).view(2, 33).to(device)
     out = torch.full((t, hq, d), float("nan"), dtype=dtype, device=device)
     _, splits = kernels.paged_attention_unmerged(
         q, kc, vc, qsl, seq, table, 0.25, out=out, num_splits=4, max_query_len=3
     )
     assert splits is not None and splits.num_splits == 4
+    live = (splits.part_lse[:, :4] > float("-inf")).sum(0)  # splits holding keys, per row
+    assert int(live.min()) >= 2, live
     return out, splits
 
 
@@ -694,7 +697,7 @@ def test_fused_linear_x_splits_falls_back_to_the_merge_launch(t, kw, device):
     rows: the tensor-core kernels) the combine launch writes x first: the same output."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     if kw.get("norm_weight"):
-        kw = {"norm_weight": torch.rand(64, device=device, dtype=dtype) + 0.5}
+        kw = {"norm_weight": torch.rand(128, device=device, dtype=dtype) + 0.5}
     merged, combined, written = _merged_against_combined(device, dtype, t, **kw)
     assert written
     assert torch.equal(merged, combined)
@@ -705,12 +708,12 @@ def test_fused_linear_bad_x_splits(device):
     written."""
     dtype = torch.float32
     out, splits = _split_attention(device, dtype, 5, seed=1)
-    w = torch.randn(8, 64, device=device, dtype=dtype)
+    w = torch.randn(8, 128, device=device, dtype=dtype)
     y = torch.full((5, 8), 7.0, device=device, dtype=dtype)
     with pytest.raises(TypeError, match="x_splits must be an AttentionSplits"):
-        fused_linear(out.view(5, 64), w, out=y, x_splits=(splits.part_out, splits.part_lse))
+        fused_linear(out.view(5, 128), w, out=y, x_splits=(splits.part_out, splits.part_lse))
     with pytest.raises(ValueError, match="x_splits: x"):
-        fused_linear(torch.zeros(5, 64, device=device, dtype=dtype), w, out=y, x_splits=splits)
+        fused_linear(torch.zeros(5, 128, device=device, dtype=dtype), w, out=y, x_splits=splits)
     assert bool((y == 7.0).all()) and bool(out.isnan().all())
 
 
