@@ -359,17 +359,6 @@ _ROWS_LAUNCH = CachedLaunch(_fused_rows_kernel)
 _WIDE_LAUNCH = CachedLaunch(_fused_linear_kernel)
 
 
-def _merges(splits: AttentionSplits, m: int, n: int, k: int, x, silu: bool, norm_weight) -> bool:
-    """Whether fused_linear's rows kernel merges x_splits on its loads: it takes the
-    call (no norm, no silu, at most MAX_ROWS rows, K <= ROWS_MAX_K) and its K runs hold
-    whole heads of a power-of-two size."""
-    if n == 0 or m >= MMA_FROM_ROWS or k > ROWS_MAX_K or silu or norm_weight is not None:
-        return False
-    hd = splits.out.shape[2]
-    kl = _rows_tile(k, x.element_size())[2]
-    return hd == splits.part_out.shape[-1] and kl % hd == 0
-
-
 def _check_x_splits(x: torch.Tensor, splits: AttentionSplits | None) -> None:
     """fused_linear's x_splits: x must be the split launch's output, viewed [T, Hq * D]."""
     if splits is None:
@@ -572,9 +561,18 @@ def fused_linear(
     n = n // 2 if glu else n
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    merge = x_splits is not None and _merges(x_splits, m, n, k, x, silu, norm_weight)
-    if x_splits is not None and not merge:
-        combine_splits(x_splits, pdl=pdl)
+    # The rows kernel takes the call (the wide kernel forms silu(gate) * up once a program)
+    rows_kernel = m < MMA_FROM_ROWS and k <= ROWS_MAX_K and not silu
+    if rows_kernel:
+        kh1, kh2, kl, block_n, warps = _rows_tile(k, x.element_size())
+    merge = False
+    if x_splits is not None:
+        # it merges the splits on its loads if its K runs hold whole power-of-two heads
+        hd = x_splits.out.shape[2]
+        merge = rows_kernel and n > 0 and norm_weight is None and kl % hd == 0
+        merge = merge and hd == x_splits.part_out.shape[-1]
+        if not merge:
+            combine_splits(x_splits, pdl=pdl)
     if n == 0:
         return out
     gdc, options = pdl_launch(pdl)
@@ -588,8 +586,7 @@ def fused_linear(
     if m >= MMA_FROM_ROWS:
         mma_linear(common, m, n, k, x, bias_norm + tail, options)
         return out
-    if k <= ROWS_MAX_K and not silu:  # the wide kernel forms silu(gate) * up once a program
-        kh1, kh2, kl, block_n, warps = _rows_tile(k, x.element_size())
+    if rows_kernel:
         rows = triton.next_power_of_2(m)  # every row in one program
         if merge:
             sp = x_splits

@@ -237,6 +237,16 @@ _SCREEN_TOL = tl.constexpr(2.0**-12)
 
 
 @triton.jit
+def _request_drafts(req, rmask, drafts_ptr, stride_db, K, KP: tl.constexpr):
+    """Requests' drafts [R, KP] (-1 past K and where rmask is off) and k [R], the ids
+    before the first -1 (the drafts it proposes)."""
+    j = tl.arange(0, KP)
+    jm = rmask[:, None] & (j < K)[None, :]
+    d = tl.load(drafts_ptr + req[:, None] * stride_db + j[None, :], mask=jm, other=-1)
+    return d, tl.min(tl.where((d == -1) | (jm == 0), j[None, :], K), axis=1)
+
+
+@triton.jit
 def _screen(
     rows, rmask, m, tot, above, cnt, logits_ptr, stride_lm, drafts_ptr, stride_db,
     q_ptr, stride_qb, stride_qk, greedy_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr,
@@ -250,12 +260,8 @@ def _screen(
     (relative to the row max m, float) and count of the values above the draft's."""
     req = rows // K1
     j = rows % K1
-    K = K1 - 1
-    jj = tl.arange(0, KP)
-    dm = rmask[:, None] & (jj < K)[None, :]
-    dall = tl.load(drafts_ptr + req[:, None] * stride_db + jj[None, :], mask=dm, other=-1)
-    k = tl.min(tl.where((dall == -1) | (dm == 0), jj[None, :], K), axis=1)  # as the walk's
-    d = tl.sum(tl.where(jj[None, :] == j[:, None], dall, 0), axis=1)
+    dall, k = _request_drafts(req, rmask, drafts_ptr, stride_db, K1 - 1, KP)
+    d = tl.sum(tl.where(tl.arange(0, KP)[None, :] == j[:, None], dall, 0), axis=1)
     greedy = tl.load(greedy_ptr + req, mask=rmask, other=1) != 0
     pos = tl.load(pos_ptr + req, mask=rmask, other=-1)
     topk = tl.load(topk_ptr + req, mask=rmask, other=0)
@@ -1019,9 +1025,7 @@ def _walk(
     decision of a request is independent of the others, so the walk is a parallel test
     of all K drafts followed by a min, not a loop."""
     j = tl.arange(0, KP)
-    jm = rmask[:, None] & (j < K)[None, :]
-    d = tl.load(drafts_ptr + req[:, None] * stride_db + j[None, :], mask=jm, other=-1)
-    k = tl.min(tl.where((d == -1) | (jm == 0), j[None, :], K), axis=1)
+    d, k = _request_drafts(req, rmask, drafts_ptr, stride_db, K, KP)
     present = j[None, :] < k[:, None]
     in_vocab = (d >= 0) & (d < V)
     live = present & in_vocab  # ids outside the vocabulary are read nowhere, never accepted
@@ -1204,8 +1208,6 @@ def _resample_kernel(
         jj = tl.arange(0, KP)
         real = last & (pos >= 0)
         if WALK:  # every request of the tile, greedy ones too (as the walk launch)
-            _, tw, sw, _ = _load_request(req, rmask, greedy_ptr, temp_ptr, seed_ptr, pos_ptr,
-                                         True)  # fmt: skip
             _, k, r, _ = _walk(
                 req, real, drafts_ptr, stride_db, logits_ptr, stride_lm, q_ptr, stride_qb,
                 stride_qk, greedy, tw, sw, pos, rmax_ptr, rthr_ptr, rsum_ptr, pmax_ptr,

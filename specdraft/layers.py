@@ -256,9 +256,8 @@ class Attention(nn.Module):
                 x, self.qkv_proj.weight, bias=self.qkv_proj.bias, norm_weight=norm_weight,
                 eps=eps, pdl=pdl,
             )  # fmt: skip
-            if merge:
-                return self.attend(qkv, meta, kv_cache, pdl=pdl), None
-            return self.attend(qkv, meta, kv_cache, pdl=pdl, merge=False)
+            q = self._rotate_store(qkv, meta, kv_cache, pdl)
+            return self._attend_stored(q, kv_cache, meta, pdl, merge)
         q_out = torch.empty((t, self.q_size), dtype=x.dtype, device=x.device)
         q = q_out.view(t, self.num_heads, self.head_dim)
         # All checks before the first write (the launch writes the cache); q's heads stand
@@ -285,17 +284,16 @@ class Attention(nn.Module):
         return out.view(t, self.q_size), splits
 
     def attend(
-        self,
-        qkv: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_cache: KVPair,
-        *,
-        pdl: bool = False,
-        merge: bool = True,
-    ) -> torch.Tensor | tuple[torch.Tensor, kernels.AttentionSplits | None]:
+        self, qkv: torch.Tensor, meta: AttentionMetadata, kv_cache: KVPair, *, pdl: bool = False
+    ) -> torch.Tensor:
         """Rotary, the K/V store and attention over the QKV projection's output qkv
-        [num_tokens, (Hq + 2 Hkv) D]; returns [num_tokens, Hq D] (q is rotated in place),
-        or with merge=False (out, splits) as project_attend's."""
+        [num_tokens, (Hq + 2 Hkv) D]; returns [num_tokens, Hq D] (q is rotated in place)."""
+        return self._attend_stored(self._rotate_store(qkv, meta, kv_cache, pdl), kv_cache, meta,
+                                   pdl, True)[0]  # fmt: skip
+
+    def _rotate_store(self, qkv, meta, kv_cache, pdl: bool) -> torch.Tensor:
+        """Rotary and the K/V store over qkv [num_tokens, (Hq + 2 Hkv) D]; returns q
+        [num_tokens, Hq, D], rotated in place."""
         t = qkv.shape[0]
         q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
@@ -310,10 +308,7 @@ class Attention(nn.Module):
             q, k, v, meta.positions, self.rotary.cos_sin_cache, k_cache, v_cache,
             meta.slot_mapping, pdl=pdl,
         )  # fmt: skip
-        if merge:
-            out = self.attn(q, k, v, kv_cache, meta, stored=True, pdl=pdl)
-            return out.view(t, self.q_size)
-        return self._attend_stored(q, kv_cache, meta, pdl, merge)
+        return q
 
 
 class GatedMLP(nn.Module):

@@ -438,8 +438,11 @@ def test_combine_splits_takes_only_attention_splits(device):
         num_splits=4,
     )  # fmt: skip
     assert splits is not None
+    out.fill_(7.0)
+    snap = [t.clone() for t in (out, splits.part_out, splits.part_lse)]
     with pytest.raises(TypeError, match="splits must be an AttentionSplits"):
         kernels.combine_splits((splits.part_out, splits.part_lse))
+    assert all(torch.equal(a, b) for a, b in zip(snap, (out, splits.part_out, splits.part_lse)))
     assert kernels.combine_splits(splits) is out and bool(torch.isfinite(out).all())
     ref = paged_attention(b.q, b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens,
                           b.block_table, 0.125, num_splits=4)  # fmt: skip
