@@ -15,8 +15,13 @@ reads q only at the draft ids and one row per request). Peer: the PyTorch path
 (rejection_sample_torch: sampling.filtered_probs, keyed draws) under the same graph.
 "rows cut": of the B * (K + 1) target rows, those the screen sent to their top-k / top-p
 cut (kernels/rejection.py, "Screening"; a variant `screen=0` cuts every filtered row).
+`--per-launch`: each case also gets its launches' times ("launches" column, kernel:µs):
+the graph of the first i launches timed for every i, each launch's time the difference
+(with programmatic dependent launch a launch's time includes its overlap with the one
+before).
 
     python -m bench.rejection [--out results] [--vocabs 49152,128256] [--batch 64] [--k 5]
+                              [--per-launch]
 """
 
 from __future__ import annotations
@@ -72,8 +77,40 @@ def config_variant(spec: str, v: int, b: int, k: int) -> kr.RejectionConfig:
     return dataclasses.replace(cfg, **{n: int(x) for n, x in fields.items()})
 
 
+def per_launch_us(sampler: RejectionSampler, sets: list, st: SamplingTensors) -> str:
+    """ "kernel:µs ..." for the sampler's launches on these input sets: the graph of the
+    first i launches (cycling over the sets) timed for i = 1..n, differences taken."""
+    kr._PLANS.clear()
+    for s in sets:  # one plan per input set, built by the sampler's own call
+        sampler(s[0], s[1], s[2], st, s[3])
+    plans = list(kr._PLANS.values())
+    if len(plans) != len(sets):
+        return "n/a (plans not one per input set)"
+    launches = [p[3] for p in plans]
+    names = [c.jit_fn.__name__.strip("_").removesuffix("_kernel") for c, *_ in launches[0]]
+
+    def prefix(i: int, plan: list):
+        def fn():
+            for cached, key, grid, args, options in plan[:i]:
+                cached(key, grid, args, options)
+
+        return fn
+
+    times = [0.0]
+    for i in range(1, len(names) + 1):
+        times.append(time_graph_us([prefix(i, p) for p in launches], min_launches=30))
+    return " ".join(f"{n}:{times[i + 1] - times[i]:.1f}" for i, n in enumerate(names))
+
+
 def bench_case(
-    v: int, mode: str, dist: str, b: int, k: int, read_bw: float, variant: str | None = None
+    v: int,
+    mode: str,
+    dist: str,
+    b: int,
+    k: int,
+    read_bw: float,
+    variant: str | None = None,
+    per_launch: bool = False,
 ) -> dict:
     params = MODES[mode]
     sampled = not params.greedy
@@ -114,6 +151,8 @@ def bench_case(
             ws = sampler.workspace
             if ws.config.screen and params.uses_filter:  # rows the screen left to the cut
                 row["rows_cut"] = int(kr.screened_cut_rows(ws, b, k).sum())
+            if per_launch:
+                row["launches"] = per_launch_us(sampler, sets, st)
     logits_bytes = b * (k + 1) * v * 2
     q_bytes = b * k * v * 4
     row["floor_logits_us"] = logits_bytes / (read_bw * 1e12) * 1e6
@@ -139,6 +178,7 @@ COLUMNS = [
     ("torch_us", "PyTorch path us"),
     ("mean_accepted", "mean accepted"),
     ("rows_cut", "rows cut"),
+    ("launches", "launches (kernel:us)"),
 ]
 
 
@@ -158,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         "field=value+field=value (e.g. block_g=8192+sub_g=1024), on gaussian logits",
     )
     ap.add_argument("--variant-modes", default="greedy", help="the modes the variants run")
+    ap.add_argument("--per-launch", action="store_true", help="each launch's time too")
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",")]
     unknown = [m for m in modes if m not in MODES]
@@ -176,13 +217,17 @@ def main(argv: list[str] | None = None) -> int:
     for v in (int(x) for x in args.vocabs.split(",")):
         for mode in modes:
             for dist in args.dists.split(","):
-                row = bench_case(v, mode, dist, args.batch, args.k, env["read_tbps"])
+                row = bench_case(
+                    v, mode, dist, args.batch, args.k, env["read_tbps"], None, args.per_launch
+                )
                 rows.append(row)
                 print({k: round(x, 2) if isinstance(x, float) else x for k, x in row.items()})
                 torch.cuda.empty_cache()
         for spec in (x for x in args.variants.split(",") if x):
             for mode in args.variant_modes.split(","):
-                row = bench_case(v, mode, "gaussian", args.batch, args.k, env["read_tbps"], spec)
+                row = bench_case(
+                    v, mode, "gaussian", args.batch, args.k, env["read_tbps"], spec, args.per_launch
+                )
                 rows.append(row)
                 print({k: round(x, 2) if isinstance(x, float) else x for k, x in row.items()})
     table = markdown_table(rows, COLUMNS)

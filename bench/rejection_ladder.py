@@ -1,0 +1,240 @@
+"""Where the rejection sampler's two full-width passes spend their time (issue 12).
+
+The sampler's partials pass reads every target row once (B 64, K 5, V 49152: 384 bf16
+rows, 37.7 MB) and took 31 µs on the H200 (stop 25), 3.5x its bytes at the read
+bandwidth; its race reads one row of logits and q per request and took 35 µs. This
+benchmark times ladders of stand-in kernels over the same data, each rung adding one
+piece of the real pass, so the cost of each piece shows:
+
+- partials, per (rows, vocabulary block) program: `read` (a sum), `max`, `argmax` (max
+  and first index), `+expsum` (sum of exp(z - block max)), `+min` (smallest value),
+  `+screen` (mass and count above the row's draft value: the sampler's screen); for
+  several tiles (rows x columns, warps), the sampler's own being 4 x 1024 at 8 warps;
+- race, per (request, vocabulary block) program over `sub`-wide slices: `read` (logits
+  and q), `+p` (the filtered p = exp(z - m) / mass, residual max(p - q, 0)), `+hash`
+  (the keyed uniform per element), `+race` (E = -log1p(-u), ratio, running argmax).
+
+Each rung is timed under CUDA-graph replay cycling 3 input sets (bench.common), next to
+its bytes floor at the read bandwidth measured in the same run. The sampler's own
+launches: `python -m bench.rejection --per-launch`. The stand-ins reuse the sampler's
+hash and exponential (kernels/rejection.py), and a CPU test checks each rung's output
+against PyTorch, so a rung computes what it claims.
+
+    python -m bench.rejection_ladder [--out results] [--batch 64] [--k 5] [--vocab 49152]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from bench.common import (
+    environment,
+    markdown_table,
+    read_bandwidth_tbps,
+    save_results,
+    time_graph_us,
+)
+from specdraft.kernels import rejection as kr
+
+PARTIAL_RUNGS = ("read", "max", "argmax", "+expsum", "+min", "+screen")
+RACE_RUNGS = ("read", "+p", "+hash", "+race")
+# (rows, columns, warps) per partials program; the first is the sampler's (stop 46)
+PARTIAL_TILES = ((4, 1024, 8), (1, 4096, 8), (2, 4096, 8), (1, 8192, 8), (1, 16384, 16))
+# (columns, slice, warps) per race program; the first is the sampler's
+RACE_TILES = ((2048, 512, 4), (2048, 1024, 4), (4096, 1024, 8), (1024, 1024, 4))
+
+
+@triton.jit
+def _partials_ladder(
+    x_ptr, stride, draft_ptr, out_ptr, num_rows, V, NB,
+    ROWS: tl.constexpr, BLOCK_V: tl.constexpr, RUNG: tl.constexpr,
+):  # fmt: skip
+    """out[row * NB + blk, 0:6]: sum | max, argmax, sum exp, min, mass and count above
+    the draft's value, as far as RUNG goes (0 read ... 5 screen)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    blk = tl.program_id(1)
+    offs = blk * BLOCK_V + tl.arange(0, BLOCK_V)
+    rmask = rows < num_rows
+    mask = rmask[:, None] & (offs < V)[None, :]
+    z = tl.load(x_ptr + rows[:, None] * stride + offs[None, :], mask=mask, other=float("-inf"))
+    z = z.to(tl.float32)
+    o = out_ptr + (rows * NB + blk) * 6
+    if RUNG == 0:
+        tl.store(o, tl.sum(tl.where(mask, z, 0.0), axis=1), mask=rmask)
+    else:
+        if RUNG == 1:
+            bmax = tl.max(z, axis=1)
+        else:
+            bmax, barg = tl.max(z, axis=1, return_indices=True, return_indices_tie_break_left=True)
+            tl.store(o + 1, (barg + blk * BLOCK_V).to(tl.float32), mask=rmask)
+        tl.store(o, bmax, mask=rmask)
+        if RUNG >= 3:
+            ez = tl.exp(z - tl.where(bmax == float("-inf"), 0.0, bmax)[:, None])
+            tl.store(o + 2, tl.sum(ez, axis=1), mask=rmask)
+            if RUNG >= 4:
+                tl.store(o + 3, tl.min(tl.where(mask, z, float("inf")), axis=1), mask=rmask)
+            if RUNG >= 5:
+                d = tl.load(draft_ptr + rows, mask=rmask, other=0)
+                xd = tl.load(x_ptr + rows * stride + d, mask=rmask, other=0.0).to(tl.float32)
+                above = z > xd[:, None]
+                tl.store(o + 4, tl.sum(tl.where(above, ez, 0.0), axis=1), mask=rmask)
+                tl.store(o + 5, tl.sum(above.to(tl.int32), axis=1).to(tl.float32), mask=rmask)
+
+
+@triton.jit
+def _race_ladder(
+    x_ptr, stride, q_ptr, stride_q, m_ptr, thr_ptr, tot_ptr, seed_ptr, pos_ptr, out_ptr,
+    V, NB, BLOCK_V: tl.constexpr, SUB: tl.constexpr, RUNG: tl.constexpr,
+    RESIDUAL_MUL: tl.constexpr,
+):  # fmt: skip
+    """Request b's slice of block blk, SUB columns at a time: out[b * NB + blk, 0:2] =
+    sum of logits + q (RUNG 0); sum of max(p - q, 0) (1); sum of w * u (2); the race's
+    best ratio and its index (3)."""
+    b = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    lane = tl.arange(0, SUB)
+    m = tl.load(m_ptr + b)
+    thr = tl.load(thr_ptr + b)
+    tot = tl.load(tot_ptr + b)
+    h = kr._stream_key(tl.load(seed_ptr + b), tl.load(pos_ptr + b), RESIDUAL_MUL)
+    acc = tl.zeros([SUB], tl.float32)
+    best = tl.full([SUB], -1.0, tl.float32)
+    where = tl.zeros([SUB], tl.int32)
+    for c in range(0, BLOCK_V, SUB):
+        offs = blk * BLOCK_V + c + lane
+        mask = offs < V
+        z = tl.load(x_ptr + b * stride + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        qv = tl.load(q_ptr + b * stride_q + offs, mask=mask, other=0.0)
+        if RUNG == 0:
+            acc += tl.where(mask, z, 0.0) + qv
+        else:
+            p = tl.math.div_rn(tl.where(z >= thr, tl.exp(z - m), 0.0), tot)
+            w = tl.maximum(p - qv, 0.0)
+            if RUNG == 1:
+                acc += w
+            else:
+                u = kr._uniform(h, offs.to(tl.uint64))
+                if RUNG == 2:
+                    acc += w * u
+                else:
+                    ratio = tl.where(mask, tl.math.div_rn(w, kr._exponential(u)), -1.0)
+                    up = ratio > best
+                    best = tl.where(up, ratio, best)
+                    where = tl.where(up, offs, where)
+    o = out_ptr + (b * NB + blk) * 2
+    if RUNG < 3:
+        tl.store(o, tl.sum(acc, axis=0))
+    else:
+        bmax = tl.max(best, axis=0)
+        tl.store(o, bmax)
+        tl.store(o + 1, tl.min(tl.where(best == bmax, where, 2147483647), axis=0).to(tl.float32))
+
+
+def partials_ladder(x, drafts, rung: int, rows: int, block_v: int, warps: int, out=None):
+    """Rung `rung` over x [R, V] with one draft id per row; returns out [R, NB, 6]."""
+    r, v = x.shape
+    nb = triton.cdiv(v, block_v)
+    if out is None:
+        out = torch.full((r, nb, 6), float("nan"), device=x.device)
+    grid = (triton.cdiv(r, rows), nb)
+    _partials_ladder[grid](x, x.stride(0), drafts, out, r, v, nb, rows, block_v, rung,
+                           num_warps=warps)  # fmt: skip
+    return out
+
+
+def race_ladder(x, q, m, thr, tot, seed, pos, rung, block_v, sub, warps, out=None):
+    """Rung `rung` over x [B, V] logits and q [B, V]; returns out [B, NB, 2]."""
+    b, v = x.shape
+    nb = triton.cdiv(v, block_v)
+    if out is None:
+        out = torch.full((b, nb, 2), float("nan"), device=x.device)
+    mul = kr._stream_mul(kr.RESIDUAL)
+    _race_ladder[(b, nb)](x, x.stride(0), q, q.stride(0), m, thr, tot, seed, pos, out, v, nb,
+                          block_v, sub, rung, mul, num_warps=warps)  # fmt: skip
+    return out
+
+
+def make_sets(b: int, k: int, v: int, n: int = 3) -> list[dict]:
+    """n input sets on the GPU: bench.rejection's gaussian logits and blurred q."""
+    from bench.rejection import make_inputs
+
+    sets = []
+    for seed in range(n):
+        logits, drafts, q, positions = make_inputs(b, k, v, "gaussian", True, seed)
+        z = logits.float()
+        m = z.max(-1).values
+        rows = torch.arange(b, device=z.device) * (k + 1)  # each request's row 0 races
+        zr = z[rows]
+        tot = torch.exp(zr - m[rows, None]).sum(-1)
+        sets.append(
+            dict(
+                logits=logits, drafts=torch.cat([drafts, drafts[:, :1]], 1).reshape(-1),
+                race_x=logits[rows], q=q[:, 0].contiguous(), m=m[rows].contiguous(),
+                thr=torch.full((b,), float("-inf"), device=z.device), tot=tot,
+                seed=torch.arange(b, device=z.device), pos=positions,
+            )
+        )  # fmt: skip
+    return sets
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("results"))
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--vocab", type=int, default=49152)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.rejection_ladder needs an NVIDIA GPU; tests/test_bench_rejection.py "
+              "checks its kernels on the CPU")  # fmt: skip
+        return 2
+    env = environment()
+    env["read_tbps"] = bw = read_bandwidth_tbps()
+    b, k, v = args.batch, args.k, args.vocab
+    sets = make_sets(b, k, v)
+    rows_out = []
+    part_bytes = b * (k + 1) * v * 2
+    for rows, block_v, warps in PARTIAL_TILES:
+        for rung, name in enumerate(PARTIAL_RUNGS):
+            outs = [partials_ladder(s["logits"], s["drafts"], rung, rows, block_v, warps)
+                    for s in sets]  # fmt: skip
+            fns = [
+                partial(partials_ladder, s["logits"], s["drafts"], rung, rows, block_v, warps, o)
+                for s, o in zip(sets, outs, strict=True)
+            ]
+            us = time_graph_us(fns, min_launches=30)
+            rows_out.append(dict(pass_="partials", tile=f"{rows}x{block_v} w{warps}", rung=name,
+                                 us=us, floor_us=part_bytes / (bw * 1e6)))  # fmt: skip
+            print(rows_out[-1], flush=True)
+    race_bytes = b * v * (2 + 4)
+    for block_v, sub, warps in RACE_TILES:
+        for rung, name in enumerate(RACE_RUNGS):
+            args_ = [(s["race_x"], s["q"], s["m"], s["thr"], s["tot"], s["seed"], s["pos"])
+                     for s in sets]  # fmt: skip
+            outs = [race_ladder(*a, rung, block_v, sub, warps) for a in args_]
+            fns = [
+                partial(race_ladder, *a, rung, block_v, sub, warps, o)
+                for a, o in zip(args_, outs, strict=True)
+            ]
+            us = time_graph_us(fns, min_launches=30)
+            rows_out.append(dict(pass_="race", tile=f"{block_v}/{sub} w{warps}", rung=name,
+                                 us=us, floor_us=race_bytes / (bw * 1e6)))  # fmt: skip
+            print(rows_out[-1], flush=True)
+    cols = [("pass_", "pass"), ("tile", "tile"), ("rung", "rung"), ("us", "µs"),
+            ("floor_us", "bytes floor µs")]  # fmt: skip
+    head = f"{env['gpu']}, read {bw:.2f} TB/s, B {b} K {k} V {v}, {env['date']}\n\n"
+    table = markdown_table(rows_out, cols)
+    print(table)
+    save_results(args.out, "rejection_ladder", {"env": env, "rows": rows_out}, head + table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
