@@ -11,6 +11,9 @@ Greedy requests accept while x_j == argmax(row j) and emit the argmax at r.
 1. partials (rows x vocab blocks): per block max, first argmax, sum exp(z - max) and the
    smallest finite value, with z = logits / T; screened, also the mass and count of the
    block's values above the row's draft token. Nothing [B, K, V]-sized is written.
+   At large vocabularies on the GPU a program reads one row's block (up to 16384
+   columns) in slices into per-lane values reduced once: the max in a first read, the
+   sums relative to it in a second (from L1 / L2).
 2. init (row tiles): row max and mass from the partials; thresholds reset to -inf;
    screened, each row's screening state (below).
 3. cut (row tiles; launched only when a request filters): the top-k and top-p
@@ -179,48 +182,80 @@ def _partials_kernel(
     logits_ptr, stride_lm, greedy_ptr, temp_ptr,
     pmax_ptr, parg_ptr, psum_ptr, pmin_ptr, drafts_ptr, stride_db, pabove_ptr, pcnt_ptr,
     num_rows, V, K1, NB,
-    ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SAMPLED: tl.constexpr, SCREEN: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr, SAMPLED: tl.constexpr,
+    SCREEN: tl.constexpr,
     GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Per (row, vocabulary block): max, first argmax and (SAMPLED) sum exp(z - max) and
     the smallest finite value. SCREEN: also, for row j < K of a request, the mass (as
     exp(z - max)) and the count of the block's values above z at the row's draft token
-    (garbage for other rows, which nothing reads)."""
+    (garbage for other rows, which nothing reads).
+
+    The block is read SUB columns at a time into per-lane running values, reduced once
+    at the end (as the all-greedy launch does): a first loop keeps each lane's largest
+    value and its first index; a second reads the block again (from L1 / L2) for the
+    sums relative to the block's max. A reduction a value per block, not per SUB slice:
+    at SUB = BLOCK_V the loops run once."""
     _gdc_enter(GDC)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     blk = tl.program_id(1)
-    offs = blk * BLOCK_V + tl.arange(0, BLOCK_V)
+    lo = blk * BLOCK_V
+    lane = tl.arange(0, SUB)
     rmask = rows < num_rows
-    mask = rmask[:, None] & (offs < V)[None, :]
     if SAMPLED:
         req = rows // K1
         g = tl.load(greedy_ptr + req, mask=rmask, other=1) != 0
         t = tl.where(g, 1.0, tl.load(temp_ptr + req, mask=rmask, other=1.0))
-        z = _load_z(logits_ptr, stride_lm, rows, offs, mask, t)
-    else:
-        # Greedy: the argmax of the raw logits (float32 conversion keeps their order).
-        ptrs = logits_ptr + rows[:, None] * stride_lm + offs[None, :]
-        z = tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
-    bmax, barg = tl.max(z, axis=1, return_indices=True, return_indices_tie_break_left=True)
+    best = tl.full([ROWS, SUB], float("-inf"), tl.float32)
+    where = tl.zeros([ROWS, SUB], tl.int32) + (lo + lane)[None, :]
+    for c in tl.range(0, BLOCK_V, SUB):
+        offs = lo + c + lane
+        mask = rmask[:, None] & (offs < V)[None, :]
+        if SAMPLED:
+            z = _load_z(logits_ptr, stride_lm, rows, offs, mask, t)
+        else:
+            # Greedy: the argmax of the raw logits (float32 conversion keeps their order).
+            ptrs = logits_ptr + rows[:, None] * stride_lm + offs[None, :]
+            z = tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
+        up = z > best  # strict: a lane keeps its first index of a tie
+        best = tl.where(up, z, best)
+        where = tl.where(up, offs[None, :], where)
+    bmax = tl.max(best, axis=1)
+    # The first index holding the max (a block of -inf: its first column, as before)
+    barg = tl.min(tl.where(best == bmax[:, None], where, 2147483647), axis=1)
     out = rows * NB + blk
     tl.store(pmax_ptr + out, bmax, mask=rmask)
-    tl.store(parg_ptr + out, (barg + blk * BLOCK_V).to(tl.int32), mask=rmask)
+    tl.store(parg_ptr + out, barg, mask=rmask)
     if SAMPLED:
         ref = tl.where(bmax == float("-inf"), 0.0, bmax)
-        ez = tl.exp(z - ref[:, None])
-        tl.store(psum_ptr + out, tl.sum(ez, axis=1), mask=rmask)
-        # The smallest finite value (+inf for none): the low end of a top-k search.
-        finite = mask & (z > float("-inf"))
-        tl.store(pmin_ptr + out, tl.min(tl.where(finite, z, float("inf")), axis=1), mask=rmask)
         if SCREEN:
             j = rows % K1
             has = rmask & (j < K1 - 1)
             d = tl.load(drafts_ptr + req * stride_db + j, mask=has, other=-1)
             has = has & (d >= 0) & (d < V)
             xd = tl.load(logits_ptr + rows * stride_lm + tl.where(has, d, 0), mask=has, other=0.0)
-            above = z > tl.math.div_rn(xd.to(tl.float32), t)[:, None]  # z[d] itself, exactly
-            tl.store(pabove_ptr + out, tl.sum(tl.where(above, ez, 0.0), axis=1), mask=rmask)
-            tl.store(pcnt_ptr + out, tl.sum(above.to(tl.int32), axis=1), mask=rmask)
+            zd = tl.math.div_rn(xd.to(tl.float32), t)  # z[d] itself, exactly
+        total = tl.zeros([ROWS, SUB], tl.float32)
+        # The smallest finite value (+inf for none): the low end of a top-k search.
+        low = tl.full([ROWS, SUB], float("inf"), tl.float32)
+        above_sum = tl.zeros([ROWS, SUB], tl.float32)
+        above_cnt = tl.zeros([ROWS, SUB], tl.int32)
+        for c in tl.range(0, BLOCK_V, SUB):
+            offs = lo + c + lane
+            mask = rmask[:, None] & (offs < V)[None, :]
+            z = _load_z(logits_ptr, stride_lm, rows, offs, mask, t)
+            ez = tl.exp(z - ref[:, None])
+            total += ez
+            low = tl.minimum(low, tl.where(z > float("-inf"), z, float("inf")))
+            if SCREEN:
+                above = z > zd[:, None]
+                above_sum += tl.where(above, ez, 0.0)
+                above_cnt += above.to(tl.int32)
+        tl.store(psum_ptr + out, tl.sum(total, axis=1), mask=rmask)
+        tl.store(pmin_ptr + out, tl.min(low, axis=1), mask=rmask)
+        if SCREEN:
+            tl.store(pabove_ptr + out, tl.sum(above_sum, axis=1), mask=rmask)
+            tl.store(pcnt_ptr + out, tl.sum(above_cnt, axis=1), mask=rmask)
 
 
 # ------------------------------------------------------------------------ 2. row stats
@@ -1362,11 +1397,12 @@ def _greedy_kernel(
 
 @dataclass(frozen=True)
 class RejectionConfig:
-    """Tile sizes (all powers of two). block_v / rows_p: partials tile; block_t: the cut
-    kernel's chunk of a row; cap: candidates resolved pairwise; nbin: histogram bins per
-    cut pass; block_r / sub_r: a race program's vocabulary block and the slice it draws at
-    once; rows_w: requests per walk program; rows_t: rows per cut program; rows_r:
-    requests per race program."""
+    """Tile sizes (all powers of two). block_v / rows_p: partials tile, read sub_v
+    columns a loop iteration by warps_v warps (None: the whole tile at once, warps by its
+    size); block_t: the cut kernel's chunk of a row; cap: candidates resolved pairwise;
+    nbin: histogram bins per cut pass; block_r / sub_r: a race program's vocabulary block
+    and the slice it draws at once; rows_w: requests per walk program; rows_t: rows per
+    cut program; rows_r: requests per race program."""
 
     block_v: int
     rows_p: int
@@ -1376,6 +1412,8 @@ class RejectionConfig:
     block_r: int
     sub_r: int
     rows_w: int
+    sub_v: int | None = None  # the partials' columns a loop iteration (None: block_v)
+    warps_v: int | None = None  # the partials' warps (None: 8 from 4096-element tiles, else 4)
     block_g: int | None = None  # the all-greedy launch's vocabulary tile (None: block_v)
     sub_g: int | None = None  # columns it reads per loop iteration (None: the whole tile)
     warps_g: int | None = None  # its warps (None: by tile size)
@@ -1437,9 +1475,22 @@ def choose_rejection_config(
     block_g = min(_p2(vocab), max(1024, min(4096, _p2(vocab * num_reqs // 256)), many))
     rows_t = tile // (block_t if INTERPRET else max(block_t, nbin, 8 * cap))
     rows_r = (tile if INTERPRET else 2048) // sub_r
+    sub_g = None if INTERPRET else min(block_g, 2048 if block_g >= 16384 else 512)
+    warps_g = None if INTERPRET else (8 if block_g >= 16384 else 4)
+    rows_p = max(1, min(tile // block_v, _p2(rows)))
+    sub_v = warps_v = None
+    if wide:
+        # The partials take the all-greedy launch's tiles: one row a program, its block
+        # read sub_g columns at a time into per-lane values reduced once (stop 47,
+        # offline sm_90: ~3x fewer instructions an element than 4 x 1024 tiles reduced
+        # whole, which made the pass instruction-bound: 31 µs for 8.4 µs of bytes). At
+        # most 16384 columns: the second read of a block should still find it in L1 / L2.
+        block_v, rows_p, sub_v, warps_v = min(block_g, 16384), 1, sub_g, warps_g
     return RejectionConfig(
         block_v=block_v,
-        rows_p=max(1, min(tile // block_v, _p2(rows))),
+        rows_p=rows_p,
+        sub_v=sub_v,
+        warps_v=warps_v,
         block_t=block_t,
         cap=cap,
         nbin=nbin,
@@ -1447,8 +1498,8 @@ def choose_rejection_config(
         sub_r=sub_r,
         rows_w=max(1, min(tile // (kp * nb), _p2(num_reqs), 1024 if INTERPRET else 64)),
         block_g=block_v if INTERPRET else block_g,
-        sub_g=None if INTERPRET else min(block_g, 2048 if block_g >= 16384 else 512),
-        warps_g=None if INTERPRET else (8 if block_g >= 16384 else 4),
+        sub_g=sub_g,
+        warps_g=warps_g,
         stages_g=1,
         rows_t=1 if wide else max(1, min(rows_t, _p2(rows))),
         rows_r=1 if wide else max(1, min(rows_r, _p2(num_reqs))),
@@ -1745,20 +1796,23 @@ def _plan(
     # Screening only pays where a cut may run (and needs a draft row to screen).
     screen = bool(cfg.screen) and bool(any_filter) and k > 0
     db = draft_tokens.stride(0)
+    sub_v = min(cfg.sub_v or cfg.block_v, cfg.block_v)
     _PARTIALS.add(
         launches,
         (triton.cdiv(rows, cfg.rows_p), triton.cdiv(v, cfg.block_v)),
         (target_logits, lm, greedy, temperature, ws.part_max, ws.part_arg, ws.part_sum,
          ws.part_min, draft_tokens, db, ws.part_above, ws.part_cnt, rows, v, k + 1, nb,
-         cfg.rows_p, cfg.block_v, sampled, screen),
-        # 8 warps from 4096-element tiles: the screen's mass above the draft keeps exp(z)
+         cfg.rows_p, cfg.block_v, sub_v, sampled, screen),
+        # 8 warps from 4096-element slices: the screen's mass above the draft keeps exp(z)
         # live beside z, 94 registers a thread at 4 warps (sm_90), 62 at 8 (both modes
         # take the same warps, so a block's sum is the same bits screened or not).
-        8 if cfg.rows_p * cfg.block_v >= 4096 else 4,
+        cfg.warps_v or (8 if cfg.rows_p * sub_v >= 4096 else 4),
         pdl,
     )  # fmt: skip
     nbp = _p2(nb)
-    rows_i = max(1, min((1 << 16 if INTERPRET else 2048) // nbp, _p2(rows)))
+    # At most 32 rows a program on the GPU: a row's screen is a few hundred instructions,
+    # and few partials a row (wide blocks) must not put the whole batch in one program.
+    rows_i = max(1, min((1 << 16) // nbp if INTERPRET else min(2048 // nbp, 32), _p2(rows)))
     _INIT.add(
         launches,
         (triton.cdiv(rows, rows_i),),

@@ -481,6 +481,24 @@ def test_wide_band_mixed_modes_match_reference(tiles, ties, device):
     assert torch.equal(ws.row_thr, thr) and torch.equal(ws.row_sum, tot)
 
 
+def _filter_batch(seed: int, k: int, v: int, kinds: list, seed0: int) -> tuple:
+    """_filter_rows' rows (padded to whole requests with rounded N(0, 3^2) rows) as a batch
+    of requests cycling `kinds`: logits, drafts (half the target's argmax), q, params and
+    positions."""
+    g = torch.Generator().manual_seed(seed)
+    rows, _ = _filter_rows(v, g)
+    b = -(-rows.shape[0] // (k + 1))
+    extra = b * (k + 1) - rows.shape[0]
+    logits = torch.cat([rows, (torch.randn(extra, v, generator=g) * 3).round()])
+    st = make_params(b, kinds, seed0=seed0)
+    q = torch.softmax(torch.randn(b, k, v, generator=g) * 2, -1)
+    am = logits.view(b, k + 1, v)[:, :k].argmax(-1)
+    drafts = torch.where(torch.rand(b, k, generator=g) < 0.5, am,
+                         torch.randint(0, v, (b, k), generator=g))  # fmt: skip
+    pos = torch.randint(0, 10**6, (b,), generator=g)
+    return logits, drafts, q, st, pos
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_tiles_bit_equal_to_one_row_per_program(device):
     """Cut tiles of 4 and 64 rows and race tiles of 4 and 64 requests against one row
@@ -493,18 +511,9 @@ def test_tiles_bit_equal_to_one_row_per_program(device):
     tiles screened (only the rows a decision needs get a cut), and with the walk inside
     the race programs: the same race winners, tokens and counters."""
     k, v = 2, 203
-    g = torch.Generator().manual_seed(31)
-    rows, _ = _filter_rows(v, g)
-    b = -(-rows.shape[0] // (k + 1))
-    extra = b * (k + 1) - rows.shape[0]
-    logits = torch.cat([rows, (torch.randn(extra, v, generator=g) * 3).round()])
     kinds = [*MIXED, SP(1.0, top_k=1), SP(0.7, top_k=v + 5, top_p=0.8), SP(0.9, top_k=v)]
-    st = make_params(b, kinds, seed0=11)
-    q = torch.softmax(torch.randn(b, k, v, generator=g) * 2, -1)
-    am = logits.view(b, k + 1, v)[:, :k].argmax(-1)
-    drafts = torch.where(torch.rand(b, k, generator=g) < 0.5, am,
-                         torch.randint(0, v, (b, k), generator=g))  # fmt: skip
-    pos = torch.randint(0, 10**6, (b,), generator=g)
+    logits, drafts, q, st, pos = _filter_batch(31, k, v, kinds, 11)
+    b = drafts.shape[0]
     pos[[2, 9]] = -1
     sampled = ~st.greedy & (pos >= 0)
     outs = []
@@ -542,6 +551,49 @@ def test_tiles_bit_equal_to_one_row_per_program(device):
         sp = kinds[int(rep[i]) % len(kinds)]
         differ = keep[i] != want[i]
         assert not (differ & ~_top_p_boundary(logits[i], sp)).any(), (i, sp)
+
+
+# One row a partials program, its block read in 4 slices of 8 columns (the GPU's layout at
+# large vocabularies: per-lane running values, reduced once).
+LOOP_TILES = dataclasses.replace(ROW_TILES, rows_p=1, sub_v=8, warps_v=2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("screen", [False, True])
+def test_partials_read_in_slices_match_whole_tiles(screen, device):
+    """The partials read a block in slices into per-lane values (LOOP_TILES) against the
+    whole 4-row tile reduced at once (ROW_TILES), on _filter_rows (tie groups, -inf rows
+    and blocks, boundary cases) under every mode: the blocks' max, first argmax, smallest
+    value and count above the draft are the same bits; their sums (another order of
+    additions) agree to float32 rounding; the tokens are the reference's. Outputs are
+    poisoned first, so every block must be written."""
+    k, v = 2, 203
+    logits, drafts, q, st, pos = _filter_batch(47, k, v, MIXED, 5)
+    b = drafts.shape[0]
+    logits[-1, 40:] = -math.inf  # whole blocks of -inf: their argmax is their first column
+    got = []
+    for cfg in (ROW_TILES, LOOP_TILES):
+        cfg = dataclasses.replace(cfg, screen=screen)
+        batch = Batch(logits.to(device), drafts.to(device), q.to(device), _on(st, device),
+                      pos.to(device), cfg)  # fmt: skip
+        ws = batch.ws
+        parts = (ws.part_max, ws.part_arg, ws.part_min, ws.part_cnt, ws.part_sum, ws.part_above)
+        for t in parts:
+            t.fill_(-7)
+        tokens, nacc, nemit = (x.cpu() for x in batch.run())
+        rt, rn, re = ref_rejection(logits, drafts, q, st, pos)
+        assert torch.equal(tokens, rt) and torch.equal(nacc, rn) and torch.equal(nemit, re)
+        got.append([t.cpu().clone() for t in parts])
+    whole, loop = got
+    n = b * (k + 1)
+    assert (loop[0][:n] != -7).all() and (loop[4][:n] != -7).all()
+    for i in range(4 if screen else 3):  # count above the draft: screened calls only
+        assert torch.equal(whole[i][:n], loop[i][:n]), i
+    torch.testing.assert_close(loop[4][:n], whole[4][:n], rtol=2e-6, atol=0)
+    if screen:
+        drafted = (torch.arange(n) % (k + 1)) < k  # rows with a draft: the rest are garbage
+        torch.testing.assert_close(loop[5][:n][drafted], whole[5][:n][drafted], rtol=2e-6,
+                                   atol=1e-30)  # fmt: skip
 
 
 # ------------------------------------------------------------------------- screening
