@@ -12,7 +12,11 @@ piece of the real pass, so the cost of each piece shows:
   several tiles (rows x columns, warps), the sampler's own being 4 x 1024 at 8 warps;
 - race, per (request, vocabulary block) program over `sub`-wide slices: `read` (logits
   and q), `+p` (the filtered p = exp(z - m) / mass, residual max(p - q, 0)), `+hash`
-  (the keyed uniform per element), `+race` (E = -log1p(-u), ratio, running argmax).
+  (the keyed uniform per element), `+race` (E = -log1p(-u), ratio, running argmax),
+  `+race nz` (the race with both divisions skipping zero dividends, as the sampler's
+  race does since stop 47: whether a zero dividend costs div_rn its slow path). Each
+  race rung runs unfiltered and with a threshold that keeps ~5% of a row ("cut": most
+  p, hence most dividends, zero, as under top-p).
 
 Each rung is timed under CUDA-graph replay cycling 3 input sets (bench.common), next to
 its bytes floor at the read bandwidth measured in the same run. The sampler's own
@@ -26,6 +30,7 @@ against PyTorch, so a rung computes what it claims.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from functools import partial
 from pathlib import Path
@@ -44,7 +49,7 @@ from bench.common import (
 from specdraft.kernels import rejection as kr
 
 PARTIAL_RUNGS = ("read", "max", "argmax", "+expsum", "+min", "+screen")
-RACE_RUNGS = ("read", "+p", "+hash", "+race")
+RACE_RUNGS = ("read", "+p", "+hash", "+race", "+race nz")
 # (rows, columns, warps) per partials program; the first is the sampler's (stop 46)
 PARTIAL_TILES = ((4, 1024, 8), (1, 4096, 8), (2, 4096, 8), (1, 8192, 8), (1, 16384, 16))
 # (columns, slice, warps) per race program; the first is the sampler's
@@ -96,7 +101,7 @@ def _race_ladder(
 ):  # fmt: skip
     """Request b's slice of block blk, SUB columns at a time: out[b * NB + blk, 0:2] =
     sum of logits + q (RUNG 0); sum of max(p - q, 0) (1); sum of w * u (2); the race's
-    best ratio and its index (3)."""
+    best ratio and its index (3; 4: the divisions skip zero dividends)."""
     b = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     lane = tl.arange(0, SUB)
@@ -115,7 +120,8 @@ def _race_ladder(
         if RUNG == 0:
             acc += tl.where(mask, z, 0.0) + qv
         else:
-            p = tl.math.div_rn(tl.where(z >= thr, tl.exp(z - m), 0.0), tot)
+            e = tl.where(z >= thr, tl.exp(z - m), 0.0)
+            p = kr._div_nonneg(e, tot) if RUNG == 4 else tl.math.div_rn(e, tot)
             w = tl.maximum(p - qv, 0.0)
             if RUNG == 1:
                 acc += w
@@ -124,7 +130,9 @@ def _race_ladder(
                 if RUNG == 2:
                     acc += w * u
                 else:
-                    ratio = tl.where(mask, tl.math.div_rn(w, kr._exponential(u)), -1.0)
+                    e = kr._exponential(u)
+                    ratio = kr._div_nonneg(w, e) if RUNG == 4 else tl.math.div_rn(w, e)
+                    ratio = tl.where(mask, ratio, -1.0)
                     up = ratio > best
                     best = tl.where(up, ratio, best)
                     where = tl.where(up, offs, where)
@@ -173,12 +181,16 @@ def make_sets(b: int, k: int, v: int, n: int = 3) -> list[dict]:
         rows = torch.arange(b, device=z.device) * (k + 1)  # each request's row 0 races
         zr = z[rows]
         tot = torch.exp(zr - m[rows, None]).sum(-1)
+        # "cut": keep the top ~5% of each row, the mass of the kept tokens as the total
+        thr = torch.quantile(zr, 0.95, dim=-1)
+        kept = torch.where(zr >= thr[:, None], torch.exp(zr - m[rows, None]), 0.0).sum(-1)
         sets.append(
             dict(
                 logits=logits, drafts=torch.cat([drafts, drafts[:, :1]], 1).reshape(-1),
                 race_x=logits[rows], q=q[:, 0].contiguous(), m=m[rows].contiguous(),
                 thr=torch.full((b,), float("-inf"), device=z.device), tot=tot,
-                seed=torch.arange(b, device=z.device), pos=positions,
+                cut_thr=thr.contiguous(), cut_tot=kept, seed=torch.arange(b, device=z.device),
+                pos=positions,
             )
         )  # fmt: skip
     return sets
@@ -214,19 +226,22 @@ def main(argv: list[str] | None = None) -> int:
                                  us=us, floor_us=part_bytes / (bw * 1e6)))  # fmt: skip
             print(rows_out[-1], flush=True)
     race_bytes = b * v * (2 + 4)
-    for block_v, sub, warps in RACE_TILES:
-        for rung, name in enumerate(RACE_RUNGS):
-            args_ = [(s["race_x"], s["q"], s["m"], s["thr"], s["tot"], s["seed"], s["pos"])
-                     for s in sets]  # fmt: skip
-            outs = [race_ladder(*a, rung, block_v, sub, warps) for a in args_]
-            fns = [
-                partial(race_ladder, *a, rung, block_v, sub, warps, o)
-                for a, o in zip(args_, outs, strict=True)
-            ]
-            us = time_graph_us(fns, min_launches=30)
-            rows_out.append(dict(pass_="race", tile=f"{block_v}/{sub} w{warps}", rung=name,
-                                 us=us, floor_us=race_bytes / (bw * 1e6)))  # fmt: skip
-            print(rows_out[-1], flush=True)
+    for (block_v, sub, warps), cut, (rung, name) in itertools.product(
+        RACE_TILES, (False, True), enumerate(RACE_RUNGS)
+    ):
+        thr, tot = ("cut_thr", "cut_tot") if cut else ("thr", "tot")
+        args_ = [(s["race_x"], s["q"], s["m"], s[thr], s[tot], s["seed"], s["pos"])
+                 for s in sets]  # fmt: skip
+        outs = [race_ladder(*a, rung, block_v, sub, warps) for a in args_]
+        fns = [
+            partial(race_ladder, *a, rung, block_v, sub, warps, o)
+            for a, o in zip(args_, outs, strict=True)
+        ]
+        us = time_graph_us(fns, min_launches=30)
+        rows_out.append(dict(pass_="race cut" if cut else "race",
+                             tile=f"{block_v}/{sub} w{warps}", rung=name,
+                             us=us, floor_us=race_bytes / (bw * 1e6)))  # fmt: skip
+        print(rows_out[-1], flush=True)
     cols = [("pass_", "pass"), ("tile", "tile"), ("rung", "rung"), ("us", "µs"),
             ("floor_us", "bytes floor µs")]  # fmt: skip
     head = f"{env['gpu']}, read {bw:.2f} TB/s, B {b} K {k} V {v}, {env['date']}\n\n"

@@ -133,6 +133,16 @@ def _uniform(h, counter):
     return tl.minimum(u, 0.99999994039535522)
 
 
+@triton.jit
+def _div_nonneg(a, b):
+    """a / b correctly rounded, for a >= 0 (not NaN) and b > 0, with a == 0 answered as
+    +0 without dividing: the same bits as div_rn. A zero dividend may send div_rn's fast
+    path to its slow-path call (sm_90 SASS: FCHK, then CALL), and the race divides zeros
+    wherever top-k / top-p cut a token or p <= q."""
+    nz = a > 0.0
+    return tl.where(nz, tl.math.div_rn(tl.where(nz, a, 1.0), b), 0.0)
+
+
 if INTERPRET:
 
     @triton.jit
@@ -1087,7 +1097,7 @@ def _walk(
         m = tl.load(rmax_ptr + row, mask=live, other=0.0)
         thr = tl.load(rthr_ptr + row, mask=live, other=0.0)
         tot = tl.load(rsum_ptr + row, mask=live, other=1.0)
-        px = tl.math.div_rn(tl.where(z >= thr, tl.exp(z - m), 0.0), tot)
+        px = _div_nonneg(tl.where(z >= thr, tl.exp(z - m), 0.0), tot)
         qptrs = q_ptr + req[:, None] * stride_qb + j[None, :] * stride_qk + dc
         qx = tl.load(qptrs, mask=live, other=1.0)
         h = _stream_key(seed[:, None], pos[:, None] + j[None, :], ACCEPT_MUL)
@@ -1216,15 +1226,14 @@ def _resample_kernel(
             else:
                 z = tl.math.div_rn(x.to(tl.float32), t[:, None])
             z = tl.where(z == 0.0, 0.0, z)
-            p = tl.math.div_rn(tl.where(z >= thr[:, None], tl.exp(z - m[:, None]), 0.0),
-                               tot[:, None])  # fmt: skip
+            p = _div_nonneg(tl.where(z >= thr[:, None], tl.exp(z - m[:, None]), 0.0), tot[:, None])
             qptrs = q_ptr + req[:, None] * stride_qb + qrow[:, None] * stride_qk + offs[None, :]
             qv = tl.load(qptrs, mask=mask & residual[:, None], other=0.0)
             w = tl.where(residual[:, None], tl.maximum(p - qv, 0.0), p)
             draw = tl.max(w, axis=1) > 0.0
             if tl.max(draw.to(tl.int32), axis=0) != 0:
                 u = _uniform(h, offs.to(tl.uint64)[None, :])
-                ratio = tl.math.div_rn(w, _exponential(u))
+                ratio = _div_nonneg(w, _exponential(u))
                 ratio = tl.where(mask & draw[:, None], ratio, -1.0)
                 up = ratio > best  # strict: a lane keeps its first index of a tie
                 best = tl.where(up, ratio, best)
