@@ -192,14 +192,14 @@ def _partials_kernel(
     logits_ptr, stride_lm, greedy_ptr, temp_ptr,
     pmax_ptr, parg_ptr, psum_ptr, pmin_ptr, drafts_ptr, stride_db, pabove_ptr, pcnt_ptr,
     num_rows, V, K1, NB,
-    ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr, SAMPLED: tl.constexpr,
-    SCREEN: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr, SCREEN: tl.constexpr,
     GDC: tl.constexpr = False,
 ):  # fmt: skip
-    """Per (row, vocabulary block): max, first argmax and (SAMPLED) sum exp(z - max) and
-    the smallest finite value. SCREEN: also, for row j < K of a request, the mass (as
-    exp(z - max)) and the count of the block's values above z at the row's draft token
-    (garbage for other rows, which nothing reads).
+    """Per (row, vocabulary block) of a call with q (all-greedy calls take
+    _greedy_kernel): max, first argmax, sum exp(z - max) and the smallest finite value.
+    SCREEN: also, for row j < K of a request, the mass (as exp(z - max)) and the count of
+    the block's values above z at the row's draft token (garbage for other rows, which
+    nothing reads).
 
     The block is read SUB columns at a time into per-lane running values, reduced once
     at the end (as the all-greedy launch does): a first loop keeps each lane's largest
@@ -212,21 +212,15 @@ def _partials_kernel(
     lo = blk * BLOCK_V
     lane = tl.arange(0, SUB)
     rmask = rows < num_rows
-    if SAMPLED:
-        req = rows // K1
-        g = tl.load(greedy_ptr + req, mask=rmask, other=1) != 0
-        t = tl.where(g, 1.0, tl.load(temp_ptr + req, mask=rmask, other=1.0))
+    req = rows // K1
+    g = tl.load(greedy_ptr + req, mask=rmask, other=1) != 0
+    t = tl.where(g, 1.0, tl.load(temp_ptr + req, mask=rmask, other=1.0))
     best = tl.full([ROWS, SUB], float("-inf"), tl.float32)
     where = tl.zeros([ROWS, SUB], tl.int32) + (lo + lane)[None, :]
     for c in tl.range(0, BLOCK_V, SUB):
         offs = lo + c + lane
         mask = rmask[:, None] & (offs < V)[None, :]
-        if SAMPLED:
-            z = _load_z(logits_ptr, stride_lm, rows, offs, mask, t)
-        else:
-            # Greedy: the argmax of the raw logits (float32 conversion keeps their order).
-            ptrs = logits_ptr + rows[:, None] * stride_lm + offs[None, :]
-            z = tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
+        z = _load_z(logits_ptr, stride_lm, rows, offs, mask, t)
         up = z > best  # strict: a lane keeps its first index of a tie
         best = tl.where(up, z, best)
         where = tl.where(up, offs[None, :], where)
@@ -236,36 +230,35 @@ def _partials_kernel(
     out = rows * NB + blk
     tl.store(pmax_ptr + out, bmax, mask=rmask)
     tl.store(parg_ptr + out, barg, mask=rmask)
-    if SAMPLED:
-        ref = tl.where(bmax == float("-inf"), 0.0, bmax)
+    ref = tl.where(bmax == float("-inf"), 0.0, bmax)
+    if SCREEN:
+        j = rows % K1
+        has = rmask & (j < K1 - 1)
+        d = tl.load(drafts_ptr + req * stride_db + j, mask=has, other=-1)
+        has = has & (d >= 0) & (d < V)
+        xd = tl.load(logits_ptr + rows * stride_lm + tl.where(has, d, 0), mask=has, other=0.0)
+        zd = tl.math.div_rn(xd.to(tl.float32), t)  # z[d] itself, exactly
+    total = tl.zeros([ROWS, SUB], tl.float32)
+    # The smallest finite value (+inf for none): the low end of a top-k search.
+    low = tl.full([ROWS, SUB], float("inf"), tl.float32)
+    above_sum = tl.zeros([ROWS, SUB], tl.float32)
+    above_cnt = tl.zeros([ROWS, SUB], tl.int32)
+    for c in tl.range(0, BLOCK_V, SUB):
+        offs = lo + c + lane
+        mask = rmask[:, None] & (offs < V)[None, :]
+        z = _load_z(logits_ptr, stride_lm, rows, offs, mask, t)
+        ez = tl.exp(z - ref[:, None])
+        total += ez
+        low = tl.minimum(low, tl.where(z > float("-inf"), z, float("inf")))
         if SCREEN:
-            j = rows % K1
-            has = rmask & (j < K1 - 1)
-            d = tl.load(drafts_ptr + req * stride_db + j, mask=has, other=-1)
-            has = has & (d >= 0) & (d < V)
-            xd = tl.load(logits_ptr + rows * stride_lm + tl.where(has, d, 0), mask=has, other=0.0)
-            zd = tl.math.div_rn(xd.to(tl.float32), t)  # z[d] itself, exactly
-        total = tl.zeros([ROWS, SUB], tl.float32)
-        # The smallest finite value (+inf for none): the low end of a top-k search.
-        low = tl.full([ROWS, SUB], float("inf"), tl.float32)
-        above_sum = tl.zeros([ROWS, SUB], tl.float32)
-        above_cnt = tl.zeros([ROWS, SUB], tl.int32)
-        for c in tl.range(0, BLOCK_V, SUB):
-            offs = lo + c + lane
-            mask = rmask[:, None] & (offs < V)[None, :]
-            z = _load_z(logits_ptr, stride_lm, rows, offs, mask, t)
-            ez = tl.exp(z - ref[:, None])
-            total += ez
-            low = tl.minimum(low, tl.where(z > float("-inf"), z, float("inf")))
-            if SCREEN:
-                above = z > zd[:, None]
-                above_sum += tl.where(above, ez, 0.0)
-                above_cnt += above.to(tl.int32)
-        tl.store(psum_ptr + out, tl.sum(total, axis=1), mask=rmask)
-        tl.store(pmin_ptr + out, tl.min(low, axis=1), mask=rmask)
-        if SCREEN:
-            tl.store(pabove_ptr + out, tl.sum(above_sum, axis=1), mask=rmask)
-            tl.store(pcnt_ptr + out, tl.sum(above_cnt, axis=1), mask=rmask)
+            above = z > zd[:, None]
+            above_sum += tl.where(above, ez, 0.0)
+            above_cnt += above.to(tl.int32)
+    tl.store(psum_ptr + out, tl.sum(total, axis=1), mask=rmask)
+    tl.store(pmin_ptr + out, tl.min(low, axis=1), mask=rmask)
+    if SCREEN:
+        tl.store(pabove_ptr + out, tl.sum(above_sum, axis=1), mask=rmask)
+        tl.store(pcnt_ptr + out, tl.sum(above_cnt, axis=1), mask=rmask)
 
 
 # ------------------------------------------------------------------------ 2. row stats
@@ -1811,7 +1804,7 @@ def _plan(
         (triton.cdiv(rows, cfg.rows_p), triton.cdiv(v, cfg.block_v)),
         (target_logits, lm, greedy, temperature, ws.part_max, ws.part_arg, ws.part_sum,
          ws.part_min, draft_tokens, db, ws.part_above, ws.part_cnt, rows, v, k + 1, nb,
-         cfg.rows_p, cfg.block_v, sub_v, sampled, screen),
+         cfg.rows_p, cfg.block_v, sub_v, screen),
         # 8 warps from 4096-element slices: the screen's mass above the draft keeps exp(z)
         # live beside z, 94 registers a thread at 4 warps (sm_90), 62 at 8 (both modes
         # take the same warps, so a block's sum is the same bits screened or not).
