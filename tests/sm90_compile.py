@@ -9,7 +9,8 @@ with float32 logits), so the CPU suite compiles them too.
 
 Prints one line per launch; exits 1 if any launch fails to compile. --sass adds each
 kernel's SASS instruction count (nvdisasm), its local-memory loads and stores (register
-spills) and its most frequent opcodes: a device-free look at a kernel's cost. --decode
+spills), its most frequent opcodes and the instructions in each of its loops: a
+device-free look at a kernel's cost. --decode
 also compiles the fused decode path's launches with programmatic dependent launch (and
 `--cases` with no value skips the sampler). Run it in
 a process of its own: it replaces Triton's active driver."""
@@ -209,8 +210,31 @@ def decode_path_compiles() -> list[tuple[str, object]]:
     return got
 
 
+def sass_loops(text: str) -> list[int]:
+    """Instructions in each loop of an nvdisasm listing (a label that a later branch
+    jumps back to, up to that branch), in listing order; one-instruction loops (a
+    kernel's closing self-branch) left out. An instruction count a loop iteration,
+    divided by the elements a thread takes an iteration, is a device-free cost figure."""
+    labels: dict[str, int] = {}
+    loops, n = [], 0
+    for line in text.splitlines():
+        m = re.match(r"\s*(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = n
+            continue
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if not m:
+            continue
+        back = re.search(r"\bBRA\s+(?:!?U?P\w+,\s*)?`?\(?(\.L_x_\d+)", m.group(1))
+        if back and labels.get(back.group(1), n + 1) < n:
+            loops.append(n + 1 - labels[back.group(1)])
+        n += 1
+    return loops
+
+
 def sass_summary(cubin: bytes) -> str:
-    """Instruction count, registers, spills (STL / LDL) and the top opcodes of a cubin."""
+    """Instruction count, registers, spills (STL / LDL), the top opcodes of a cubin and
+    the instructions of each of its loops."""
     import triton
 
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
@@ -223,8 +247,9 @@ def sass_summary(cubin: bytes) -> str:
     top = ", ".join(f"{op} {n}" for op, n in count.most_common(6))
     # Registers a thread: the highest general register named, plus one (R255 is RZ).
     regs = 1 + max((int(r) for r in re.findall(r"\bR(\d+)\b", text) if int(r) < 255), default=-1)
+    loops = " ".join(str(x) for x in sass_loops(text)) or "none"
     return (f"{len(ops)} SASS instructions, {regs} registers, STL {count['STL']}, "
-            f"LDL {count['LDL']}; {top}")  # fmt: skip
+            f"LDL {count['LDL']}; {top}; loops {loops}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

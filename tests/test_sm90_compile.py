@@ -65,3 +65,23 @@ def test_decode_path_compiles_for_sm90_with_pdl():
         names
     ), names
     assert all(w == "True" for _, w in lines), lines
+
+
+def test_sass_loops_counts_each_loop_body():
+    """sass_loops on a listing in nvdisasm's form: a loop is a label a later branch jumps
+    back to; forward branches, predicated back-branches and the closing self-branch are
+    told apart."""
+    from tests.sm90_compile import sass_loops
+
+    def ins(i, text):
+        return f"        /*{i * 16:04x}*/                   {text} ;"
+
+    lines = [
+        ins(0, "MOV R1, c[0x0][0x28]"), ".L_x_1:", ins(1, "LDG.E R2, desc[UR4][R4.64]"),
+        ins(2, "FADD R3, R3, R2"), ins(3, "@P0 BRA `(.L_x_2)"), ins(4, "IADD3 R4, R4, 0x4, RZ"),
+        ".L_x_2:", ins(5, "ISETP.GE.AND P1, PT, R4, R5, PT"), ins(6, "@!P1 BRA `(.L_x_1)"),
+        ".L_x_3:", ins(7, "EXIT"), ".L_x_4:", ins(8, "BRA `(.L_x_4)"),
+    ]  # fmt: skip
+    # the loop: .L_x_1 (instruction 1) to its back-branch (instruction 6) = 6; the forward
+    # branch to .L_x_2 and the self-branch are not loops
+    assert sass_loops("\n".join(lines)) == [6]
