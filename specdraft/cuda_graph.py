@@ -366,7 +366,9 @@ class CudaGraphManager:
             if d.fits(num_reqs, num_tokens, uniform_token_count, mq):
                 best = d
                 break
-        if best is None and not self._fallback_logged:
+        # Said once, and only where graphs were captured (a batch outside them): with
+        # graphs off (cg_mode NONE, a CPU run) every step runs eagerly by design.
+        if best is None and self._graphs and not self._fallback_logged:
             self._fallback_logged = True
             logger.warning(
                 "no captured graph fits %d requests / %d tokens (largest captured: %s); "

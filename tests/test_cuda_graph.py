@@ -127,6 +127,17 @@ def test_dispatch_errors_and_eager_fallback(caplog):
     assert sum("running eagerly" in r.message for r in caplog.records) == 1, "logged once"
 
 
+def test_no_fallback_warning_when_graphs_are_off(caplog):
+    """With graphs off (cg_mode NONE: a CPU run, --no-graphs) every step runs eagerly by
+    design: dispatch says nothing (it once warned on every CPU `specdraft generate`)."""
+    for kw in ({"cg_mode": CUDAGraphMode.NONE}, {"capture_sizes": []}):
+        m = CudaGraphManager(max_num_reqs=8, max_num_tokens=32, backend=EagerBackend(), **kw)
+        m.capture(lambda desc, warmup: lambda mode: None)
+        with caplog.at_level(logging.WARNING, logger="specdraft.cuda_graph"):
+            assert m.dispatch(1, 1) is None and m.dispatch(8, 30) is None
+    assert not [r for r in caplog.records if "running eagerly" in r.message]
+
+
 def test_factory_called_twice_per_descriptor_largest_first():
     calls = []
 
