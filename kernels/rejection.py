@@ -1464,6 +1464,9 @@ def choose_rejection_config(
     block_r = min(_p2(vocab), 2048)
     sub_r = min(block_r, 4096 if INTERPRET else 512)
     kp = _p2(k_max + 1)
+    # Blocks of up to 1024 columns: the walk's requests a program (rows_w) were tuned
+    # with this count (8 a program at B 64, K 5) and keep it where the partials take
+    # wider blocks.
     nb = _p2(-(-vocab // block_v))
     # Cut and race tiles. GPU: one row / request per program from 4096 columns on (a row
     # fills a program); below, as many as fit the tile with the cut's histogram and
@@ -1805,9 +1808,9 @@ def _plan(
         (target_logits, lm, greedy, temperature, ws.part_max, ws.part_arg, ws.part_sum,
          ws.part_min, draft_tokens, db, ws.part_above, ws.part_cnt, rows, v, k + 1, nb,
          cfg.rows_p, cfg.block_v, sub_v, screen),
-        # 8 warps from 4096-element slices: the screen's mass above the draft keeps exp(z)
-        # live beside z, 94 registers a thread at 4 warps (sm_90), 62 at 8 (both modes
-        # take the same warps, so a block's sum is the same bits screened or not).
+        # Unless the config says (the sliced GPU tiles do): 8 warps from 4096-element
+        # slices, 4 below. Screened or not, a config takes the same warps, so a block's
+        # sum is the same bits either way.
         cfg.warps_v or (8 if cfg.rows_p * sub_v >= 4096 else 4),
         pdl,
     )  # fmt: skip
