@@ -486,8 +486,10 @@ def _combine_splits_kernel(
         tl.store(o_ptrs, tl.zeros([HEAD_DIM_P], dtype=out_ptr.dtype.element_ty), mask=d_mask)
         return
     row = tl.zeros([1], tl.int64) + tok * NUM_Q_HEADS + head
+    # tok * 0 + num_tokens: an int64 tensor even where the JIT made num_tokens == 1 a
+    # Python int (it specializes integer arguments equal to 1)
     merged = _merge_splits(part_out_ptr, part_lse_ptr, row, offs_d, row >= 0,
-                           num_tokens.to(tl.int64) * NUM_Q_HEADS, HEAD_DIM_P, NUM_SPLITS,
+                           (tok * 0 + num_tokens) * NUM_Q_HEADS, HEAD_DIM_P, NUM_SPLITS,
                            PART_MAX)  # fmt: skip
     tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
 

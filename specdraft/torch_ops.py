@@ -186,6 +186,19 @@ def _gathered(x, x_rows):
     return x.index_select(0, x_rows.clamp(0, max(x.shape[0] - 1, 0)))
 
 
+def _x_int8_scales(amax: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """act_int8's row scales s_x = absmax / 127 and r_x = 127 / absmax, each the float32
+    nearest the exact quotient (float64 division, then one rounding: exact for float32
+    operands; a tensor dividend, since torch takes `127.0 / a` as 127 * (1 / a)); 1 and 0
+    where the row is not live."""
+    a = amax.double()
+    sx = torch.where(live, (a / 127.0).float(), torch.ones_like(amax))
+    rx = torch.where(
+        live, (a.new_full((), 127.0) / a.where(live, 1.0)).float(), torch.zeros_like(amax)
+    )
+    return sx, rx
+
+
 def linear_int8(
     x, weight, scale, *, out=None, x_rows=None, pdl: bool = False, act_int8: bool = False
 ) -> torch.Tensor:
@@ -199,8 +212,10 @@ def linear_int8(
         amax = xf.abs().amax(dim=1, keepdim=True)
         finite = torch.isfinite(amax)
         live = finite & (amax > 0)
-        sx = torch.where(live, amax / 127.0, torch.ones_like(amax))
-        rx = torch.where(live, 127.0 / amax, torch.zeros_like(amax))
+        # Both scales correctly rounded, as the kernel's div_rn: through float64, since
+        # torch computes `127.0 / amax` as 127 * (1 / amax) (off by an ulp in ~1/4 of
+        # rows, which moves x_q's rounding at halves; stop 48)
+        sx, rx = _x_int8_scales(amax, live)
         xq = torch.round(torch.where(finite, xf * rx, 0.0)).clamp_(-127, 127)
         acc = (xq.double() @ weight.double().T).float() * sx
         y = torch.where(finite, acc * scale, float("nan")).to(x.dtype)

@@ -198,6 +198,11 @@ def decode_path_compiles() -> list[tuple[str, object]]:
     table = torch.arange(t * 2, dtype=torch.int32).view(t, 2) % blocks
     pa.paged_attention(q, kc, vc, qsl, seq, table, 0.125, max_query_len=1, max_seq_len=24,
                        num_splits=2, pdl=True)  # fmt: skip
+    # one token: the JIT makes an integer argument equal to 1 a constant (stop 48: the
+    # split merge called .to() on it and failed to compile on the GPU only)
+    label[0] = "decode one token"
+    pa.paged_attention(q[:1], kc, vc, qsl[:2], seq[:1], table[:1], 0.125, max_query_len=1,
+                       max_seq_len=24, num_splits=2, pdl=True)  # fmt: skip
     # the O projection merging split attention's partials on its loads (x_splits), 8 splits
     for m in (1, 4):
         label[0] = f"decode M {m} o merging splits"

@@ -4,11 +4,15 @@ prefixes it runs are the sampler's own launches (the last prefix writes the toke
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from bench import rejection as br
 from specdraft.rejection import RejectionSampler
 from specdraft.sampling import SamplingParams, SamplingTensors
+
+# CPU tensors through Triton kernels: the interpreter's checks, skipped where CUDA is
+pytestmark = pytest.mark.interpreter
 
 
 def test_per_launch_names_every_launch_and_runs_the_real_prefixes(monkeypatch):
