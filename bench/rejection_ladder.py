@@ -202,7 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--passes", default="partials,race", help="which ladders, comma-separated")
     args = ap.parse_args(argv)
+    passes = set(args.passes.split(","))
+    if not passes or not passes <= {"partials", "race"}:
+        ap.error(f"--passes {args.passes!r}: a comma-separated subset of partials,race")
     if not torch.cuda.is_available():
         print("bench.rejection_ladder needs an NVIDIA GPU; tests/test_bench_rejection.py "
               "checks its kernels on the CPU")  # fmt: skip
@@ -213,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     sets = make_sets(b, k, v)
     rows_out = []
     part_bytes = b * (k + 1) * v * 2
-    for rows, block_v, warps in PARTIAL_TILES:
+    for rows, block_v, warps in PARTIAL_TILES if "partials" in passes else ():
         for rung, name in enumerate(PARTIAL_RUNGS):
             outs = [partials_ladder(s["logits"], s["drafts"], rung, rows, block_v, warps)
                     for s in sets]  # fmt: skip
@@ -227,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             print(rows_out[-1], flush=True)
     race_bytes = b * v * (2 + 4)
     for (block_v, sub, warps), cut, (rung, name) in itertools.product(
-        RACE_TILES, (False, True), enumerate(RACE_RUNGS)
+        RACE_TILES if "race" in passes else (), (False, True), enumerate(RACE_RUNGS)
     ):
         thr, tot = ("cut_thr", "cut_tot") if cut else ("thr", "tot")
         args_ = [(s["race_x"], s["q"], s["m"], s[thr], s[tot], s["seed"], s["pos"])
