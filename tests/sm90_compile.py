@@ -259,7 +259,9 @@ def sass_summary(cubin: bytes) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", nargs="*", default=["16,10,4", "49152,4,3"])
+    # one request and one draft among them: the JIT makes an integer argument equal to 1 a
+    # constant, which the interpreter never does (stop 48)
+    ap.add_argument("--cases", nargs="*", default=["16,10,1", "49152,1,3"])
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--sass", action="store_true", help="instruction counts (nvdisasm)")
     ap.add_argument("--decode", action="store_true", help="also the fused decode path (PDL)")
