@@ -102,8 +102,8 @@ def run_tests(
     only_files: test file stems, or one process of a
     split file by its printed name (`test_x.2of5`), to run (default: every file); a name
     that matches nothing is an error. Returns the exit status and one summary line;
-    writes every process's log and gpu_tests/durations.json (seconds per file, its parts
-    summed)."""
+    writes every process's log, gpu_tests/durations.json (seconds per file, its parts
+    summed) and gpu_tests/failures.txt (the failing processes' tracebacks, one file)."""
     import json
     import math
     import signal
@@ -195,6 +195,7 @@ def run_tests(
         watcher = threading.Thread(target=interrupt_at_deadline, daemon=True)
         watcher.start()
     rc, counts, durations, not_run, cut = 0, {}, {}, [], []
+    failures: list[str] = []  # each failing process's failure and error sections
     with ThreadPoolExecutor(max(1, jobs)) as pool:
         for fut in as_completed([pool.submit(one, i, u) for i, u in enumerate(units)]):
             (name, f, _, _), code, text, secs, was_cut = fut.result()
@@ -215,9 +216,14 @@ def run_tests(
             for ln in text.splitlines():
                 if ln.startswith(("FAILED", "ERROR")):
                     print("  " + ln, flush=True)
+            if code not in (0, 5):
+                failures.append(f"##### {name} (exit {code})\n{_failure_sections(text)}")
     if watcher is not None:
         stop.set()  # wakes the watcher if the deadline has not come
     (log_dir / "durations.json").write_text(json.dumps(durations, indent=1, sort_keys=True))
+    # One file with every failure's traceback: a run's dozens of logs may not all come
+    # back from a lent machine (stop 48: 80 logs, a limit on files), this one does.
+    (log_dir / "failures.txt").write_text("\n\n".join(sorted(failures))[:FAILURES_CHARS])
     summary = ", ".join(f"{n} {w}" for w, n in counts.items()) or "(no pytest output)"
     summary += f" ({len(files)} files in {len(units) - len(not_run)} processes, {jobs} at a time"
     if cut:
@@ -228,6 +234,22 @@ def run_tests(
     if not_run or cut:
         rc = rc or 1
     return rc, summary
+
+
+FAILURES_CHARS = 400_000  # failures.txt's size at most
+
+
+def _failure_sections(text: str) -> str:
+    """A pytest log's FAILURES and ERRORS sections (from the first of their banners to
+    the short summary), else its last 60 lines: what a failure needs to be read."""
+    lines = text.splitlines()
+    banner = [i for i, ln in enumerate(lines) if ln.startswith("=")]
+    start = next((i for i in banner if " FAILURES " in lines[i] or " ERRORS " in lines[i]), None)
+    if start is None:
+        return "\n".join(lines[-60:])
+    ends = [i for i in banner if i > start and "short test summary" in lines[i]]
+    end = ends[0] if ends else len(lines)
+    return "\n".join(lines[start:end])
 
 
 MAIN_JOB_RUNS = (("1", "0"), ("1", "1"), ("8", "0"), ("32", "0"))  # (batch, temperature)

@@ -1,6 +1,7 @@
 """bench.suite's test runner (CPU): --files picks test files by stem or one process of a
 split file by its name, and a name that matches nothing is refused before anything runs;
---test-deadline-s interrupts the processes still running and keeps what they counted."""
+--test-deadline-s interrupts the processes still running and keeps what they counted;
+failures.txt gathers the failing processes' tracebacks."""
 
 from __future__ import annotations
 
@@ -25,9 +26,14 @@ def test_files_runs_only_the_named_files(tmp_path, monkeypatch):
     assert "1 files" in summary, summary
     logs = sorted(p.name for p in (tmp_path / "out" / "gpu_tests").glob("*.log"))
     assert logs == ["test_alpha.log"], logs
+    assert (tmp_path / "out" / "gpu_tests" / "failures.txt").read_text() == ""
     # Without the filter the failing file runs too and the status says so.
     rc, summary = suite.run_tests(tmp_path / "out2")
     assert rc != 0 and "2 files" in summary, summary
+    # failures.txt holds the failing file's traceback, and nothing of the passing one
+    failures = (tmp_path / "out2" / "gpu_tests" / "failures.txt").read_text()
+    assert "##### test_beta (exit 1)" in failures and "assert False" in failures, failures
+    assert "test_alpha" not in failures and "short test summary" not in failures, failures
 
 
 def test_files_naming_no_file_is_refused(tmp_path, monkeypatch):
