@@ -1,4 +1,4 @@
-"""Where the rejection sampler's two full-width passes spend their time (issue 12).
+"""Where the rejection sampler's full-width passes and its cut spend their time (issue 12).
 
 The sampler's partials pass reads every target row once (B 64, K 5, V 49152: 384 bf16
 rows, 37.7 MB) and took 31 µs on the H200 (stop 25), 3.5x its bytes at the read
@@ -18,6 +18,15 @@ piece of the real pass, so the cost of each piece shows:
   race rung runs unfiltered and with a threshold that keeps ~5% of a row ("cut": most
   p, hence most dividends, zero, as under top-p).
 
+- cut, one program a row (as the sampler's one-pass bracket, 16 warps, 2048-column
+  chunks) over each request's first row, a bracket of ~1024 values placed around the
+  row's top-p 0.9 cut: `sort` (the strided 2048-value sample sorted, alone), `pass` (one
+  pass over the row: exact int64 mass and count above the bracket), `+slots` (the
+  bracket's values stored into each lane's slots), `+compact+sort` (the slots made dense,
+  sorted, their running masses scanned), `one try` (the sample's sort, then all of that:
+  one try of the bracket). The sampler's cut takes 59-200 µs a call (stop 48): whether
+  its sorts or its pass cost that shows here.
+
 Each rung is timed under CUDA-graph replay cycling 3 input sets (bench.common), next to
 its bytes floor at the read bandwidth measured in the same run. The sampler's own
 launches: `python -m bench.rejection --per-launch`. The stand-ins reuse the sampler's
@@ -25,6 +34,7 @@ hash and exponential (kernels/rejection.py), and a CPU test checks each rung's o
 against PyTorch, so a rung computes what it claims.
 
     python -m bench.rejection_ladder [--out results] [--batch 64] [--k 5] [--vocab 49152]
+        [--passes partials,race,cut]
 """
 
 from __future__ import annotations
@@ -54,6 +64,10 @@ RACE_RUNGS = ("read", "+p", "+hash", "+race", "+race nz")
 PARTIAL_TILES = ((4, 1024, 8), (1, 4096, 8), (2, 4096, 8), (1, 8192, 8), (1, 16384, 16))
 # (columns, slice, warps) per race program; the first is the sampler's
 RACE_TILES = ((2048, 512, 4), (2048, 1024, 4), (4096, 1024, 8), (1024, 1024, 4))
+CUT_RUNGS = ("sort", "pass", "+slots", "+compact+sort", "one try")
+# the sampler's one-pass bracket at large vocabularies: chunk, sample, scratch, lane
+# slots, warps (RejectionConfig block_t, sample_f, cap_f, lanes_f, warps_f)
+CUT_TILE = (2048, 2048, 2048, 8, 16)
 
 
 @triton.jit
@@ -169,6 +183,98 @@ def race_ladder(x, q, m, thr, tot, seed, pos, rung, block_v, sub, warps, out=Non
     return out
 
 
+@triton.jit
+def _cut_ladder(
+    x_ptr, stride, m_ptr, blo_ptr, bhi_ptr, scratch_ptr, out_ptr, V,
+    BLOCK: tl.constexpr, SAMPLE: tl.constexpr, CAP: tl.constexpr, LANES: tl.constexpr,
+    FXS: tl.constexpr, RUNG: tl.constexpr,
+):  # fmt: skip
+    """Row r's out[r, 0:6] as far as RUNG goes: 0 sum of the sorted sample times its rank
+    (order-dependent: the sort's proof); 1, 2 count and mass (exp(z - m), int64 FXS units
+    summed, as a float) above b_hi; 3 the bracket's count n (values in [b_lo, b_hi], each
+    lane's first LANES); 4 the bracket's value of rank n // 2 from the top; 5 the first
+    rank whose running mass from the top reaches half the bracket's mass."""
+    r = tl.program_id(0).to(tl.int64)
+    base = x_ptr + r * stride
+    o = out_ptr + r * 6
+    if (RUNG == 0) | (RUNG == 4):
+        si = tl.arange(0, SAMPLE)
+        sz = kr._row_z(base + (si.to(tl.int64) * V) // SAMPLE, si < SAMPLE, 1.0)
+        s = tl.sort(sz, descending=True)
+        tl.store(o, tl.sum(tl.where(s > float("-inf"), s, 0.0) * si.to(tl.float32), axis=0))
+    if RUNG >= 1:
+        m = tl.load(m_ptr + r)
+        b_lo = tl.load(blo_ptr + r)
+        b_hi = tl.load(bhi_ptr + r)
+        cols = tl.arange(0, BLOCK)
+        cbase = scratch_ptr + r * (CAP + LANES * BLOCK)  # CAP dense values, then lane slots
+        lbase = cbase + CAP
+        above_cv = tl.zeros([BLOCK], tl.int32)
+        above_mv = tl.zeros([BLOCK], tl.int64)
+        cnt = tl.zeros([BLOCK], tl.int32)
+        for v0 in range(0, V, BLOCK):
+            offs = v0 + cols
+            z = kr._row_z(base + offs, offs < V, 1.0)
+            up = z > b_hi
+            above_mv += tl.where(up, kr._fx(z, m, FXS), 0)
+            above_cv += up.to(tl.int32)
+            if RUNG >= 2:
+                inb = (z >= b_lo) & (z <= b_hi)
+                tl.store(lbase + cnt * BLOCK + cols, z, mask=inb & (cnt < LANES))
+                cnt += inb.to(tl.int32)
+        tl.store(o + 1, tl.sum(above_cv, axis=0).to(tl.float32))
+        tl.store(o + 2, (tl.sum(above_mv, axis=0).to(tl.float64) * (1.0 / FXS)).to(tl.float32))
+        if RUNG >= 2:
+            mine = tl.minimum(cnt, LANES)
+            n = tl.sum(mine, axis=0)
+            tl.store(o + 3, n.to(tl.float32))
+            if RUNG >= 3:
+                start = tl.cumsum(mine, axis=0) - mine
+                tl.debug_barrier()  # the slots' stores are visible to every thread
+                for j in tl.static_range(LANES):
+                    vj = tl.load(lbase + j * BLOCK + cols, mask=j < mine, other=0.0)
+                    tl.store(cbase + start + j, vj, mask=(j < mine) & (start + j < CAP))
+                tl.debug_barrier()  # the compaction's stores likewise
+                slots = tl.arange(0, CAP)
+                live = slots < n
+                vals = tl.sort(tl.load(cbase + slots, mask=live, other=float("-inf")),
+                               descending=True)  # fmt: skip
+                e = tl.where(live, kr._fx(vals, m, FXS), 0)
+                csum = tl.cumsum(e, axis=0)
+                half = tl.sum(e, axis=0)
+                i = tl.min(tl.where(live & (2 * csum >= half), slots, CAP), axis=0)
+                tl.store(o + 4, tl.max(tl.where(slots == n // 2, vals, float("-inf")), axis=0))
+                tl.store(o + 5, i.to(tl.float32))
+
+
+def cut_ladder(x, m, b_lo, b_hi, rung: int, tile=CUT_TILE, out=None, scratch=None):
+    """Rung `rung` over the rows of x [R, V] with row maxima m and brackets [b_lo, b_hi];
+    returns out [R, 6] (NaN where the rung writes nothing)."""
+    r, v = x.shape
+    block, sample, cap, lanes, warps = tile
+    if out is None:
+        out = torch.full((r, 6), float("nan"), device=x.device)
+    if scratch is None:
+        scratch = torch.empty(r * (cap + lanes * block), device=x.device)
+    fxs = float(2 ** (62 - (v - 1).bit_length()))  # the sampler's units (v * FXS <= 2^62)
+    _cut_ladder[(r,)](x, x.stride(0), m, b_lo, b_hi, scratch, out, v, block, sample, cap,
+                      lanes, fxs, rung, num_warps=warps)  # fmt: skip
+    return out
+
+
+def top_p_brackets(z: torch.Tensor, top_p: float = 0.9, half: int = 512):
+    """Per row of z [R, V] (float32): the value `half` ranks above and below the row's
+    top-p cut (its first rank from the top whose running probability reaches top_p), as
+    the sampler's sample would place a bracket of about 2 * half values."""
+    s = torch.sort(z, dim=-1, descending=True).values
+    cum = torch.softmax(s, -1).cumsum(-1)
+    c = (cum < top_p).sum(-1, keepdim=True)
+    v = z.shape[-1]
+    b_hi = s.gather(1, (c - half).clamp(0, v - 1)).squeeze(1)
+    b_lo = s.gather(1, (c + half).clamp(0, v - 1)).squeeze(1)
+    return b_lo.contiguous(), b_hi.contiguous()
+
+
 def make_sets(b: int, k: int, v: int, n: int = 3) -> list[dict]:
     """n input sets on the GPU: bench.rejection's gaussian logits and blurred q."""
     from bench.rejection import make_inputs
@@ -190,7 +296,7 @@ def make_sets(b: int, k: int, v: int, n: int = 3) -> list[dict]:
                 race_x=logits[rows], q=q[:, 0].contiguous(), m=m[rows].contiguous(),
                 thr=torch.full((b,), float("-inf"), device=z.device), tot=tot,
                 cut_thr=thr.contiguous(), cut_tot=kept, seed=torch.arange(b, device=z.device),
-                pos=positions,
+                pos=positions, brackets=top_p_brackets(zr),
             )
         )  # fmt: skip
     return sets
@@ -202,11 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--vocab", type=int, default=49152)
-    ap.add_argument("--passes", default="partials,race", help="which ladders, comma-separated")
+    ap.add_argument("--passes", default="partials,race,cut", help="ladders, comma-separated")
     args = ap.parse_args(argv)
     passes = set(args.passes.split(","))
-    if not passes or not passes <= {"partials", "race"}:
-        ap.error(f"--passes {args.passes!r}: a comma-separated subset of partials,race")
+    if not passes or not passes <= {"partials", "race", "cut"}:
+        ap.error(f"--passes {args.passes!r}: a comma-separated subset of partials,race,cut")
     if not torch.cuda.is_available():
         print("bench.rejection_ladder needs an NVIDIA GPU; tests/test_bench_rejection.py "
               "checks its kernels on the CPU")  # fmt: skip
@@ -245,6 +351,18 @@ def main(argv: list[str] | None = None) -> int:
         rows_out.append(dict(pass_="race cut" if cut else "race",
                              tile=f"{block_v}/{sub} w{warps}", rung=name,
                              us=us, floor_us=race_bytes / (bw * 1e6)))  # fmt: skip
+        print(rows_out[-1], flush=True)
+    for rung, name in enumerate(CUT_RUNGS if "cut" in passes else ()):
+        args_ = [(s["race_x"], s["m"], *s["brackets"]) for s in sets]
+        scratch = torch.empty(b * (CUT_TILE[2] + CUT_TILE[3] * CUT_TILE[0]), device="cuda")
+        outs = [cut_ladder(*a, rung, scratch=scratch) for a in args_]
+        fns = [
+            partial(cut_ladder, *a, rung, out=o, scratch=scratch)
+            for a, o in zip(args_, outs, strict=True)
+        ]
+        us = time_graph_us(fns, min_launches=30)
+        rows_out.append(dict(pass_="cut", tile="{}/{}/{}/{} w{}".format(*CUT_TILE), rung=name,
+                             us=us, floor_us=b * v * 2 / (bw * 1e6)))  # fmt: skip
         print(rows_out[-1], flush=True)
     cols = [("pass_", "pass"), ("tile", "tile"), ("rung", "rung"), ("us", "µs"),
             ("floor_us", "bytes floor µs")]  # fmt: skip

@@ -113,3 +113,50 @@ def test_race_ladder_rungs_compute_what_they_claim():
         won = exponential_race(wb, seed, pos, int(RESIDUAL))
         has = wb.amax(-1) > 0
         assert torch.equal(races[0][has, blk, 1].long(), won[has]), blk
+
+
+def test_cut_ladder_rungs_compute_what_they_claim():
+    from bench.rejection_ladder import CUT_RUNGS, cut_ladder, top_p_brackets
+
+    r, v = 4, 300
+    tile = block, sample, cap, lanes, _ = (64, 64, 128, 1, 4)
+    x = torch.randn(r, v) * 2
+    m = x.max(-1).values
+    b_lo, b_hi = top_p_brackets(x, 0.9, half=40)
+    fxs = float(2 ** (62 - (v - 1).bit_length()))
+    fx = (torch.exp(x - m[:, None]) * fxs).long()
+    ss = x[:, torch.arange(sample) * v // sample].sort(-1, descending=True).values
+    up = x > b_hi[:, None]
+    inb = (x >= b_lo[:, None]) & (x <= b_hi[:, None])
+    # each lane (column % block) keeps the first `lanes` bracket values it meets
+    lane_rank = torch.zeros_like(inb, dtype=torch.long)
+    for c0 in range(block, v, block):
+        prev = inb[:, c0 - block : c0].long() + lane_rank[:, c0 - block : c0]
+        lane_rank[:, c0 : c0 + block] = prev[:, : min(block, v - c0)]
+    kept = inb & (lane_rank < lanes)
+    median, half_at = [], []
+    for i in range(r):
+        vals = x[i][kept[i]].sort(descending=True).values
+        e = (torch.exp(vals - m[i]) * fxs).long()
+        median.append(vals[len(vals) // 2])
+        half_at.append(int((2 * e.cumsum(0) < e.sum()).sum()))
+    want = {
+        0: (ss * torch.arange(sample)).sum(-1),
+        1: up.sum(-1).float(),
+        2: ((fx * up).sum(-1).double() / fxs).float(),
+        3: kept.sum(-1).float(),
+        4: torch.stack(median),
+    }
+    written_by = {0: [0], 1: [1, 2], 2: [1, 2, 3], 3: [1, 2, 3, 4, 5], 4: list(range(6))}
+    assert (kept.sum(-1) > 4).all() and (kept.sum(-1) < inb.sum(-1)).any()  # slots drop some
+    for rung in range(len(CUT_RUNGS)):
+        out = cut_ladder(x, m, b_lo, b_hi, rung, tile=tile)
+        for c in written_by[rung]:
+            if c == 5:  # the mass median's rank: exp may differ by an ulp from torch's
+                got = out[:, 5].long()
+                assert ((got - torch.tensor(half_at)).abs() <= 1).all(), (got, half_at)
+            else:
+                torch.testing.assert_close(out[:, c], want[c], rtol=1e-5, atol=1e-4)
+        written = torch.zeros(6, dtype=torch.bool)
+        written[written_by[rung]] = True
+        assert out[:, ~written].isnan().all()  # poisoned: nothing else written
