@@ -361,8 +361,10 @@ def main(argv: list[str] | None = None) -> int:
             for a, o in zip(args_, outs, strict=True)
         ]
         us = time_graph_us(fns, min_launches=30)
+        # bytes read: the sample (sort, one try) and the row (every rung but the sort)
+        read = b * 2 * (CUT_TILE[1] * (rung in (0, 4)) + v * (rung != 0))
         rows_out.append(dict(pass_="cut", tile="{}/{}/{}/{} w{}".format(*CUT_TILE), rung=name,
-                             us=us, floor_us=b * v * 2 / (bw * 1e6)))  # fmt: skip
+                             us=us, floor_us=read / (bw * 1e6)))  # fmt: skip
         print(rows_out[-1], flush=True)
     cols = [("pass_", "pass"), ("tile", "tile"), ("rung", "rung"), ("us", "µs"),
             ("floor_us", "bytes floor µs")]  # fmt: skip
