@@ -597,8 +597,10 @@ def _above(x):
 @triton.jit
 def _cut_fast(
     logits_ptr, stride_lm, cand_ptr, row, t, m, V, floor_v, lo, hi, target_c, target_m, total,
+    p_top, zmin,
     MASS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, SAMPLE: tl.constexpr,
     TRIES: tl.constexpr, LANES: tl.constexpr, STAGES: tl.constexpr, FXS: tl.constexpr,
+    FUSE_P: tl.constexpr,
 ):  # fmt: skip
     """_cut_row's answer in one pass over the row when a sample places it well.
 
@@ -611,7 +613,14 @@ def _cut_fast(
     exact mass the pass just measured, and the next try estimates within it (the heavy
     values that misled the sample are then counted exactly). Returns (thr, kept count,
     kept mass, ok, lo, hi): ok 0 after TRIES misses, [lo, hi] still holding the cut for
-    _cut_row to finish. `total`: the survivors' float32 mass (relative to m)."""
+    _cut_row to finish. `total`: the survivors' float32 mass (relative to m).
+
+    FUSE_P (a top-k cut, MASS False): where the try that found the cut had nothing above
+    its bracket, every survivor is among its sorted values, and the top-p cut over them
+    (top_p p_top < 1; zmin the row's smallest value) is taken from those values as
+    _cut_kernel's own top-p cut would set it up and find it: the same lower bound, goal,
+    threshold and kept mass, bit for bit. Also returns (fused, thr_p, kept mass_p);
+    fused 0 leaves the top-p cut to its own call."""
     base = logits_ptr + row * stride_lm
     cbase = cand_ptr + row * (CAP + LANES * BLOCK)  # CAP dense values, then lane slots
     lbase = cbase + CAP
@@ -638,6 +647,9 @@ def _cut_fast(
     kept_c = tl.zeros([], tl.int32)
     kept_m = tl.zeros([], tl.int64)
     ok = tl.zeros([], tl.int32)
+    fused = tl.zeros([], tl.int32)
+    thr_p = hi
+    kept_mp = tl.zeros([], tl.int64)
     for _ in range(TRIES):
         if ok == 0:
             # 1. The bracket: the sample's values in [lo, hi] are s[i0:i1].
@@ -729,10 +741,30 @@ def _cut_fast(
                 thr = v
                 kept_c = above_c + tl.sum(keep.to(tl.int32), axis=0)
                 kept_m = above_m + tl.sum(tl.where(keep, e, 0), axis=0)
+                if FUSE_P:  # noqa: SIM102 (a constexpr branch, then a device one)
+                    if (ok != 0) & (above_c == 0) & (p_top < 1.0):
+                        # _cut_kernel's top-p set-up over these survivors (same ops)
+                        kf_p = (kept_m.to(tl.float64) * (1.0 / FXS)).to(tl.float32)
+                        lo_p = m + tl.log((1.0 - p_top) * kf_p / kept_c.to(tl.float32)) - 1.0
+                        lo_p = tl.minimum(tl.maximum(lo_p, tl.maximum(v, zmin)), m)
+                        goal_p = p_top.to(tl.float64) * kf_p.to(tl.float64) * FXS
+                        # The largest candidate in [lo_p, m] whose mass from the top
+                        # reaches the goal (first crossing of the running sum, which is
+                        # exact: int64), else the smallest candidate (float rounding
+                        # left the goal unreached: keep them all, as _cut_row does).
+                        cand_p = keep & (vals >= lo_p)
+                        run_p = tl.cumsum(tl.where(keep, e, 0), axis=0)
+                        hit_p = cand_p & (run_p.to(tl.float64) >= goal_p)
+                        ip = tl.min(tl.where(hit_p, slots, CAP), axis=0)
+                        vp = tl.max(tl.where(slots == ip, vals, float("-inf")), axis=0)
+                        low_p = tl.min(tl.where(cand_p, vals, float("inf")), axis=0)
+                        thr_p = tl.where(ip < CAP, vp, low_p)
+                        kept_mp = tl.sum(tl.where(keep & (vals >= thr_p), e, 0), axis=0)
+                        fused = fused + 1
             else:
                 hi = b_hi  # the cut is in the bracket, too full to compact
                 a_hi = a_b
-    return thr, kept_c, kept_m, ok, lo, hi
+    return thr, kept_c, kept_m, ok, lo, hi, fused, thr_p, kept_mp
 
 
 @triton.jit
@@ -920,16 +952,17 @@ def _cut_tile(
 @triton.jit
 def _cut(
     logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, live, t, m, V, floor_v, lo, hi,
-    target_c, target_m, total,
+    target_c, target_m, total, p_top, zmin,
     MASS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
     NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
     CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr, LANES: tl.constexpr,
-    STAGES: tl.constexpr, FAST_ONLY: tl.constexpr,
+    STAGES: tl.constexpr, FAST_ONLY: tl.constexpr, FUSE_P: tl.constexpr,
 ):  # fmt: skip
     """_cut_tile's contract, plus ok [ROWS] (0: not found). One row takes _cut_row
     (scalar state), first trying _cut_fast's pass when CAP_F > 0; FAST_ONLY leaves a
     row it missed to a later launch (so this one carries none of _cut_row's registers),
-    else _cut_row finishes it."""
+    else _cut_row finishes it. Also fused, thr_p, kept_mp [ROWS]: _cut_fast's top-p cut
+    taken with a top-k cut (FUSE_P; fused 0 where it was not)."""
     if ROWS == 1:
         row = tl.sum(rows, axis=0)
         t1 = tl.sum(t, axis=0)
@@ -943,10 +976,14 @@ def _cut(
         v = hi1
         c = tl.zeros([], tl.int32)
         mass = tl.zeros([], tl.int64)
+        fused1 = tl.zeros([], tl.int32)
+        thr_p1 = hi1
+        mass_p1 = tl.zeros([], tl.int64)
         if CAP_F > 0:
-            v, c, mass, ok, lo1, hi1 = _cut_fast(
+            v, c, mass, ok, lo1, hi1, fused1, thr_p1, mass_p1 = _cut_fast(
                 logits_ptr, stride_lm, fast_ptr, row, t1, m1, V, fl1, lo1, hi1, tc1, tm1,
-                tl.sum(total, axis=0), MASS, BLOCK, CAP_F, SAMPLE, TRIES, LANES, STAGES, FXS,
+                tl.sum(total, axis=0), tl.sum(p_top, axis=0), tl.sum(zmin, axis=0), MASS,
+                BLOCK, CAP_F, SAMPLE, TRIES, LANES, STAGES, FXS, FUSE_P,
             )  # fmt: skip
         if FAST_ONLY:
             pass
@@ -960,13 +997,19 @@ def _cut(
         kept_c = tl.where(live, c, 0).to(tl.int32)
         kept_m = tl.where(live, mass, 0).to(tl.int64)
         found = tl.where(live, ok, 1)
+        fused = tl.where(live, fused1, 0)
+        thr_p = tl.where(live, thr_p1, hi)
+        kept_mp = tl.where(live, mass_p1, 0).to(tl.int64)
     else:
         thr, kept_c, kept_m = _cut_tile(
             logits_ptr, stride_lm, cand_ptr, rows, live, t, m, V, floor_v, lo, hi, target_c,
             target_m, MASS, ROWS, BLOCK, CAP, NBIN, MAX_PASSES, CHUNK, FXS,
         )  # fmt: skip
         found = tl.full([ROWS], 1, tl.int32)
-    return thr, kept_c, kept_m, found
+        fused = tl.zeros([ROWS], tl.int32)
+        thr_p = hi
+        kept_mp = tl.zeros([ROWS], tl.int64)
+    return thr, kept_c, kept_m, found, fused, thr_p, kept_mp
 
 
 @triton.jit
@@ -978,7 +1021,7 @@ def _cut_kernel(
     NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
     CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr, LANES: tl.constexpr,
     STAGES: tl.constexpr, FAST_ONLY: tl.constexpr, TODO: tl.constexpr,
-    SCREEN: tl.constexpr, KP: tl.constexpr,
+    SCREEN: tl.constexpr, KP: tl.constexpr, FUSE_KP: tl.constexpr,
     GDC: tl.constexpr = False,
 ):  # fmt: skip
     """A tile of ROWS rows per program; a filtered row gets the top-k cut (the k-th
@@ -986,7 +1029,9 @@ def _cut_kernel(
     kept mass are written. Other rows are left as the init kernel wrote them.
     FAST_ONLY: _cut_fast's passes only; a row either cut misses is marked in todo, not
     written. TODO: only the rows marked in todo (the launch after a FAST_ONLY one).
-    SCREEN: only the rows the screened walk needs (_needs_cut)."""
+    SCREEN: only the rows the screened walk needs (_needs_cut). FUSE_KP: a row with both
+    takes its top-p cut from the top-k cut's bracket where that held every survivor
+    (_cut_fast), with no cut of its own; the same thresholds and masses."""
     _gdc_enter(GDC)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rmask = rows < num_rows
@@ -1017,27 +1062,38 @@ def _cut_kernel(
         thr = tl.full([ROWS], float("-inf"), tl.float32)
         kept_f = total
         kept_c = tl.zeros([ROWS], tl.int32) + V
+        fused = tl.zeros([ROWS], tl.int32)
+        thr_pf = thr
+        kept_pf = tl.zeros([ROWS], tl.int64)
         if tl.max(use_k.to(tl.int32), axis=0) != 0:
             # No floor: thr is -inf here.
-            thr_k, kept_ck, kept_m, ok = _cut(
+            thr_k, kept_ck, kept_m, ok, fused, thr_pf, kept_pf = _cut(
                 logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_k, t, m, V, thr, zmin,
-                m, k, tl.zeros([ROWS], tl.float64), total, False, ROWS, BLOCK, CAP, NBIN,
-                MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, LANES, STAGES, FAST_ONLY,
+                m, k, tl.zeros([ROWS], tl.float64), total, p, zmin, False, ROWS, BLOCK, CAP,
+                NBIN, MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, LANES, STAGES, FAST_ONLY,
+                FUSE_KP,
             )  # fmt: skip
             missed = missed | (ok == 0).to(tl.int32)
             thr = tl.where(use_k, thr_k, thr)
             kept_c = tl.where(use_k, kept_ck, kept_c)
             kept_f = tl.where(use_k, (kept_m.to(tl.float64) * (1.0 / FXS)).to(tl.float32), kept_f)
+        fused = use_p & (fused != 0)
+        if tl.max(fused.to(tl.int32), axis=0) != 0:  # the top-k cut's bracket gave top-p's
+            thr = tl.where(fused, thr_pf, thr)
+            kept_f = tl.where(fused, (kept_pf.to(tl.float64) * (1.0 / FXS)).to(tl.float32),
+                              kept_f)  # fmt: skip
+            use_p = use_p & ~fused
         if tl.max(use_p.to(tl.int32), axis=0) != 0:
             # Tokens with exp(z - m) < (1 - top_p) * mass / V hold under (1 - top_p) of
             # the mass together, so the cut is above them (one e of margin for rounding).
             lo = m + tl.log((1.0 - p) * kept_f / kept_c.to(tl.float32)) - 1.0
             lo = tl.minimum(tl.maximum(lo, tl.maximum(thr, zmin)), m)
             target = p.to(tl.float64) * kept_f.to(tl.float64) * FXS
-            thr_p, _, kept_m, ok = _cut(
+            thr_p, _, kept_m, ok, _, _, _ = _cut(
                 logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_p & (missed == 0), t, m,
-                V, thr, lo, m, tl.zeros([ROWS], tl.int32), target, kept_f, True, ROWS, BLOCK,
-                CAP, NBIN, MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, LANES, STAGES, FAST_ONLY,
+                V, thr, lo, m, tl.zeros([ROWS], tl.int32), target, kept_f, p, zmin, True, ROWS,
+                BLOCK, CAP, NBIN, MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, LANES, STAGES,
+                FAST_ONLY, False,
             )  # fmt: skip
             missed = missed | (ok == 0).to(tl.int32)
             thr = tl.where(use_p, thr_p, thr)
@@ -1437,6 +1493,11 @@ class RejectionConfig:
     # launch at B 64, K 5, stop 25), but each race program then holds the walk too (sm_90:
     # 52 registers against 40, 9 programs an SM against 12). Off until measured.
     walk_in_race: bool = False
+    # A row with top-k and top-p takes its top-p cut from the top-k cut's one-pass bracket
+    # where that bracket held every top-k survivor (the usual case for a small k): no
+    # second sample, pass and sort. The same thresholds and masses, bit for bit (CPU
+    # tests). Off until measured on a GPU (written at stop 48, when none was left).
+    fuse_kp: bool = False
 
     @property
     def max_passes(self) -> int:
@@ -1843,7 +1904,7 @@ def _plan(
                  ws.row_thr, ws.row_sum, ws.cand, ws.cand_fast, ws.todo, ws.row_state, rows, v,
                  k + 1, nb, cfg.rows_t, nbp, cfg.block_t, cfg.cap, cfg.nbin, cfg.max_passes,
                  min(cfg.cap, cfg.chunk_t), fxs, cap_f, cfg.sample_f, cfg.tries_f, cfg.lanes_f,
-                 cfg.stages_f, fast_only, todo, screen, kp),
+                 cfg.stages_f, fast_only, todo, screen, kp, bool(cfg.fuse_kp)),
                 cfg.warps_f if fast_only else 8 if cfg.rows_t * cfg.block_t >= 2048 else 4,
                 pdl,
             )  # fmt: skip

@@ -238,6 +238,8 @@ ROW_TILES = dataclasses.replace(BAND_TILES, rows_t=1, rows_r=1)
 # rows finish on the narrowing passes from whatever interval the bracket's pass left.
 FAST_TILES = dataclasses.replace(ROW_TILES, cap_f=128, sample_f=32)
 FAST_SMALL_TILES = dataclasses.replace(ROW_TILES, cap_f=4, sample_f=16, lanes_f=1)
+# FAST_TILES with a row's top-p cut taken from its top-k cut's bracket (fuse_kp)
+FUSED_TILES = dataclasses.replace(FAST_TILES, fuse_kp=True)
 KINDS = [SP(0.0), SP(1.0), SP(0.7, top_k=5), SP(1.3, top_p=0.8), SP(0.5, top_k=9, top_p=0.6),
          SP(2.0, top_k=1), SP(1.0, top_p=0.05), SP(1.0, top_k=40)]  # fmt: skip
 
@@ -398,7 +400,7 @@ def _top_p_boundary(logits: torch.Tensor, sp: SP) -> torch.Tensor:
 @pytest.mark.parametrize(
     "v, tiles",
     [(16, "default"), (16, "small"), (203, "narrow"), (203, "band"), (203, "fast"),
-     (203, "fast_small")],
+     (203, "fast_small"), (203, "fused")],
 )  # fmt: skip
 def test_threshold_matches_sampling(v, tiles, device):
     """Kept set exactly filtered_probs' (ties, boundaries, -inf, k >= V), probabilities
@@ -412,7 +414,8 @@ def test_threshold_matches_sampling(v, tiles, device):
         [SP(p.temperature, p.top_k, p.top_p, seed=1) for p in params], device
     )
     cfg = {"default": None, "small": SMALL_TILES, "narrow": NARROW_TILES, "band": BAND_TILES,
-           "fast": FAST_TILES, "fast_small": FAST_SMALL_TILES}[tiles]  # fmt: skip
+           "fast": FAST_TILES, "fast_small": FAST_SMALL_TILES,
+           "fused": FUSED_TILES}[tiles]  # fmt: skip
     p, keep, z = (t.cpu() for t in _kernel_probs(logits.to(device), st, cfg))
     want = filtered_probs(logits, _cpu(st))
     ref = ref_filtered64(logits, *(getattr(_cpu(st), f) for f in SamplingTensors._FIELDS[:4]))
@@ -518,7 +521,8 @@ def test_tiles_bit_equal_to_one_row_per_program(device):
     sampled = ~st.greedy & (pos >= 0)
     outs = []
     tiles = (ROW_TILES, BAND_TILES, dataclasses.replace(BAND_TILES, rows_t=64, rows_r=64),
-             FAST_TILES, FAST_SMALL_TILES)  # fmt: skip
+             FAST_TILES, FAST_SMALL_TILES, FUSED_TILES,
+             dataclasses.replace(FAST_SMALL_TILES, fuse_kp=True))  # fmt: skip
     tiles = [dataclasses.replace(c, screen=s) for s in (False, True) for c in tiles]
     # the walk inside the race programs (walk_in_race), unscreened and screened
     tiles += [dataclasses.replace(c, walk_in_race=True, screen=s)
