@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
+import itertools
 import os
 import re
 import subprocess
@@ -54,16 +56,16 @@ class _Sm90Driver:
         return torch.cuda
 
 
-def launches(v: int, b: int, k: int, dtype: torch.dtype, sampled: bool) -> list[tuple]:
-    """The launches rejection_sample would make for this shape (the GPU's tile choice),
-    with every sampling mode in the batch when sampled."""
+def launches(v: int, b: int, k: int, dtype: torch.dtype, sampled: bool, config=None) -> list[tuple]:
+    """The launches rejection_sample would make for this shape (the GPU's tile choice, or
+    `config`), with every sampling mode in the batch when sampled."""
     import kernels.rejection as kr
     from specdraft.sampling import SamplingParams as SP
     from specdraft.sampling import SamplingTensors
 
     kinds = [SP(0.0), SP(1.0), SP(0.7, top_k=5), SP(1.3, top_p=0.8), SP(0.5, top_k=9, top_p=0.6)]
     kinds = kinds if sampled else kinds[:1]
-    ws = kr.RejectionWorkspace.allocate(b, k, v, "cpu")
+    ws = kr.RejectionWorkspace.allocate(b, k, v, "cpu", config)
     st = SamplingTensors.from_params([kinds[i % len(kinds)] for i in range(b)], "cpu")
     q = torch.softmax(torch.randn(b, k, v), -1) if sampled else None
     outs = (torch.empty(b, k + 1, dtype=torch.int64), torch.empty(b, dtype=torch.int32),
@@ -268,24 +270,37 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     driver.set_active(_Sm90Driver())
     failed = 0
+    import kernels.rejection as kr
+
     for case in args.cases:
         v, b, k = map(int, case.split(","))
-        for name in args.dtypes.split(","):
-            for sampled in (True, False):
-                for cached, _, grid, kargs, options in launches(
-                    v, b, k, getattr(torch, name), sampled
-                ):
-                    what = f"V {v} B {b} K {k} {name} {cached.jit_fn.__name__}"
-                    try:
-                        compiled = cached.jit_fn.warmup(*kargs, grid=grid, **options)
-                    except Exception as e:  # any compiler failure is the finding
-                        failed += 1
-                        first = str(e).strip().splitlines()[:1] or [""]
-                        print(f"FAIL {what}: {type(e).__name__}: {first[0][:200]}", flush=True)
-                    else:
-                        cubin = compiled.asm.get("cubin", b"")
-                        extra = f"; {sass_summary(cubin)}" if args.sass else ""
-                        print(f"ok   {what}: cubin {len(cubin)} bytes{extra}", flush=True)
+        cfg = kr.choose_rejection_config(v, b, k)
+        # the default tiles; and where the one-pass bracket runs, its cut with fuse_kp
+        # (off by default: compiled here so that turning it on cannot fail on the GPU only)
+        variants = [(None, "", None)]
+        if cfg.cap_f > 0 and not cfg.fuse_kp:
+            variants.append((dataclasses.replace(cfg, fuse_kp=True), " fuse_kp", "_cut_kernel"))
+        for name, (config, tag, only), sampled in itertools.product(
+            args.dtypes.split(","), variants, (True, False)
+        ):
+            if only is not None and not sampled:
+                continue  # the cut runs in sampled batches only
+            for cached, _, grid, kargs, options in launches(
+                v, b, k, getattr(torch, name), sampled, config
+            ):
+                if only is not None and cached.jit_fn.__name__ != only:
+                    continue
+                what = f"V {v} B {b} K {k} {name}{tag} {cached.jit_fn.__name__}"
+                try:
+                    compiled = cached.jit_fn.warmup(*kargs, grid=grid, **options)
+                except Exception as e:  # any compiler failure is the finding
+                    failed += 1
+                    first = str(e).strip().splitlines()[:1] or [""]
+                    print(f"FAIL {what}: {type(e).__name__}: {first[0][:200]}", flush=True)
+                else:
+                    cubin = compiled.asm.get("cubin", b"")
+                    extra = f"; {sass_summary(cubin)}" if args.sass else ""
+                    print(f"ok   {what}: cubin {len(cubin)} bytes{extra}", flush=True)
     if args.decode:
         try:
             for what, compiled in decode_path_compiles():
