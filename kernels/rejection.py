@@ -414,6 +414,24 @@ def _fx(z, m, FXS: tl.constexpr):
 
 
 @triton.jit
+def _fx_f32(mass, FXS: tl.constexpr):
+    """An int64 sum of _fx units as a float32 mass (relative to m)."""
+    return (mass.to(tl.float64) * (1.0 / FXS)).to(tl.float32)
+
+
+@triton.jit
+def _top_p_bounds(p, kept_f, kept_c, floor_v, zmin, m, FXS: tl.constexpr):
+    """The top-p search over the survivors (kept_c values of mass kept_f at or above
+    floor_v): its lower end and its goal in _fx units. Tokens with exp(z - m) < (1 - p) *
+    mass / count hold under (1 - p) of the mass together, so the cut is above them (one e
+    of margin for rounding). One definition for _cut_kernel and _cut_fast's fused cut,
+    which must agree bit for bit."""
+    lo = m + tl.log((1.0 - p) * kept_f / kept_c.to(tl.float32)) - 1.0
+    lo = tl.minimum(tl.maximum(lo, tl.maximum(floor_v, zmin)), m)
+    return lo, p.to(tl.float64) * kept_f.to(tl.float64) * FXS
+
+
+@triton.jit
 def _below(x):
     """The largest float32 below x (finite x)."""
     bits = x.to(tl.int32, bitcast=True)
@@ -702,7 +720,7 @@ def _cut_fast(
             above_m = tl.sum(above_mv, axis=0)
             if MASS:
                 past = above_m.to(tl.float64) >= target_m
-                a_b = (above_m.to(tl.float64) * (1.0 / FXS)).to(tl.float32)
+                a_b = _fx_f32(above_m, FXS)
             else:
                 past = above_c >= target_c
                 a_b = above_c.to(tl.float32)
@@ -732,9 +750,7 @@ def _cut_fast(
                 else:
                     hi = _below(b_lo)  # the cut is below the bracket
                     if MASS:
-                        a_hi = ((above_m + tl.sum(e, axis=0)).to(tl.float64) * (1.0 / FXS)).to(
-                            tl.float32
-                        )
+                        a_hi = _fx_f32(above_m + tl.sum(e, axis=0), FXS)
                     else:
                         a_hi = (above_c + n).to(tl.float32)
                 keep = (slots < n) & (vals >= v)
@@ -743,11 +759,9 @@ def _cut_fast(
                 kept_m = above_m + tl.sum(tl.where(keep, e, 0), axis=0)
                 if FUSE_P:  # noqa: SIM102 (a constexpr branch, then a device one)
                     if (ok != 0) & (above_c == 0) & (p_top < 1.0):
-                        # _cut_kernel's top-p set-up over these survivors (same ops)
-                        kf_p = (kept_m.to(tl.float64) * (1.0 / FXS)).to(tl.float32)
-                        lo_p = m + tl.log((1.0 - p_top) * kf_p / kept_c.to(tl.float32)) - 1.0
-                        lo_p = tl.minimum(tl.maximum(lo_p, tl.maximum(v, zmin)), m)
-                        goal_p = p_top.to(tl.float64) * kf_p.to(tl.float64) * FXS
+                        # _cut_kernel's top-p set-up over these survivors
+                        lo_p, goal_p = _top_p_bounds(p_top, _fx_f32(kept_m, FXS), kept_c, v,
+                                                     zmin, m, FXS)  # fmt: skip
                         # The largest candidate in [lo_p, m] whose mass from the top
                         # reaches the goal (first crossing of the running sum, which is
                         # exact: int64), else the smallest candidate (float rounding
@@ -1076,19 +1090,14 @@ def _cut_kernel(
             missed = missed | (ok == 0).to(tl.int32)
             thr = tl.where(use_k, thr_k, thr)
             kept_c = tl.where(use_k, kept_ck, kept_c)
-            kept_f = tl.where(use_k, (kept_m.to(tl.float64) * (1.0 / FXS)).to(tl.float32), kept_f)
+            kept_f = tl.where(use_k, _fx_f32(kept_m, FXS), kept_f)
         fused = use_p & (fused != 0)
         if tl.max(fused.to(tl.int32), axis=0) != 0:  # the top-k cut's bracket gave top-p's
             thr = tl.where(fused, thr_pf, thr)
-            kept_f = tl.where(fused, (kept_pf.to(tl.float64) * (1.0 / FXS)).to(tl.float32),
-                              kept_f)  # fmt: skip
+            kept_f = tl.where(fused, _fx_f32(kept_pf, FXS), kept_f)
             use_p = use_p & ~fused
         if tl.max(use_p.to(tl.int32), axis=0) != 0:
-            # Tokens with exp(z - m) < (1 - top_p) * mass / V hold under (1 - top_p) of
-            # the mass together, so the cut is above them (one e of margin for rounding).
-            lo = m + tl.log((1.0 - p) * kept_f / kept_c.to(tl.float32)) - 1.0
-            lo = tl.minimum(tl.maximum(lo, tl.maximum(thr, zmin)), m)
-            target = p.to(tl.float64) * kept_f.to(tl.float64) * FXS
+            lo, target = _top_p_bounds(p, kept_f, kept_c, thr, zmin, m, FXS)
             thr_p, _, kept_m, ok, _, _, _ = _cut(
                 logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_p & (missed == 0), t, m,
                 V, thr, lo, m, tl.zeros([ROWS], tl.int32), target, kept_f, p, zmin, True, ROWS,
@@ -1097,7 +1106,7 @@ def _cut_kernel(
             )  # fmt: skip
             missed = missed | (ok == 0).to(tl.int32)
             thr = tl.where(use_p, thr_p, thr)
-            kept_f = tl.where(use_p, (kept_m.to(tl.float64) * (1.0 / FXS)).to(tl.float32), kept_f)
+            kept_f = tl.where(use_p, _fx_f32(kept_m, FXS), kept_f)
         tl.store(rthr_ptr + rows, thr, mask=live & (missed == 0))
         tl.store(rsum_ptr + rows, kept_f, mask=live & (missed == 0))
     if FAST_ONLY:
