@@ -160,3 +160,12 @@ def test_cut_ladder_rungs_compute_what_they_claim():
         written = torch.zeros(6, dtype=torch.bool)
         written[written_by[rung]] = True
         assert out[:, ~written].isnan().all()  # poisoned: nothing else written
+
+
+def test_ladder_refuses_an_unknown_pass(capsys):
+    from bench.rejection_ladder import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--passes", "race,sort"])
+    assert e.value.code == 2
+    assert "--passes 'race,sort'" in capsys.readouterr().err
