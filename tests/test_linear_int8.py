@@ -130,8 +130,8 @@ def reference_a8(x, q, s) -> torch.Tensor:
     xf = x.float()
     amax = xf.abs().amax(dim=1, keepdim=True)
     live = amax > 0
-    # each quotient correctly rounded (torch's `127.0 / amax` is 127 * (1 / amax), an
-    # ulp off in ~1/4 of rows: stop 48's GPU failure at 64 rows)
+    # each quotient correctly rounded, as the kernel's div_rn (torch's `127.0 / amax` is
+    # 127 * (1 / amax), an ulp off in ~1/4 of rows)
     sx = torch.where(live, (amax.double() / 127.0).float(), torch.ones_like(amax))
     rx = torch.where(
         live, (amax.new_full((), 127.0).double() / amax.double()).float(), torch.zeros_like(amax)
@@ -641,6 +641,31 @@ def test_gpu_act_int8_matches_its_float64_definition(dtype, pdl):
                                    (3, 4096, 2048), (2, 20, 40))):  # fmt: skip
         check_a8_case("cuda", dtype, m, k, n, seed=80 + i, pdl=pdl)
     check_a8_case("cuda", dtype, 4, 576, 1000, seed=90, gather=True, pdl=pdl)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_act_int8_rounds_the_float32_product_ties_to_even(dtype):
+    # x_q read back through an identity weight (127 I, scale 1/127: y = x_q * s_x). The
+    # ties are products x * r_x that round to a half in float32 while the exact product
+    # does not: stop 49 found the kernel rounding those by the exact product (an FMA).
+    m, k = 64, 4096
+    g = torch.Generator(device="cuda").manual_seed(49)
+    x = (torch.randn(m, k, device="cuda", generator=g) * 3).to(dtype)
+    q = torch.eye(k, dtype=torch.int8, device="cuda") * 127
+    s = torch.full((k, 1), 1.0 / 127, device="cuda")
+    out = torch.full((m, k), float("nan"), device="cuda")
+    kernels.linear_int8(x.float(), q, s, out=out, act_int8=True)
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    sx = (amax.double() / 127.0).float()
+    rx = (amax.new_full((), 127.0).double() / amax.double()).float()
+    v = xf * rx
+    ties = (v - v.floor() == 0.5) & ((xf.double() * rx.double()) != v.double())
+    assert int(ties.sum()) >= 10, "the inputs must hold float32 ties"
+    got = torch.round(out.double() / sx.double())  # y = (127 x_q) * s_x / 127
+    want = torch.round(v).clamp(-127, 127).double()
+    assert torch.equal(got, want), int((got != want).sum())
 
 
 @gpu
