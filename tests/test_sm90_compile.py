@@ -71,7 +71,7 @@ def test_sass_loops_counts_each_loop_body():
     """sass_loops on a listing in nvdisasm's form: a loop is a label a later branch jumps
     back to; forward branches, predicated back-branches and the closing self-branch are
     told apart."""
-    from tests.sm90_compile import sass_loops
+    from tests.sass import sass_loops  # not tests.sm90_compile: it sets TRITON_INTERPRET=0
 
     def ins(i, text):
         return f"        /*{i * 16:04x}*/                   {text} ;"
