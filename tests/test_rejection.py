@@ -236,8 +236,9 @@ ROW_TILES = dataclasses.replace(BAND_TILES, rows_t=1, rows_r=1)
 # ROW_TILES with the one-pass bracket first (the GPU's default at large vocabularies):
 # a scratch that holds the bracket, and one so small (one slot a lane too) that most
 # rows finish on the narrowing passes from whatever interval the bracket's pass left.
-FAST_TILES = dataclasses.replace(ROW_TILES, cap_f=128, sample_f=32)
-FAST_SMALL_TILES = dataclasses.replace(ROW_TILES, cap_f=4, sample_f=16, lanes_f=1)
+# Both without fuse_kp (each row's top-p cut its own), which FUSED_TILES turns on.
+FAST_TILES = dataclasses.replace(ROW_TILES, cap_f=128, sample_f=32, fuse_kp=False)
+FAST_SMALL_TILES = dataclasses.replace(ROW_TILES, cap_f=4, sample_f=16, lanes_f=1, fuse_kp=False)
 # FAST_TILES with a row's top-p cut taken from its top-k cut's bracket (fuse_kp)
 FUSED_TILES = dataclasses.replace(FAST_TILES, fuse_kp=True)
 KINDS = [SP(0.0), SP(1.0), SP(0.7, top_k=5), SP(1.3, top_p=0.8), SP(0.5, top_k=9, top_p=0.6),
