@@ -392,6 +392,38 @@ def count_launches(rows: list[dict], args, ks: list[int], room: int) -> None:
         torch.cuda.empty_cache()
 
 
+def round_kernels(rows: list[dict], args, ks: list[int], room: int, replays: int = 20):
+    """Each row's round graph, kernel by kernel (bench.kernel_profile.profile_graph), on
+    drafters built again: markdown lines, and {row key: {kernel: [count, µs]}}. After
+    count_launches, for the same reason (the profiler stays attached)."""
+    from bench.kernel_profile import kernel_table, profile_graph
+    from specdraft.draft_buffers import MODE_NAMES
+
+    by_key = {(r["model"], r["lm_head"], r["batch"], r["k"], r["mode"]): r for r in rows}
+    lines, out = [], {}
+    for case, lm_head in _variants(args):
+        model = build(case, args.ctx + room, lm_head)
+        for mode_name in args.modes.split(","):
+            for batch in (int(x) for x in args.batches.split(",")):
+                bench = Bench(model, batch, ks, args.ctx, (mode_name,), room)
+                for k in ks:
+                    row = by_key[(case, lm_head, batch, k, mode_name)]
+                    bench.reset()
+                    with torch.no_grad():
+                        per = profile_graph(bench.round_graph(k, MODE_NAMES[mode_name]), replays)
+                    busy = sum(t for _, t in per.values())
+                    name = f"{case} {lm_head} b{batch} K{k} {mode_name}"
+                    out[name] = per
+                    head = f"### {name}: round {row['round_us']:.1f} µs (events), kernels"
+                    lines += ["", f"{head} {busy:.1f} µs", "", *kernel_table(per, row["round_us"])]
+                bench.d.teardown()
+                del bench
+                torch.cuda.empty_cache()
+        del model
+        torch.cuda.empty_cache()
+    return lines, out
+
+
 def _variants(args) -> list[tuple[str, str]]:
     """(case, lm_head) pairs in run order."""
     return [(c, h) for c in args.cases.split(",") for h in args.lm_head.split(",")]
@@ -539,6 +571,11 @@ def main(argv: list[str] | None = None) -> int:
         help="int8 lm_heads quantize their input rows to int8 too: int8 tensor-core products "
         "(specdraft.kernels.linear_int8.ACT_INT8)",
     )  # fmt: skip
+    ap.add_argument(
+        "--kernels", action="store_true",
+        help="also each round graph's kernels, timed under torch.profiler (last: it slows "
+        "later launches)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.bar_repeats < 0:
         ap.error(f"--bar-repeats must be >= 0, got {args.bar_repeats}")
@@ -625,6 +662,7 @@ def main(argv: list[str] | None = None) -> int:
     # and the round at 87-88 against 84-86 elsewhere; the profiler is the likely cause,
     # not yet confirmed on the GPU (bench/NOTES.md, stop 45).
     count_launches(rows, args, ks, room)
+    kernel_lines, kernels = round_kernels(rows, args, ks, room) if args.kernels else ([], None)
     bars = check_bars(rows, smol_us, alt, smol_first_us)
     table = markdown_table(rows, COLUMNS)
     head = (
@@ -636,12 +674,15 @@ def main(argv: list[str] | None = None) -> int:
     if alt is not None:
         text += alternated_table(alt) + "\n\n"
     text += "\n".join(f"- {b}" for b in bars)
+    if kernel_lines:
+        text += "\n\nEach round's kernels (torch.profiler over 20 replays; with PDL a "
+        text += "kernel's time includes its wait for the one before):\n" + "\n".join(kernel_lines)
     print(text)
     save_results(
         args.out,
         "draft_round",
         {"env": env, "smollm2_decode_us": smol_us, "smollm2_first_us": smol_first_us,
-         "rows": rows, "alternated": alt, "bars": bars},
+         "rows": rows, "alternated": alt, "bars": bars, "kernels": kernels},
         text,
     )  # fmt: skip
     return 0

@@ -50,19 +50,15 @@ def step_time_us(step) -> float:
         return time_graph_us([step], min_launches=1, replays=25)
 
 
-def profile_step(step, replays: int) -> dict[str, list[float]]:
-    """{kernel name: [count a step, µs a step]} from `replays` replays of one captured
-    step under torch.profiler."""
+def profile_graph(graph, replays: int) -> dict[str, list[float]]:
+    """{kernel name: [count a replay, µs a replay]} from `replays` replays of a captured
+    graph under torch.profiler (which stays attached to the process: run it last)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.common import capture_graph
-
-    with torch.inference_mode():
-        graph = capture_graph(step)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(replays):
-                graph.replay()
-            torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
     per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for e in prof.events():
         if e.device_type.name != "CUDA":
@@ -71,6 +67,23 @@ def profile_step(step, replays: int) -> dict[str, list[float]]:
         entry[0] += 1 / replays
         entry[1] += e.device_time / replays  # µs
     return dict(per)
+
+
+def kernel_table(per: dict[str, list[float]], total_us: float) -> list[str]:
+    """profile_graph's kernels as markdown rows, longest first, each with its share of
+    total_us (the graph's event-timed µs)."""
+    lines = ["| kernel | a replay | µs a replay | share |", "|---|---|---|---|"]
+    for name, (n, t) in sorted(per.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"| `{name}` | {n:.0f} | {t:.1f} | {t / total_us:.1%} |")
+    return lines
+
+
+def profile_step(step, replays: int) -> dict[str, list[float]]:
+    """profile_graph over one captured step."""
+    from bench.common import capture_graph
+
+    with torch.inference_mode():
+        return profile_graph(capture_graph(step), replays)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,9 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         busy = sum(t for _, t in per.values())
         lines += ["", f"### {case}: step {step_us:.1f} µs (events), kernels {busy:.1f} µs, "
                   f"step - kernels {step_us - busy:.1f} µs, weight floor {floor:.1f} µs", "",
-                  "| kernel | a step | µs a step | share |", "|---|---|---|---|"]  # fmt: skip
-        for name, (n, t) in sorted(per.items(), key=lambda kv: -kv[1][1]):
-            lines.append(f"| `{name}` | {n:.0f} | {t:.1f} | {t / step_us:.1%} |")
+                  *kernel_table(per, step_us)]  # fmt: skip
         kern = {k: {"count": n, "us": t} for k, (n, t) in per.items()}
         row = {"case": case, "step_us": step_us, "kernels_us": busy, "floor_us": floor}
         results.append({**row, "kernels": kern})

@@ -43,6 +43,7 @@ MODES = {
     "greedy": SamplingParams(temperature=0.0),
     "top-p 0.9": SamplingParams(temperature=1.0, top_p=0.9),
     "no filter": SamplingParams(temperature=1.0),
+    "top-k 50": SamplingParams(temperature=1.0, top_k=50),
     "top-k 50 + top-p 0.9": SamplingParams(temperature=1.0, top_k=50, top_p=0.9),
 }
 BARS_US = {("greedy", 49152): 15.0, ("top-p 0.9", 49152): 40.0}
