@@ -1,5 +1,5 @@
-"""bench.kernel_profile off the GPU: its table (longest kernel first); unknown cases are refused by name,
-and without a GPU it says so and exits 2 (its measurements need CUDA)."""
+"""bench.kernel_profile off the GPU: its table lists the longest kernel first; unknown
+cases are refused by name; without a GPU it says so and exits 2 (it measures on CUDA)."""
 
 from __future__ import annotations
 
