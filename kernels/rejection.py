@@ -613,12 +613,72 @@ def _above(x):
 
 
 @triton.jit
+def _bracket_cut(
+    cbase, n, above_c, above_m, target_c, target_m, m, lo, hi, b_lo, a_hi, ok, fused, thr_p,
+    kept_mp, p_top, zmin,
+    MASS: tl.constexpr, FXS: tl.constexpr, FUSE_P: tl.constexpr, SIZE: tl.constexpr,
+):  # fmt: skip
+    """_cut_fast's answer from its compacted bracket: the n <= SIZE values at cbase,
+    sorted in a SIZE-wide tile (the first n slots of a wider one: the same values in the
+    same order, so the same answer for any SIZE >= n). Returns (thr, kept count, kept
+    mass, ok, hi, a_hi, fused, thr_p, kept mass_p) as _cut_fast carries them."""
+    slots = tl.arange(0, SIZE)
+    vals = tl.sort(tl.load(cbase + slots, mask=slots < n, other=float("-inf")),
+                   descending=True)  # fmt: skip
+    e = tl.where(slots < n, _fx(vals, m, FXS), 0)
+    if MASS:
+        hit = (above_m + tl.cumsum(e, axis=0)).to(tl.float64) >= target_m
+    else:
+        hit = above_c + slots + 1 >= target_c
+    i = tl.min(tl.where(hit & (slots < n), slots, SIZE), axis=0)
+    v = hi
+    if i < n:
+        v = tl.max(tl.where(slots == i, vals, float("-inf")), axis=0)
+        ok = ok + 1
+    elif b_lo <= lo:
+        # Float rounding left the target unreached: keep every survivor
+        # (_cut_row ends the same way); none at all keeps what is above hi.
+        v = tl.where(n > 0, tl.min(tl.where(slots < n, vals, float("inf")), axis=0),
+                     hi)  # fmt: skip
+        ok = ok + 1
+    else:
+        hi = _below(b_lo)  # the cut is below the bracket
+        if MASS:
+            a_hi = _fx_f32(above_m + tl.sum(e, axis=0), FXS)
+        else:
+            a_hi = (above_c + n).to(tl.float32)
+    keep = (slots < n) & (vals >= v)
+    thr = v
+    kept_c = above_c + tl.sum(keep.to(tl.int32), axis=0)
+    kept_m = above_m + tl.sum(tl.where(keep, e, 0), axis=0)
+    if FUSE_P:  # noqa: SIM102 (a constexpr branch, then a device one)
+        if (ok != 0) & (above_c == 0) & (p_top < 1.0):
+            # _cut_kernel's top-p set-up over these survivors
+            lo_p, goal_p = _top_p_bounds(p_top, _fx_f32(kept_m, FXS), kept_c, v,
+                                         zmin, m, FXS)  # fmt: skip
+            # The largest candidate in [lo_p, m] whose mass from the top
+            # reaches the goal (first crossing of the running sum, which is
+            # exact: int64), else the smallest candidate (float rounding
+            # left the goal unreached: keep them all, as _cut_row does).
+            cand_p = keep & (vals >= lo_p)
+            run_p = tl.cumsum(tl.where(keep, e, 0), axis=0)
+            hit_p = cand_p & (run_p.to(tl.float64) >= goal_p)
+            ip = tl.min(tl.where(hit_p, slots, SIZE), axis=0)
+            vp = tl.max(tl.where(slots == ip, vals, float("-inf")), axis=0)
+            low_p = tl.min(tl.where(cand_p, vals, float("inf")), axis=0)
+            thr_p = tl.where(ip < SIZE, vp, low_p)
+            kept_mp = tl.sum(tl.where(keep & (vals >= thr_p), e, 0), axis=0)
+            fused = fused + 1
+    return thr, kept_c, kept_m, ok, hi, a_hi, fused, thr_p, kept_mp
+
+
+@triton.jit
 def _cut_fast(
     logits_ptr, stride_lm, cand_ptr, row, t, m, V, floor_v, lo, hi, target_c, target_m, total,
     p_top, zmin,
     MASS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, SAMPLE: tl.constexpr,
     TRIES: tl.constexpr, LANES: tl.constexpr, STAGES: tl.constexpr, FXS: tl.constexpr,
-    FUSE_P: tl.constexpr,
+    FUSE_P: tl.constexpr, SMALL: tl.constexpr = 0,
 ):  # fmt: skip
     """_cut_row's answer in one pass over the row when a sample places it well.
 
@@ -644,7 +704,6 @@ def _cut_fast(
     lbase = cbase + CAP
     lo = tl.maximum(lo, floor_v)  # survivors only: z >= floor_v
     si = tl.arange(0, SAMPLE)
-    slots = tl.arange(0, CAP)
     cols = tl.arange(0, BLOCK)
     sz = _row_z(base + (si.to(tl.int64) * V) // SAMPLE, si < SAMPLE, t)
     s = tl.sort(tl.where((sz >= lo) & (sz <= hi), sz, float("-inf")), descending=True)
@@ -729,52 +788,23 @@ def _cut_fast(
                 m_lo = a_b
             elif n <= CAP:
                 tl.debug_barrier()  # the compaction's stores are visible to every thread
-                vals = tl.sort(tl.load(cbase + slots, mask=slots < n, other=float("-inf")),
-                               descending=True)  # fmt: skip
-                e = tl.where(slots < n, _fx(vals, m, FXS), 0)
-                if MASS:
-                    hit = (above_m + tl.cumsum(e, axis=0)).to(tl.float64) >= target_m
-                else:
-                    hit = above_c + slots + 1 >= target_c
-                i = tl.min(tl.where(hit & (slots < n), slots, CAP), axis=0)
-                v = hi
-                if i < n:
-                    v = tl.max(tl.where(slots == i, vals, float("-inf")), axis=0)
-                    ok = ok + 1
-                elif b_lo <= lo:
-                    # Float rounding left the target unreached: keep every survivor
-                    # (_cut_row ends the same way); none at all keeps what is above hi.
-                    v = tl.where(n > 0, tl.min(tl.where(slots < n, vals, float("inf")), axis=0),
-                                 hi)  # fmt: skip
-                    ok = ok + 1
-                else:
-                    hi = _below(b_lo)  # the cut is below the bracket
-                    if MASS:
-                        a_hi = _fx_f32(above_m + tl.sum(e, axis=0), FXS)
+                # A narrow bracket (SMALL > 0: at most SMALL values) takes a narrower sort.
+                if SMALL > 0:
+                    if n <= SMALL:
+                        thr, kept_c, kept_m, ok, hi, a_hi, fused, thr_p, kept_mp = _bracket_cut(
+                            cbase, n, above_c, above_m, target_c, target_m, m, lo, hi, b_lo, a_hi,
+                            ok, fused, thr_p, kept_mp, p_top, zmin, MASS, FXS, FUSE_P, SMALL,
+                        )  # fmt: skip
                     else:
-                        a_hi = (above_c + n).to(tl.float32)
-                keep = (slots < n) & (vals >= v)
-                thr = v
-                kept_c = above_c + tl.sum(keep.to(tl.int32), axis=0)
-                kept_m = above_m + tl.sum(tl.where(keep, e, 0), axis=0)
-                if FUSE_P:  # noqa: SIM102 (a constexpr branch, then a device one)
-                    if (ok != 0) & (above_c == 0) & (p_top < 1.0):
-                        # _cut_kernel's top-p set-up over these survivors
-                        lo_p, goal_p = _top_p_bounds(p_top, _fx_f32(kept_m, FXS), kept_c, v,
-                                                     zmin, m, FXS)  # fmt: skip
-                        # The largest candidate in [lo_p, m] whose mass from the top
-                        # reaches the goal (first crossing of the running sum, which is
-                        # exact: int64), else the smallest candidate (float rounding
-                        # left the goal unreached: keep them all, as _cut_row does).
-                        cand_p = keep & (vals >= lo_p)
-                        run_p = tl.cumsum(tl.where(keep, e, 0), axis=0)
-                        hit_p = cand_p & (run_p.to(tl.float64) >= goal_p)
-                        ip = tl.min(tl.where(hit_p, slots, CAP), axis=0)
-                        vp = tl.max(tl.where(slots == ip, vals, float("-inf")), axis=0)
-                        low_p = tl.min(tl.where(cand_p, vals, float("inf")), axis=0)
-                        thr_p = tl.where(ip < CAP, vp, low_p)
-                        kept_mp = tl.sum(tl.where(keep & (vals >= thr_p), e, 0), axis=0)
-                        fused = fused + 1
+                        thr, kept_c, kept_m, ok, hi, a_hi, fused, thr_p, kept_mp = _bracket_cut(
+                            cbase, n, above_c, above_m, target_c, target_m, m, lo, hi, b_lo, a_hi,
+                            ok, fused, thr_p, kept_mp, p_top, zmin, MASS, FXS, FUSE_P, CAP,
+                        )  # fmt: skip
+                else:
+                    thr, kept_c, kept_m, ok, hi, a_hi, fused, thr_p, kept_mp = _bracket_cut(
+                        cbase, n, above_c, above_m, target_c, target_m, m, lo, hi, b_lo, a_hi,
+                        ok, fused, thr_p, kept_mp, p_top, zmin, MASS, FXS, FUSE_P, CAP,
+                    )  # fmt: skip
             else:
                 hi = b_hi  # the cut is in the bracket, too full to compact
                 a_hi = a_b
@@ -970,7 +1000,7 @@ def _cut(
     MASS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
     NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
     CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr, LANES: tl.constexpr,
-    STAGES: tl.constexpr, FAST_ONLY: tl.constexpr, FUSE_P: tl.constexpr,
+    STAGES: tl.constexpr, FAST_ONLY: tl.constexpr, FUSE_P: tl.constexpr, SMALL_F: tl.constexpr,
 ):  # fmt: skip
     """_cut_tile's contract, plus ok [ROWS] (0: not found). One row takes _cut_row
     (scalar state), first trying _cut_fast's pass when CAP_F > 0; FAST_ONLY leaves a
@@ -997,7 +1027,7 @@ def _cut(
             v, c, mass, ok, lo1, hi1, fused1, thr_p1, mass_p1 = _cut_fast(
                 logits_ptr, stride_lm, fast_ptr, row, t1, m1, V, fl1, lo1, hi1, tc1, tm1,
                 tl.sum(total, axis=0), tl.sum(p_top, axis=0), tl.sum(zmin, axis=0), MASS,
-                BLOCK, CAP_F, SAMPLE, TRIES, LANES, STAGES, FXS, FUSE_P,
+                BLOCK, CAP_F, SAMPLE, TRIES, LANES, STAGES, FXS, FUSE_P, SMALL_F,
             )  # fmt: skip
         if FAST_ONLY:
             pass
@@ -1035,7 +1065,7 @@ def _cut_kernel(
     NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
     CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr, LANES: tl.constexpr,
     STAGES: tl.constexpr, FAST_ONLY: tl.constexpr, TODO: tl.constexpr,
-    SCREEN: tl.constexpr, KP: tl.constexpr, FUSE_KP: tl.constexpr,
+    SCREEN: tl.constexpr, KP: tl.constexpr, FUSE_KP: tl.constexpr, SMALL_F: tl.constexpr,
     GDC: tl.constexpr = False,
 ):  # fmt: skip
     """A tile of ROWS rows per program; a filtered row gets the top-k cut (the k-th
@@ -1085,7 +1115,7 @@ def _cut_kernel(
                 logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_k, t, m, V, thr, zmin,
                 m, k, tl.zeros([ROWS], tl.float64), total, p, zmin, False, ROWS, BLOCK, CAP,
                 NBIN, MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, LANES, STAGES, FAST_ONLY,
-                FUSE_KP,
+                FUSE_KP, SMALL_F,
             )  # fmt: skip
             missed = missed | (ok == 0).to(tl.int32)
             thr = tl.where(use_k, thr_k, thr)
@@ -1102,7 +1132,7 @@ def _cut_kernel(
                 logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_p & (missed == 0), t, m,
                 V, thr, lo, m, tl.zeros([ROWS], tl.int32), target, kept_f, p, zmin, True, ROWS,
                 BLOCK, CAP, NBIN, MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, LANES, STAGES,
-                FAST_ONLY, False,
+                FAST_ONLY, False, SMALL_F,
             )  # fmt: skip
             missed = missed | (ok == 0).to(tl.int32)
             thr = tl.where(use_p, thr_p, thr)
@@ -1507,6 +1537,12 @@ class RejectionConfig:
     # second sample, pass and sort. The same thresholds and masses, bit for bit (CPU
     # tests). H200, B 64, K 5, top-k 50 + top-p 0.9: cut 116 -> 90 µs (stop 49).
     fuse_kp: bool = True
+    # A bracket of at most small_f values (0: off; a power of two below cap_f) is sorted
+    # in a small_f-wide tile instead of cap_f: top-k brackets hold a few hundred values,
+    # and the sort's cost grows with its width (sm_90: 1416 instructions and 73 barriers
+    # at 2048 values, 752 and 57 at 1024). The same answer, bit for bit (CPU tests). Off
+    # until timed on a GPU (written at stop 49, when none was left).
+    small_f: int = 0
 
     @property
     def max_passes(self) -> int:
@@ -1918,7 +1954,8 @@ def _plan(
                  ws.row_thr, ws.row_sum, ws.cand, ws.cand_fast, ws.todo, ws.row_state, rows, v,
                  k + 1, nb, cfg.rows_t, nbp, cfg.block_t, cfg.cap, cfg.nbin, cfg.max_passes,
                  min(cfg.cap, cfg.chunk_t), fxs, cap_f, cfg.sample_f, cfg.tries_f, cfg.lanes_f,
-                 cfg.stages_f, fast_only, todo, screen, kp, bool(cfg.fuse_kp)),
+                 cfg.stages_f, fast_only, todo, screen, kp, bool(cfg.fuse_kp),
+                 min(cfg.small_f, cap_f // 2)),
                 cfg.warps_f if fast_only else 8 if cfg.rows_t * cfg.block_t >= 2048 else 4,
                 pdl,
             )  # fmt: skip
