@@ -678,7 +678,7 @@ def _cut_fast(
     p_top, zmin,
     MASS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, SAMPLE: tl.constexpr,
     TRIES: tl.constexpr, LANES: tl.constexpr, STAGES: tl.constexpr, FXS: tl.constexpr,
-    FUSE_P: tl.constexpr, SMALL: tl.constexpr = 0,
+    FUSE_P: tl.constexpr, SMALL: tl.constexpr,
 ):  # fmt: skip
     """_cut_row's answer in one pass over the row when a sample places it well.
 
@@ -698,7 +698,8 @@ def _cut_fast(
     (top_p p_top < 1; zmin the row's smallest value) is taken from those values as
     _cut_kernel's own top-p cut would set it up and find it: the same lower bound, goal,
     threshold and kept mass, bit for bit. Also returns (fused, thr_p, kept mass_p);
-    fused 0 leaves the top-p cut to its own call."""
+    fused 0 leaves the top-p cut to its own call. SMALL > 0: a bracket of at most SMALL
+    values is sorted SMALL wide, not CAP (_bracket_cut: the same answer)."""
     base = logits_ptr + row * stride_lm
     cbase = cand_ptr + row * (CAP + LANES * BLOCK)  # CAP dense values, then lane slots
     lbase = cbase + CAP
