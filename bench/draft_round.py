@@ -29,7 +29,7 @@ head's b1 K3 greedy round, taken in turn.
 
     python -m bench.draft_round [--out results] [--ctx 256] [--batches 1,8,64]
         [--ks 1,3,5,7] [--cases ...] [--modes greedy] [--iters 30] [--lm-head bf16,int8]
-        [--bar-repeats 5] [--merge-in-o] [--act-int8]
+        [--bar-repeats 5] [--merge-in-o] [--act-int8] [--kernels]
 
 --merge-in-o: split attention merged by the O projection (specdraft.layers.MERGE_IN_O_PROJ)
 for SmolLM2's step and the drafts alike; --act-int8: the int8 lm_heads quantize their
@@ -39,6 +39,9 @@ input rows too (kernels.linear_int8.ACT_INT8). Both are experiments, off by defa
 both, one after the other in the same run): the floor counts its bytes, the bars name it.
 A suffix :N (int8:16384) gives the EAGLE-1 heads a draft vocabulary of N ids
 (EagleHead.reduce_vocab), as `specdraft generate --draft-vocab N` does for the shipped head.
+
+--kernels: each round graph kernel by kernel as well (torch.profiler, after every other
+timing), to show where a round's time goes.
 """
 
 from __future__ import annotations
