@@ -1067,7 +1067,7 @@ def _cut_kernel(
     CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr, LANES: tl.constexpr,
     STAGES: tl.constexpr, FAST_ONLY: tl.constexpr, TODO: tl.constexpr,
     SCREEN: tl.constexpr, KP: tl.constexpr, FUSE_KP: tl.constexpr, SMALL_F: tl.constexpr,
-    GDC: tl.constexpr = False,
+    SAMPLE_K: tl.constexpr, GDC: tl.constexpr = False,
 ):  # fmt: skip
     """A tile of ROWS rows per program; a filtered row gets the top-k cut (the k-th
     largest value), then the top-p cut over the top-k survivors, and its threshold and
@@ -1076,7 +1076,8 @@ def _cut_kernel(
     written. TODO: only the rows marked in todo (the launch after a FAST_ONLY one).
     SCREEN: only the rows the screened walk needs (_needs_cut). FUSE_KP: a row with both
     takes its top-p cut from the top-k cut's bracket where that held every survivor
-    (_cut_fast), with no cut of its own; the same thresholds and masses."""
+    (_cut_fast), with no cut of its own; the same thresholds and masses. SMALL_F: _cut_fast's
+    narrow bracket sort; SAMPLE_K: the top-k cut's sample (SAMPLE: the top-p cut's)."""
     _gdc_enter(GDC)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rmask = rows < num_rows
@@ -1115,7 +1116,7 @@ def _cut_kernel(
             thr_k, kept_ck, kept_m, ok, fused, thr_pf, kept_pf = _cut(
                 logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_k, t, m, V, thr, zmin,
                 m, k, tl.zeros([ROWS], tl.float64), total, p, zmin, False, ROWS, BLOCK, CAP,
-                NBIN, MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, LANES, STAGES, FAST_ONLY,
+                NBIN, MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE_K, TRIES, LANES, STAGES, FAST_ONLY,
                 FUSE_KP, SMALL_F,
             )  # fmt: skip
             missed = missed | (ok == 0).to(tl.int32)
@@ -1544,6 +1545,11 @@ class RejectionConfig:
     # at 2048 values, 752 and 57 at 1024). The same answer, bit for bit (CPU tests). Off
     # until timed on a GPU (written at stop 49, when none was left).
     small_f: int = 0
+    # The top-k cut's sample (0: sample_f). A count near the row's top needs few sample
+    # values above it: at k 50 of 49152 a 512-value sample still brackets the cut within
+    # ~500 row values (i* ~0.5, margin ~4.4 sample values of 96), and sorts a quarter of
+    # the values. Off until timed on a GPU (stop 49).
+    sample_k: int = 0
 
     @property
     def max_passes(self) -> int:
@@ -1956,7 +1962,7 @@ def _plan(
                  k + 1, nb, cfg.rows_t, nbp, cfg.block_t, cfg.cap, cfg.nbin, cfg.max_passes,
                  min(cfg.cap, cfg.chunk_t), fxs, cap_f, cfg.sample_f, cfg.tries_f, cfg.lanes_f,
                  cfg.stages_f, fast_only, todo, screen, kp, bool(cfg.fuse_kp),
-                 min(cfg.small_f, cap_f // 2)),
+                 min(cfg.small_f, cap_f // 2), cfg.sample_k or cfg.sample_f),
                 cfg.warps_f if fast_only else 8 if cfg.rows_t * cfg.block_t >= 2048 else 4,
                 pdl,
             )  # fmt: skip

@@ -237,9 +237,11 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.cap_f > 0:
             flip = dataclasses.replace(cfg, fuse_kp=not cfg.fuse_kp)
             variants.append((flip, f" fuse_kp={int(flip.fuse_kp)}", "_cut_kernel"))
-            # the narrow bracket sort (small_f, off by default) beside the wide one
-            narrow = dataclasses.replace(cfg, small_f=cfg.small_f or 512)
-            variants.append((narrow, f" small_f={narrow.small_f}", "_cut_kernel"))
+            # the narrow bracket sort and the top-k cut's own sample (small_f, sample_k:
+            # off by default)
+            narrow = dataclasses.replace(cfg, small_f=cfg.small_f or 512, sample_k=512)
+            tag = f" small_f={narrow.small_f} sample_k=512"
+            variants.append((narrow, tag, "_cut_kernel"))
         for name, (config, tag, only), sampled in itertools.product(
             args.dtypes.split(","), variants, (True, False)
         ):

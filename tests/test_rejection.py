@@ -243,6 +243,8 @@ FAST_SMALL_TILES = dataclasses.replace(ROW_TILES, cap_f=4, sample_f=16, lanes_f=
 FUSED_TILES = dataclasses.replace(FAST_TILES, fuse_kp=True)
 # FUSED_TILES with brackets of up to 32 values sorted 32 wide (small_f): v = 203 has both
 SORT32_TILES = dataclasses.replace(FUSED_TILES, small_f=32)
+# and the top-k cut's sample 8 values (sample_k): wider brackets, more tries and misses
+SAMPLE8_TILES = dataclasses.replace(SORT32_TILES, sample_k=8)
 KINDS = [SP(0.0), SP(1.0), SP(0.7, top_k=5), SP(1.3, top_p=0.8), SP(0.5, top_k=9, top_p=0.6),
          SP(2.0, top_k=1), SP(1.0, top_p=0.05), SP(1.0, top_k=40)]  # fmt: skip
 
@@ -403,7 +405,7 @@ def _top_p_boundary(logits: torch.Tensor, sp: SP) -> torch.Tensor:
 @pytest.mark.parametrize(
     "v, tiles",
     [(16, "default"), (16, "small"), (203, "narrow"), (203, "band"), (203, "fast"),
-     (203, "fast_small"), (203, "fused"), (203, "sort32")],
+     (203, "fast_small"), (203, "fused"), (203, "sort32"), (203, "sample8")],
 )  # fmt: skip
 def test_threshold_matches_sampling(v, tiles, device):
     """Kept set exactly filtered_probs' (ties, boundaries, -inf, k >= V), probabilities
@@ -418,7 +420,8 @@ def test_threshold_matches_sampling(v, tiles, device):
     )
     cfg = {"default": None, "small": SMALL_TILES, "narrow": NARROW_TILES, "band": BAND_TILES,
            "fast": FAST_TILES, "fast_small": FAST_SMALL_TILES,
-           "fused": FUSED_TILES, "sort32": SORT32_TILES}[tiles]  # fmt: skip
+           "fused": FUSED_TILES, "sort32": SORT32_TILES,
+           "sample8": SAMPLE8_TILES}[tiles]  # fmt: skip
     p, keep, z = (t.cpu() for t in _kernel_probs(logits.to(device), st, cfg))
     want = filtered_probs(logits, _cpu(st))
     ref = ref_filtered64(logits, *(getattr(_cpu(st), f) for f in SamplingTensors._FIELDS[:4]))
@@ -526,7 +529,7 @@ def test_tiles_bit_equal_to_one_row_per_program(device):
     tiles = (ROW_TILES, BAND_TILES, dataclasses.replace(BAND_TILES, rows_t=64, rows_r=64),
              FAST_TILES, FAST_SMALL_TILES, FUSED_TILES,
              dataclasses.replace(FAST_SMALL_TILES, fuse_kp=True), SORT32_TILES,
-             dataclasses.replace(FAST_TILES, small_f=32))  # fmt: skip
+             dataclasses.replace(FAST_TILES, small_f=32), SAMPLE8_TILES)  # fmt: skip
     tiles = [dataclasses.replace(c, screen=s) for s in (False, True) for c in tiles]
     # the walk inside the race programs (walk_in_race), unscreened and screened
     tiles += [dataclasses.replace(c, walk_in_race=True, screen=s)
