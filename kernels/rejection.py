@@ -85,7 +85,7 @@ weight / E, E = -log1p(-u)) with counter = vocabulary index on RESIDUAL / BONUS.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import triton
@@ -1550,6 +1550,20 @@ class RejectionConfig:
     # ~500 row values (i* ~0.5, margin ~4.4 sample values of 96), and sorts a quarter of
     # the values. Off until timed on a GPU (stop 49).
     sample_k: int = 0
+
+    def __post_init__(self) -> None:
+        # Every size is a tile width (tl.arange needs a power of two); tries_f and the
+        # stages are counts; cap_f, small_f and sample_k may be 0 (off / sample_f).
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type == "bool" or v is None or f.name in ("tries_f", "stages_f", "stages_g"):
+                continue
+            zero = f.name in ("cap_f", "small_f", "sample_k")
+            if type(v) is not int or v < 0 or (v == 0 and not zero) or v & (v - 1):
+                raise ValueError(
+                    f"RejectionConfig.{f.name} must be a power of two"
+                    f"{' or 0' if zero else ''}, got {v!r}"
+                )
 
     @property
     def max_passes(self) -> int:

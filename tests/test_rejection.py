@@ -1279,3 +1279,19 @@ def test_gpu_lossless_mixed_modes_200k():
     out = lossless_trials(200000, 4, SP(0.7, top_k=8, top_p=0.9), SP(1.2, top_k=5), "random",
                           seed=105, greedy_every=4, device="cuda")  # fmt: skip
     _assert_lossless(out, "mixed")
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [("small_f", 300, "small_f must be a power of two or 0, got 300"),
+     ("sample_k", -8, "sample_k must be a power of two or 0, got -8"),
+     ("block_r", 0, "block_r must be a power of two, got 0"),
+     ("sample_f", 1536, "sample_f must be a power of two, got 1536")],
+)  # fmt: skip
+def test_config_refuses_a_tile_that_is_not_a_power_of_two(field, value, match):
+    # a width the kernels would take to tl.arange: refused when the config is made,
+    # not at a compile deep inside a launch; the config it was replaced from is unchanged
+    before = dataclasses.asdict(FAST_TILES)
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(FAST_TILES, **{field: value})
+    assert dataclasses.asdict(FAST_TILES) == before
