@@ -375,10 +375,16 @@ class Bench:
         return graph_launches(lambda: self.propose(k), 5)
 
 
-def count_launches(rows: list[dict], args, ks: list[int], room: int) -> None:
-    """Each row's launches per round, on drafters built again once every host time of
-    the run is measured (Bench.launches)."""
+def count_launches(rows: list[dict], args, ks: list[int], room: int, replays: int = 20):
+    """Each row's launches per round (Bench.launches) on drafters built again once every
+    host time of the run is measured; with --kernels also each round graph kernel by
+    kernel (bench.kernel_profile.profile_graph). Returns the kernels' markdown lines and
+    {row name: {kernel: [count, µs]}} (empty without --kernels)."""
+    from bench.kernel_profile import kernel_table, profile_graph
+    from specdraft.draft_buffers import MODE_NAMES
+
     by_key = {(r["model"], r["lm_head"], r["batch"], r["k"], r["mode"]): r for r in rows}
+    lines, kernels = [], {}
     for case, lm_head in _variants(args):
         model = build(case, args.ctx + room, lm_head)
         for mode_name in args.modes.split(","):
@@ -388,35 +394,14 @@ def count_launches(rows: list[dict], args, ks: list[int], room: int) -> None:
                     per = bench.launches(k)
                     row = by_key[(case, lm_head, batch, k, mode_name)]
                     row["launches"], row["graph_launches"] = per, per["graph"]
-                bench.d.teardown()
-                del bench
-                torch.cuda.empty_cache()
-        del model
-        torch.cuda.empty_cache()
-
-
-def round_kernels(rows: list[dict], args, ks: list[int], room: int, replays: int = 20):
-    """Each row's round graph, kernel by kernel (bench.kernel_profile.profile_graph), on
-    drafters built again: markdown lines, and {row key: {kernel: [count, µs]}}. After
-    count_launches, for the same reason (the profiler stays attached)."""
-    from bench.kernel_profile import kernel_table, profile_graph
-    from specdraft.draft_buffers import MODE_NAMES
-
-    by_key = {(r["model"], r["lm_head"], r["batch"], r["k"], r["mode"]): r for r in rows}
-    lines, out = [], {}
-    for case, lm_head in _variants(args):
-        model = build(case, args.ctx + room, lm_head)
-        for mode_name in args.modes.split(","):
-            for batch in (int(x) for x in args.batches.split(",")):
-                bench = Bench(model, batch, ks, args.ctx, (mode_name,), room)
-                for k in ks:
-                    row = by_key[(case, lm_head, batch, k, mode_name)]
+                    if not args.kernels:
+                        continue
                     bench.reset()
                     with torch.no_grad():
                         per = profile_graph(bench.round_graph(k, MODE_NAMES[mode_name]), replays)
                     busy = sum(t for _, t in per.values())
                     name = f"{case} {lm_head} b{batch} K{k} {mode_name}"
-                    out[name] = per
+                    kernels[name] = per
                     head = f"### {name}: round {row['round_us']:.1f} µs (events), kernels"
                     lines += ["", f"{head} {busy:.1f} µs", "", *kernel_table(per, row["round_us"])]
                 bench.d.teardown()
@@ -424,7 +409,7 @@ def round_kernels(rows: list[dict], args, ks: list[int], room: int, replays: int
                 torch.cuda.empty_cache()
         del model
         torch.cuda.empty_cache()
-    return lines, out
+    return lines, kernels
 
 
 def _variants(args) -> list[tuple[str, str]]:
@@ -664,8 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     # ratio's timings, those read SmolLM2's step at 411-442 µs against 353.9 timed first
     # and the round at 87-88 against 84-86 elsewhere; the profiler is the likely cause,
     # not yet confirmed on the GPU (bench/NOTES.md, stop 45).
-    count_launches(rows, args, ks, room)
-    kernel_lines, kernels = round_kernels(rows, args, ks, room) if args.kernels else ([], None)
+    kernel_lines, kernels = count_launches(rows, args, ks, room)
     bars = check_bars(rows, smol_us, alt, smol_first_us)
     table = markdown_table(rows, COLUMNS)
     head = (
