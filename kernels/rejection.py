@@ -45,13 +45,13 @@ done, and each row's outcome (done, or its next interval) is a masked update, so
 row takes the steps it would take alone and the thresholds do not depend on the tiling.
 
 The bracket launch (one row per program; RejectionConfig.cap_f > 0): a strided sample
-of the row (sample_f values), sorted, estimates where the cut lies and brackets it with a
-margin of two binomial standard deviations of the sample's count; one pass sums the
-exact mass and count above the bracket and compacts the bracket's values (up to cap_f),
-which sorted give the cut by their running sums. A bracket that missed narrows the
-interval to the side the exact sums point to and the next try estimates within it
-(tries_f tries); a row still unresolved is marked for the narrowing launch. Its
-threshold is the same value: the fixed-point masses define the cut exactly.
+of the row (sample_f values), sorted (or binned: hist_f), estimates where the cut lies
+and brackets it with a margin of two binomial standard deviations of the sample's count;
+one pass sums the exact mass and count above the bracket and compacts the bracket's
+values (up to cap_f), which sorted give the cut by their running sums. A bracket that
+missed narrows the interval to the side the exact sums point to and the next try
+estimates within it (tries_f tries); a row still unresolved is marked for the narrowing
+launch. Its threshold is the same value: the fixed-point masses define the cut exactly.
 
 Screening (RejectionConfig.screen, on by default). A cut costs a row far more than the
 pass that reads it, and most rows need none: the walk stops at the first rejection, and
@@ -673,12 +673,89 @@ def _bracket_cut(
 
 
 @triton.jit
+def _margin(r, SAMPLE: tl.constexpr):
+    """The bracket's half-width in sample values around the estimated cut's rank r
+    (from the top of [lo, hi]): two binomial standard deviations of the sample's count
+    above it, plus 3."""
+    f = tl.minimum(tl.maximum(r, 1).to(tl.float32) / SAMPLE, 1.0)
+    return (2.0 * tl.sqrt(SAMPLE * f * (1.0 - f))).to(tl.int32) + 3
+
+
+@triton.jit
+def _estimate(w, a_hi, m_lo, goal):
+    """Estimated measure of the values at or above each sample position (w: the measure
+    each sample value or bin stands for, from the top): from the top, or from the bottom
+    when the goal is nearer m_lo (the bulk below the cut is better sampled than the few
+    heavy values above it)."""
+    cum = tl.cumsum(w, axis=0)
+    return tl.where(goal - a_hi < m_lo - goal, a_hi + cum, m_lo - (tl.sum(w, axis=0) - cum))
+
+
+@triton.jit
+def _sorted_bracket(s, ws, si, lo, hi, a_hi, m_lo, goal, SAMPLE: tl.constexpr):
+    """_cut_fast's bracket [b_lo, b_hi] from the sorted sample s (descending; ws the
+    measure each value stands for): the sample's values in [lo, hi] are s[i0:i1], the
+    estimated cut is the first whose measure from the top reaches the goal, and the
+    bracket's ends are the values _margin ranks above and below it (hi / lo past the
+    ends)."""
+    inside = (s >= lo) & (s <= hi)
+    i0 = tl.sum((s > hi).to(tl.int32), axis=0)
+    i1 = i0 + tl.sum(inside.to(tl.int32), axis=0)
+    est = _estimate(tl.where(inside, ws, 0.0), a_hi, m_lo, goal)
+    i_star = i0 + tl.sum((inside & (est < goal)).to(tl.int32), axis=0)
+    d = _margin(i_star - i0, SAMPLE)
+    ih = i_star - d
+    il = i_star + d
+    b_hi = tl.where(ih >= i0, tl.max(tl.where(si == ih, s, float("-inf")), axis=0), hi)
+    b_lo = tl.where(il < i1, tl.max(tl.where(si == il, s, float("-inf")), axis=0), lo)
+    return b_lo, b_hi
+
+
+@triton.jit
+def _hist_bracket(sz, lo, hi, a_hi, m_lo, goal, m, per, MASS: tl.constexpr,
+                  SAMPLE: tl.constexpr, NB: tl.constexpr):  # fmt: skip
+    """_sorted_bracket's estimate without sorting the sample sz: a histogram of its
+    values in [lo, hi] over NB equal bins (bin 0 at hi), each bin's measure taken at its
+    middle (top-p) or its count (top-k). The estimated cut is in the first bin whose
+    measure from the top reaches the goal, at the middle rank of that bin; the bracket
+    runs from the top edge of the bin holding the rank _margin above it to the bottom
+    edge of the bin holding the rank _margin below (hi / lo past the ends). A bin is
+    a 1 / NB of [lo, hi]: the bracket is up to a bin wider at each end than the sorted
+    sample's. Any bracket gives the same cut: only the pass's exact sums decide it."""
+    inside = (sz >= lo) & (sz <= hi)
+    span = hi - lo
+    width = span / NB
+    scale = tl.where(span > 0.0, NB / tl.maximum(span, 1e-30), 0.0)
+    b = tl.minimum(((hi - sz) * scale).to(tl.int32), NB - 1)
+    h = tl.histogram(tl.where(inside, b, 0), NB, mask=inside)
+    bins = tl.arange(0, NB)
+    if MASS:
+        mid = hi - (bins.to(tl.float32) + 0.5) * width
+        w = h.to(tl.float32) * tl.exp(mid - m) * per
+    else:
+        w = h.to(tl.float32) * per
+    est = _estimate(w, a_hi, m_lo, goal)
+    j = tl.sum((est < goal).to(tl.int32), axis=0)  # NB: the goal is not reached
+    cnt = tl.cumsum(h, axis=0)  # sample values in bins 0..i
+    n = tl.sum(h, axis=0)
+    r = tl.sum(tl.where(bins < j, h, 0), axis=0) + tl.sum(tl.where(bins == j, h, 0), axis=0) // 2
+    d = _margin(r, SAMPLE)
+    rh = r - d  # the ranks (from 0) at the bracket's ends
+    rl = r + d
+    jh = tl.sum((cnt <= rh).to(tl.int32), axis=0)  # the bin holding rank rh
+    jl = tl.sum((cnt <= rl).to(tl.int32), axis=0)
+    b_hi = tl.where(rh >= 0, tl.minimum(hi - jh.to(tl.float32) * width, hi), hi)
+    b_lo = tl.where(rl < n, tl.maximum(hi - (jl + 1).to(tl.float32) * width, lo), lo)
+    return b_lo, b_hi
+
+
+@triton.jit
 def _cut_fast(
     logits_ptr, stride_lm, cand_ptr, row, t, m, V, floor_v, lo, hi, target_c, target_m, total,
     p_top, zmin,
     MASS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, SAMPLE: tl.constexpr,
     TRIES: tl.constexpr, LANES: tl.constexpr, STAGES: tl.constexpr, FXS: tl.constexpr,
-    FUSE_P: tl.constexpr, SMALL: tl.constexpr,
+    FUSE_P: tl.constexpr, SMALL: tl.constexpr, HIST: tl.constexpr,
 ):  # fmt: skip
     """_cut_row's answer in one pass over the row when a sample places it well.
 
@@ -699,7 +776,10 @@ def _cut_fast(
     _cut_kernel's own top-p cut would set it up and find it: the same lower bound, goal,
     threshold and kept mass, bit for bit. Also returns (fused, thr_p, kept mass_p);
     fused 0 leaves the top-p cut to its own call. SMALL > 0: a bracket of at most SMALL
-    values is sorted SMALL wide, not CAP (_bracket_cut: the same answer)."""
+    values is sorted SMALL wide, not CAP (_bracket_cut: the same answer). HIST > 0: each
+    try places its bracket from a HIST-bin histogram of the sample over [lo, hi]
+    (_hist_bracket) instead of the sorted sample (_sorted_bracket): a bracket elsewhere,
+    the same answer."""
     base = logits_ptr + row * stride_lm
     cbase = cand_ptr + row * (CAP + LANES * BLOCK)  # CAP dense values, then lane slots
     lbase = cbase + CAP
@@ -707,14 +787,17 @@ def _cut_fast(
     si = tl.arange(0, SAMPLE)
     cols = tl.arange(0, BLOCK)
     sz = _row_z(base + (si.to(tl.int64) * V) // SAMPLE, si < SAMPLE, t)
-    s = tl.sort(tl.where((sz >= lo) & (sz <= hi), sz, float("-inf")), descending=True)
     per = V / SAMPLE  # row values one sample value stands for
     if MASS:
-        ws = tl.where(s > float("-inf"), tl.exp(s - m), 0.0) * per
         goal = (target_m * (1.0 / FXS)).to(tl.float32)
     else:
-        ws = tl.where(s > float("-inf"), per, 0.0)
         goal = target_c.to(tl.float32)
+    if HIST == 0:  # the sample sorted once, with the measure each value stands for
+        s = tl.sort(tl.where((sz >= lo) & (sz <= hi), sz, float("-inf")), descending=True)
+        if MASS:
+            ws = tl.where(s > float("-inf"), tl.exp(s - m), 0.0) * per
+        else:
+            ws = tl.where(s > float("-inf"), per, 0.0)
     # Measure above hi and at or above lo, as far as known (exact after a try).
     a_hi = tl.zeros([], tl.float32)
     if MASS:
@@ -730,24 +813,12 @@ def _cut_fast(
     kept_mp = tl.zeros([], tl.int64)
     for _ in range(TRIES):
         if ok == 0:
-            # 1. The bracket: the sample's values in [lo, hi] are s[i0:i1].
-            inside = (s >= lo) & (s <= hi)
-            i0 = tl.sum((s > hi).to(tl.int32), axis=0)
-            i1 = i0 + tl.sum(inside.to(tl.int32), axis=0)
-            w = tl.where(inside, ws, 0.0)
-            cum = tl.cumsum(w, axis=0)
-            # Estimated measure of the values >= s_i: from the top, or from the bottom
-            # when the goal is nearer m_lo (the bulk below the cut is better sampled
-            # than the few heavy values above it).
-            est = tl.where(goal - a_hi < m_lo - goal, a_hi + cum,
-                           m_lo - (tl.sum(w, axis=0) - cum))  # fmt: skip
-            i_star = i0 + tl.sum((inside & (est < goal)).to(tl.int32), axis=0)
-            f = tl.minimum(tl.maximum(i_star - i0, 1).to(tl.float32) / SAMPLE, 1.0)
-            d = (2.0 * tl.sqrt(SAMPLE * f * (1.0 - f))).to(tl.int32) + 3
-            ih = i_star - d
-            il = i_star + d
-            b_hi = tl.where(ih >= i0, tl.max(tl.where(si == ih, s, float("-inf")), axis=0), hi)
-            b_lo = tl.where(il < i1, tl.max(tl.where(si == il, s, float("-inf")), axis=0), lo)
+            # 1. The bracket [b_lo, b_hi], from the sample.
+            if HIST == 0:
+                b_lo, b_hi = _sorted_bracket(s, ws, si, lo, hi, a_hi, m_lo, goal, SAMPLE)
+            else:
+                b_lo, b_hi = _hist_bracket(sz, lo, hi, a_hi, m_lo, goal, m, per, MASS, SAMPLE,
+                                           HIST)  # fmt: skip
             # 2. One pass: the exact measure above b_hi, the bracket compacted.
             above_cv = tl.zeros([BLOCK], tl.int32)
             above_mv = tl.zeros([BLOCK], tl.int64)
@@ -1002,6 +1073,7 @@ def _cut(
     NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
     CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr, LANES: tl.constexpr,
     STAGES: tl.constexpr, FAST_ONLY: tl.constexpr, FUSE_P: tl.constexpr, SMALL_F: tl.constexpr,
+    HIST_F: tl.constexpr,
 ):  # fmt: skip
     """_cut_tile's contract, plus ok [ROWS] (0: not found). One row takes _cut_row
     (scalar state), first trying _cut_fast's pass when CAP_F > 0; FAST_ONLY leaves a
@@ -1028,7 +1100,7 @@ def _cut(
             v, c, mass, ok, lo1, hi1, fused1, thr_p1, mass_p1 = _cut_fast(
                 logits_ptr, stride_lm, fast_ptr, row, t1, m1, V, fl1, lo1, hi1, tc1, tm1,
                 tl.sum(total, axis=0), tl.sum(p_top, axis=0), tl.sum(zmin, axis=0), MASS,
-                BLOCK, CAP_F, SAMPLE, TRIES, LANES, STAGES, FXS, FUSE_P, SMALL_F,
+                BLOCK, CAP_F, SAMPLE, TRIES, LANES, STAGES, FXS, FUSE_P, SMALL_F, HIST_F,
             )  # fmt: skip
         if FAST_ONLY:
             pass
@@ -1067,7 +1139,7 @@ def _cut_kernel(
     CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr, LANES: tl.constexpr,
     STAGES: tl.constexpr, FAST_ONLY: tl.constexpr, TODO: tl.constexpr,
     SCREEN: tl.constexpr, KP: tl.constexpr, FUSE_KP: tl.constexpr, SMALL_F: tl.constexpr,
-    SAMPLE_K: tl.constexpr, GDC: tl.constexpr = False,
+    SAMPLE_K: tl.constexpr, HIST_F: tl.constexpr, GDC: tl.constexpr = False,
 ):  # fmt: skip
     """A tile of ROWS rows per program; a filtered row gets the top-k cut (the k-th
     largest value), then the top-p cut over the top-k survivors, and its threshold and
@@ -1077,7 +1149,8 @@ def _cut_kernel(
     SCREEN: only the rows the screened walk needs (_needs_cut). FUSE_KP: a row with both
     takes its top-p cut from the top-k cut's bracket where that held every survivor
     (_cut_fast), with no cut of its own; the same thresholds and masses. SMALL_F: _cut_fast's
-    narrow bracket sort; SAMPLE_K: the top-k cut's sample (SAMPLE: the top-p cut's)."""
+    narrow bracket sort; SAMPLE_K: the top-k cut's sample (SAMPLE: the top-p cut's); HIST_F:
+    _cut_fast's brackets placed by a histogram of the sample (0: by sorting it)."""
     _gdc_enter(GDC)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rmask = rows < num_rows
@@ -1117,7 +1190,7 @@ def _cut_kernel(
                 logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_k, t, m, V, thr, zmin,
                 m, k, tl.zeros([ROWS], tl.float64), total, p, zmin, False, ROWS, BLOCK, CAP,
                 NBIN, MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE_K, TRIES, LANES, STAGES, FAST_ONLY,
-                FUSE_KP, SMALL_F,
+                FUSE_KP, SMALL_F, HIST_F,
             )  # fmt: skip
             missed = missed | (ok == 0).to(tl.int32)
             thr = tl.where(use_k, thr_k, thr)
@@ -1134,7 +1207,7 @@ def _cut_kernel(
                 logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_p & (missed == 0), t, m,
                 V, thr, lo, m, tl.zeros([ROWS], tl.int32), target, kept_f, p, zmin, True, ROWS,
                 BLOCK, CAP, NBIN, MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, LANES, STAGES,
-                FAST_ONLY, False, SMALL_F,
+                FAST_ONLY, False, SMALL_F, HIST_F,
             )  # fmt: skip
             missed = missed | (ok == 0).to(tl.int32)
             thr = tl.where(use_p, thr_p, thr)
@@ -1550,15 +1623,22 @@ class RejectionConfig:
     # ~500 row values (i* ~0.5, margin ~4.4 sample values of 96), and sorts a quarter of
     # the values. Off until timed on a GPU (stop 49).
     sample_k: int = 0
+    # Place the one-pass bracket from a histogram of the sample over hist_f bins (0: by
+    # sorting the sample). A 2048-value tl.sort is ~14 of the 44 µs a bracket try takes
+    # at 64 rows (H200, stop 49's cut ladder); offline sm_90 at 16 warps: the sort and
+    # the bracket from it 1760 instructions and 79 barriers, a 1024-bin histogram and
+    # its scans 576 and 14. The same cut, bit for bit (CPU tests); the bracket is up to
+    # a bin wider at each end. Off until timed on a GPU (written at stop 50, none lent).
+    hist_f: int = 0
 
     def __post_init__(self) -> None:
         # Every size is a tile width (tl.arange needs a power of two); tries_f and the
-        # stages are counts; cap_f, small_f and sample_k may be 0 (off / sample_f).
+        # stages are counts; cap_f, small_f, sample_k and hist_f may be 0 (off / sample_f).
         for f in fields(self):
             v = getattr(self, f.name)
             if f.type == "bool" or v is None or f.name in ("tries_f", "stages_f", "stages_g"):
                 continue
-            zero = f.name in ("cap_f", "small_f", "sample_k")
+            zero = f.name in ("cap_f", "small_f", "sample_k", "hist_f")
             if type(v) is not int or v < 0 or (v == 0 and not zero) or v & (v - 1):
                 raise ValueError(
                     f"RejectionConfig.{f.name} must be a power of two"
@@ -1976,7 +2056,7 @@ def _plan(
                  k + 1, nb, cfg.rows_t, nbp, cfg.block_t, cfg.cap, cfg.nbin, cfg.max_passes,
                  min(cfg.cap, cfg.chunk_t), fxs, cap_f, cfg.sample_f, cfg.tries_f, cfg.lanes_f,
                  cfg.stages_f, fast_only, todo, screen, kp, bool(cfg.fuse_kp),
-                 min(cfg.small_f, cap_f // 2), cfg.sample_k or cfg.sample_f),
+                 min(cfg.small_f, cap_f // 2), cfg.sample_k or cfg.sample_f, cfg.hist_f),
                 cfg.warps_f if fast_only else 8 if cfg.rows_t * cfg.block_t >= 2048 else 4,
                 pdl,
             )  # fmt: skip

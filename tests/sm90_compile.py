@@ -237,10 +237,11 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.cap_f > 0:
             flip = dataclasses.replace(cfg, fuse_kp=not cfg.fuse_kp)
             variants.append((flip, f" fuse_kp={int(flip.fuse_kp)}", "_cut_kernel"))
-            # the narrow bracket sort and the top-k cut's own sample (small_f, sample_k:
-            # off by default)
-            narrow = dataclasses.replace(cfg, small_f=cfg.small_f or 512, sample_k=512)
-            tag = f" small_f={narrow.small_f} sample_k=512"
+            # the narrow bracket sort, the top-k cut's own sample and the brackets placed
+            # by a histogram (small_f, sample_k, hist_f: off by default)
+            narrow = dataclasses.replace(cfg, small_f=cfg.small_f or 512, sample_k=512,
+                                         hist_f=cfg.hist_f or 1024)  # fmt: skip
+            tag = f" small_f={narrow.small_f} sample_k=512 hist_f={narrow.hist_f}"
             variants.append((narrow, tag, "_cut_kernel"))
         for name, (config, tag, only), sampled in itertools.product(
             args.dtypes.split(","), variants, (True, False)

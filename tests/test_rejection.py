@@ -245,6 +245,10 @@ FUSED_TILES = dataclasses.replace(FAST_TILES, fuse_kp=True)
 SORT32_TILES = dataclasses.replace(FUSED_TILES, small_f=32)
 # and the top-k cut's sample 8 values (sample_k): wider brackets, more tries and misses
 SAMPLE8_TILES = dataclasses.replace(SORT32_TILES, sample_k=8)
+# FUSED_TILES with each bracket placed by a 16-bin histogram of the sample (hist_f), and
+# the same with 8-value top-k samples and narrow sorts
+HIST16_TILES = dataclasses.replace(FUSED_TILES, hist_f=16)
+HIST_SAMPLE8_TILES = dataclasses.replace(SAMPLE8_TILES, hist_f=16)
 KINDS = [SP(0.0), SP(1.0), SP(0.7, top_k=5), SP(1.3, top_p=0.8), SP(0.5, top_k=9, top_p=0.6),
          SP(2.0, top_k=1), SP(1.0, top_p=0.05), SP(1.0, top_k=40)]  # fmt: skip
 
@@ -405,7 +409,8 @@ def _top_p_boundary(logits: torch.Tensor, sp: SP) -> torch.Tensor:
 @pytest.mark.parametrize(
     "v, tiles",
     [(16, "default"), (16, "small"), (203, "narrow"), (203, "band"), (203, "fast"),
-     (203, "fast_small"), (203, "fused"), (203, "sort32"), (203, "sample8")],
+     (203, "fast_small"), (203, "fused"), (203, "sort32"), (203, "sample8"),
+     (203, "hist16")],
 )  # fmt: skip
 def test_threshold_matches_sampling(v, tiles, device):
     """Kept set exactly filtered_probs' (ties, boundaries, -inf, k >= V), probabilities
@@ -421,7 +426,7 @@ def test_threshold_matches_sampling(v, tiles, device):
     cfg = {"default": None, "small": SMALL_TILES, "narrow": NARROW_TILES, "band": BAND_TILES,
            "fast": FAST_TILES, "fast_small": FAST_SMALL_TILES,
            "fused": FUSED_TILES, "sort32": SORT32_TILES,
-           "sample8": SAMPLE8_TILES}[tiles]  # fmt: skip
+           "sample8": SAMPLE8_TILES, "hist16": HIST_SAMPLE8_TILES}[tiles]  # fmt: skip
     p, keep, z = (t.cpu() for t in _kernel_probs(logits.to(device), st, cfg))
     want = filtered_probs(logits, _cpu(st))
     ref = ref_filtered64(logits, *(getattr(_cpu(st), f) for f in SamplingTensors._FIELDS[:4]))
@@ -434,6 +439,37 @@ def test_threshold_matches_sampling(v, tiles, device):
         assert not (differ & ~_top_p_boundary(logits[i], params[i])).any(), (i, params[i])
         assert torch.equal(want[i] > 0, ref[i] > 0), (i, params[i])
     torch.testing.assert_close(p, want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bracket_placement_resolves_rows_in_one_try(device):
+    """The one-pass bracket's placement, from the sorted sample (hist_f 0) or from a
+    histogram of it (hist_f 256): on gaussian rows (two scales, T 1 and 0.7) with top-p
+    0.9, top-k 50 and both, every row's cut is found in the bracket launch (none left
+    to the narrowing launch in ws.todo) and the thresholds and kept masses are the same
+    bit for bit. The answer does not depend on the bracket, so this is the test that a
+    placement puts the cut inside it (an empty or misplaced bracket leaves rows to
+    todo)."""
+    n, v = 12, 2048
+    g = torch.Generator().manual_seed(50)
+    logits = torch.randn(n, v, generator=g) * torch.tensor([1.0, 3.0]).repeat(n // 2)[:, None]
+    kinds = [SP(1.0, top_p=0.9), SP(0.7, top_k=50), SP(1.0, top_k=50, top_p=0.9)]
+    st = SamplingTensors.from_params([SP(kinds[i % 3].temperature, kinds[i % 3].top_k,
+                                         kinds[i % 3].top_p, seed=1) for i in range(n)],
+                                     device)  # fmt: skip
+    base = dataclasses.replace(ROW_TILES, block_t=512, cap_f=512, sample_f=256, tries_f=1,
+                               screen=False)  # fmt: skip
+    outs = []
+    for hist in (0, 256):
+        cfg = dataclasses.replace(base, hist_f=hist)
+        drafts = torch.empty(n, 0, dtype=torch.int64, device=device)
+        batch = Batch(logits.to(device), drafts, torch.empty(n, 0, v, device=device), st,
+                      torch.arange(n, device=device), cfg)  # fmt: skip
+        batch.ws.todo.fill_(-1)
+        batch.run()
+        assert batch.ws.todo[:n].tolist() == [0] * n, (hist, batch.ws.todo[:n].tolist())
+        outs.append((batch.ws.row_thr[:n].cpu(), batch.ws.row_sum[:n].cpu()))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
 MIXED = [SP(0.0), SP(1.0), SP(1.0, top_p=0.9), SP(0.8, top_p=0.5), SP(1.0, top_k=9),
@@ -529,7 +565,8 @@ def test_tiles_bit_equal_to_one_row_per_program(device):
     tiles = (ROW_TILES, BAND_TILES, dataclasses.replace(BAND_TILES, rows_t=64, rows_r=64),
              FAST_TILES, FAST_SMALL_TILES, FUSED_TILES,
              dataclasses.replace(FAST_SMALL_TILES, fuse_kp=True), SORT32_TILES,
-             dataclasses.replace(FAST_TILES, small_f=32), SAMPLE8_TILES)  # fmt: skip
+             dataclasses.replace(FAST_TILES, small_f=32), SAMPLE8_TILES, HIST16_TILES,
+             HIST_SAMPLE8_TILES)  # fmt: skip
     tiles = [dataclasses.replace(c, screen=s) for s in (False, True) for c in tiles]
     # the walk inside the race programs (walk_in_race), unscreened and screened
     tiles += [dataclasses.replace(c, walk_in_race=True, screen=s)
@@ -1285,6 +1322,7 @@ def test_gpu_lossless_mixed_modes_200k():
     "field, value, match",
     [("small_f", 300, "small_f must be a power of two or 0, got 300"),
      ("sample_k", -8, "sample_k must be a power of two or 0, got -8"),
+     ("hist_f", 1000, "hist_f must be a power of two or 0, got 1000"),
      ("block_r", 0, "block_r must be a power of two, got 0"),
      ("sample_f", 1536, "sample_f must be a power of two, got 1536")],
 )  # fmt: skip
