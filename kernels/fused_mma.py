@@ -45,6 +45,16 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
+def _prefetch_l1(ptrs):
+    """prefetch.global.L1 for every address of `ptrs`: their lines into the SM's L1 (and
+    L2 on the way), no register kept for them (GPU only: inline PTX)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L1 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+        is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
 def _prefetch_rows(w_ptr, cols, live, K, stride_w, LINES: tl.constexpr):
     """The K-long rows `cols` [BLOCK_N, 1] of W into L2, a 128-byte line an element
     (addresses past a row's end clamped to its last element, rows not `live` to row 0)."""

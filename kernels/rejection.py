@@ -91,6 +91,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused_mma import _prefetch_l1
 from .guard import INTERPRET, validation_enabled
 from .launch import CachedLaunch, pdl_launch, specialization_key
 
@@ -750,12 +751,20 @@ def _hist_bracket(sz, lo, hi, a_hi, m_lo, goal, m, per, MASS: tl.constexpr,
 
 
 @triton.jit
+def _prefetch_chunk(base, c0, V, BLOCK: tl.constexpr):
+    """The 128-byte lines of a row's values [c0, c0 + BLOCK) into L1, a line a lane
+    (addresses clamped to the row's last value; GPU only)."""
+    LINE: tl.constexpr = 1024 // base.dtype.element_ty.primitive_bitwidth
+    _prefetch_l1(base + tl.minimum(c0 + tl.arange(0, BLOCK // LINE) * LINE, V - 1))
+
+
+@triton.jit
 def _cut_fast(
     logits_ptr, stride_lm, cand_ptr, row, t, m, V, floor_v, lo, hi, target_c, target_m, total,
     p_top, zmin,
     MASS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, SAMPLE: tl.constexpr,
     TRIES: tl.constexpr, LANES: tl.constexpr, STAGES: tl.constexpr, FXS: tl.constexpr,
-    FUSE_P: tl.constexpr, SMALL: tl.constexpr, HIST: tl.constexpr,
+    FUSE_P: tl.constexpr, SMALL: tl.constexpr, HIST: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """_cut_row's answer in one pass over the row when a sample places it well.
 
@@ -779,7 +788,8 @@ def _cut_fast(
     values is sorted SMALL wide, not CAP (_bracket_cut: the same answer). HIST > 0: each
     try places its bracket from a HIST-bin histogram of the sample over [lo, hi]
     (_hist_bracket) instead of the sorted sample (_sorted_bracket): a bracket elsewhere,
-    the same answer."""
+    the same answer. PREFETCH > 0 (GPU only): the pass prefetches the chunk PREFETCH
+    chunks ahead into L1, so that a chunk's load does not wait a round trip."""
     base = logits_ptr + row * stride_lm
     cbase = cand_ptr + row * (CAP + LANES * BLOCK)  # CAP dense values, then lane slots
     lbase = cbase + CAP
@@ -828,7 +838,11 @@ def _cut_fast(
             # own: no block-wide step inside the loop. The slots are made dense
             # after it (one scan); a lane with more values overflows the try.
             cnt = tl.zeros([BLOCK], tl.int32)
+            for j in tl.static_range(PREFETCH):  # the first chunks, before the loop's own
+                _prefetch_chunk(base, j * BLOCK, V, BLOCK)
             for v0 in tl.range(0, V, BLOCK, num_stages=STAGES):
+                if PREFETCH > 0:
+                    _prefetch_chunk(base, v0 + PREFETCH * BLOCK, V, BLOCK)
                 offs = v0 + cols
                 z = _row_z(base + offs, offs < V, t)
                 up = z > b_hi  # b_hi >= lo >= floor_v: every such value survives
@@ -1073,7 +1087,7 @@ def _cut(
     NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
     CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr, LANES: tl.constexpr,
     STAGES: tl.constexpr, FAST_ONLY: tl.constexpr, FUSE_P: tl.constexpr, SMALL_F: tl.constexpr,
-    HIST_F: tl.constexpr,
+    HIST_F: tl.constexpr, PREFETCH_F: tl.constexpr,
 ):  # fmt: skip
     """_cut_tile's contract, plus ok [ROWS] (0: not found). One row takes _cut_row
     (scalar state), first trying _cut_fast's pass when CAP_F > 0; FAST_ONLY leaves a
@@ -1101,6 +1115,7 @@ def _cut(
                 logits_ptr, stride_lm, fast_ptr, row, t1, m1, V, fl1, lo1, hi1, tc1, tm1,
                 tl.sum(total, axis=0), tl.sum(p_top, axis=0), tl.sum(zmin, axis=0), MASS,
                 BLOCK, CAP_F, SAMPLE, TRIES, LANES, STAGES, FXS, FUSE_P, SMALL_F, HIST_F,
+                PREFETCH_F,
             )  # fmt: skip
         if FAST_ONLY:
             pass
@@ -1139,7 +1154,8 @@ def _cut_kernel(
     CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr, LANES: tl.constexpr,
     STAGES: tl.constexpr, FAST_ONLY: tl.constexpr, TODO: tl.constexpr,
     SCREEN: tl.constexpr, KP: tl.constexpr, FUSE_KP: tl.constexpr, SMALL_F: tl.constexpr,
-    SAMPLE_K: tl.constexpr, HIST_F: tl.constexpr, GDC: tl.constexpr = False,
+    SAMPLE_K: tl.constexpr, HIST_F: tl.constexpr, PREFETCH_F: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):  # fmt: skip
     """A tile of ROWS rows per program; a filtered row gets the top-k cut (the k-th
     largest value), then the top-p cut over the top-k survivors, and its threshold and
@@ -1150,7 +1166,8 @@ def _cut_kernel(
     takes its top-p cut from the top-k cut's bracket where that held every survivor
     (_cut_fast), with no cut of its own; the same thresholds and masses. SMALL_F: _cut_fast's
     narrow bracket sort; SAMPLE_K: the top-k cut's sample (SAMPLE: the top-p cut's); HIST_F:
-    _cut_fast's brackets placed by a histogram of the sample (0: by sorting it)."""
+    _cut_fast's brackets placed by a histogram of the sample (0: by sorting it); PREFETCH_F:
+    its pass's L1 prefetch distance in chunks (0: none)."""
     _gdc_enter(GDC)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rmask = rows < num_rows
@@ -1190,7 +1207,7 @@ def _cut_kernel(
                 logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_k, t, m, V, thr, zmin,
                 m, k, tl.zeros([ROWS], tl.float64), total, p, zmin, False, ROWS, BLOCK, CAP,
                 NBIN, MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE_K, TRIES, LANES, STAGES, FAST_ONLY,
-                FUSE_KP, SMALL_F, HIST_F,
+                FUSE_KP, SMALL_F, HIST_F, PREFETCH_F,
             )  # fmt: skip
             missed = missed | (ok == 0).to(tl.int32)
             thr = tl.where(use_k, thr_k, thr)
@@ -1207,7 +1224,7 @@ def _cut_kernel(
                 logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_p & (missed == 0), t, m,
                 V, thr, lo, m, tl.zeros([ROWS], tl.int32), target, kept_f, p, zmin, True, ROWS,
                 BLOCK, CAP, NBIN, MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, LANES, STAGES,
-                FAST_ONLY, False, SMALL_F, HIST_F,
+                FAST_ONLY, False, SMALL_F, HIST_F, PREFETCH_F,
             )  # fmt: skip
             missed = missed | (ok == 0).to(tl.int32)
             thr = tl.where(use_p, thr_p, thr)
@@ -1630,13 +1647,22 @@ class RejectionConfig:
     # its scans 576 and 14. The same cut, bit for bit (CPU tests); the bracket is up to
     # a bin wider at each end. Off until timed on a GPU (written at stop 50, none lent).
     hist_f: int = 0
+    # The bracket pass's L1 prefetch distance in chunks of block_t (0: none; GPU only, the
+    # interpreter skips it). The pass waits on each chunk's load before the next (its
+    # stores to the lane slots keep the compiler from hoisting loads): 24 round trips a
+    # row at V 49152, and the cut ladder's pass takes 9.75 µs over 64 rows where its
+    # instructions issue in ~4. A prefetch holds no registers (the launch is at 126 of
+    # 128 at 16 warps, where stages_f spills). Off until timed on a GPU (stop 50).
+    prefetch_f: int = 0
 
     def __post_init__(self) -> None:
-        # Every size is a tile width (tl.arange needs a power of two); tries_f and the
-        # stages are counts; cap_f, small_f, sample_k and hist_f may be 0 (off / sample_f).
+        # Every size is a tile width (tl.arange needs a power of two); tries_f, the stages
+        # and prefetch_f are counts; cap_f, small_f, sample_k and hist_f may be 0 (off /
+        # sample_f).
+        counts = ("tries_f", "stages_f", "stages_g", "prefetch_f")
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.type == "bool" or v is None or f.name in ("tries_f", "stages_f", "stages_g"):
+            if f.type == "bool" or v is None or f.name in counts:
                 continue
             zero = f.name in ("cap_f", "small_f", "sample_k", "hist_f")
             if type(v) is not int or v < 0 or (v == 0 and not zero) or v & (v - 1):
@@ -2056,7 +2082,8 @@ def _plan(
                  k + 1, nb, cfg.rows_t, nbp, cfg.block_t, cfg.cap, cfg.nbin, cfg.max_passes,
                  min(cfg.cap, cfg.chunk_t), fxs, cap_f, cfg.sample_f, cfg.tries_f, cfg.lanes_f,
                  cfg.stages_f, fast_only, todo, screen, kp, bool(cfg.fuse_kp),
-                 min(cfg.small_f, cap_f // 2), cfg.sample_k or cfg.sample_f, cfg.hist_f),
+                 min(cfg.small_f, cap_f // 2), cfg.sample_k or cfg.sample_f, cfg.hist_f,
+                 0 if INTERPRET else cfg.prefetch_f),
                 cfg.warps_f if fast_only else 8 if cfg.rows_t * cfg.block_t >= 2048 else 4,
                 pdl,
             )  # fmt: skip
