@@ -275,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
                 cubin = compiled.asm.get("cubin", b"")
                 gdc = "griddepcontrol.wait" in compiled.asm.get("ptx", "")
                 extra = f"; {sass_summary(cubin)}" if args.sass else ""
-                print(f"ok   {what}: cubin {len(cubin)} bytes, griddepcontrol.wait {gdc}{extra}")
+                bars = compiled.asm.get("ptx", "").count("bar.sync")
+                print(f"ok   {what}: cubin {len(cubin)} bytes, griddepcontrol.wait {gdc}, "
+                      f"bar.sync {bars}{extra}")  # fmt: skip
         except Exception as e:  # any compiler failure is the finding
             failed += 1
             first = str(e).strip().splitlines()[:1] or [""]
