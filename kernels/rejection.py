@@ -755,7 +755,8 @@ def _prefetch_chunk(base, c0, V, BLOCK: tl.constexpr):
     """The 128-byte lines of a row's values [c0, c0 + BLOCK) into L1, a line a lane
     (addresses clamped to the row's last value; GPU only)."""
     LINE: tl.constexpr = 1024 // base.dtype.element_ty.primitive_bitwidth
-    _prefetch_l1(base + tl.minimum(c0 + tl.arange(0, BLOCK // LINE) * LINE, V - 1))
+    LINES: tl.constexpr = (BLOCK + LINE - 1) // LINE  # a chunk shorter than a line: one
+    _prefetch_l1(base + tl.minimum(c0 + tl.arange(0, LINES) * LINE, V - 1))
 
 
 @triton.jit
