@@ -64,10 +64,8 @@ MMA_FROM_ROWS = MAX_ROWS + 1
 ROWS_PER_PROGRAM: int | None = None
 MAX_K = 16384  # the padded reduction width a program holds in registers
 # K up to which the rows kernel takes a projection (at most 64 of K a thread); wider K
-# goes to the wide kernel. ROWS_TILE: (lanes along K, columns a thread) for the rows
-# kernel, None for the default (bench and tests set it).
+# goes to the wide kernel.
 ROWS_MAX_K = 2048
-ROWS_TILE: tuple[int, int] | None = None
 
 
 @triton.jit
@@ -513,19 +511,16 @@ def _wide_tile(k: int, *, interpret: bool = INTERPRET) -> tuple[int, int, int]:
 def _rows_tile(k: int, elem: int, *, interpret: bool = INTERPRET):
     """(KH1, KH2, KL, columns a program, warps) of the rows kernel: K in 16-byte
     vectors along up to 32 lanes (KL = lanes x vector), then in KH1 + KH2 (powers of
-    two) such runs a thread; the columns along the 4 warps (and any lanes K leaves),
-    ROWS_TILE[1] columns a thread."""
+    two) such runs a thread; the columns along the 4 warps (and any lanes K leaves), one
+    a thread."""
     vec = 16 // elem
     lanes_k = min(32, triton.next_power_of_2(triton.cdiv(k, vec)))
-    cols_thread = 1
-    if ROWS_TILE is not None:
-        lanes_k, cols_thread = min(ROWS_TILE[0], lanes_k), ROWS_TILE[1]
     kl = lanes_k * vec
     runs = triton.cdiv(k, kl)
     kh1 = 1 << (runs.bit_length() - 1)
     kh2 = triton.next_power_of_2(runs - kh1) if runs > kh1 else 0
     warps = 4
-    block_n = 32 // lanes_k * warps * cols_thread
+    block_n = 32 // lanes_k * warps
     if interpret:  # the interpreter pays per program: larger tiles
         block_n = max(block_n, 64)
     return kh1, kh2, kl, block_n, warps
