@@ -2071,10 +2071,13 @@ def _plan(
         fxs = float(2 ** (62 - (v - 1).bit_length()))  # v * 2^S <= 2^62: int64 sums fit
         fast = cfg.cap_f > 0 and cfg.rows_t == 1
         # With the one-pass bracket: its launch, then the narrowing passes for the rows
-        # it missed (marked in todo); else the narrowing passes alone.
+        # it missed (marked in todo); else the narrowing passes alone. The bracket's
+        # options go to the narrowing launch as off (it never takes the bracket), so that
+        # configurations that differ in them share its compiled kernel.
         for cap_f, fast_only, todo in ((cfg.cap_f, True, False), (0, False, True)) if fast else (
             (0, False, False),
         ):  # fmt: skip
+            bracket = cap_f > 0
             _CUT.add(
                 launches,
                 (triton.cdiv(rows, cfg.rows_t),),
@@ -2082,9 +2085,11 @@ def _plan(
                  ws.row_thr, ws.row_sum, ws.cand, ws.cand_fast, ws.todo, ws.row_state, rows, v,
                  k + 1, nb, cfg.rows_t, nbp, cfg.block_t, cfg.cap, cfg.nbin, cfg.max_passes,
                  min(cfg.cap, cfg.chunk_t), fxs, cap_f, cfg.sample_f, cfg.tries_f, cfg.lanes_f,
-                 cfg.stages_f, fast_only, todo, screen, kp, bool(cfg.fuse_kp),
-                 min(cfg.small_f, cap_f // 2), cfg.sample_k or cfg.sample_f, cfg.hist_f,
-                 0 if INTERPRET else cfg.prefetch_f),
+                 cfg.stages_f, fast_only, todo, screen, kp, bracket and bool(cfg.fuse_kp),
+                 min(cfg.small_f, cap_f // 2),
+                 (cfg.sample_k or cfg.sample_f) if bracket else cfg.sample_f,
+                 cfg.hist_f if bracket else 0,
+                 0 if INTERPRET or not bracket else cfg.prefetch_f),
                 cfg.warps_f if fast_only else 8 if cfg.rows_t * cfg.block_t >= 2048 else 4,
                 pdl,
             )  # fmt: skip
