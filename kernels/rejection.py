@@ -739,7 +739,8 @@ def _hist_bracket(sz, lo, hi, a_hi, m_lo, goal, m, per, MASS: tl.constexpr,
     j = tl.sum((est < goal).to(tl.int32), axis=0)  # NB: the goal is not reached
     cnt = tl.cumsum(h, axis=0)  # sample values in bins 0..i
     n = tl.sum(h, axis=0)
-    r = tl.sum(tl.where(bins < j, h, 0), axis=0) + tl.sum(tl.where(bins == j, h, 0), axis=0) // 2
+    # the middle rank of bin j (one reduction: the values before it are cnt - h there)
+    r = tl.where(j < NB, tl.sum(tl.where(bins == j, cnt - h + h // 2, 0), axis=0), n)
     d = _margin(r, SAMPLE)
     rh = r - d  # the ranks (from 0) at the bracket's ends
     rl = r + d
