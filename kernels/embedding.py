@@ -161,7 +161,7 @@ EMBED_FC_MAX_ROWS = 8  # fused_linear's rows kernel
 
 @triton.jit
 def _cat_x(e_ptr, tok, h_ptr, hr, kk, km, rmask, nn, E, stride_e, stride_h):
-    """[table[tok]; hidden[hr]] over one K piece, [KH, R, BN, KL] float32."""
+    """[table[tok]; hidden[hr]] over one K piece, [BN, R, KH, KL] float32."""
     ptr = tl.where(kk < E, e_ptr + tok * stride_e + kk, h_ptr + hr * stride_h + (kk - E))
     return tl.load(ptr + nn * 0, mask=km & rmask & (nn * 0 == 0), other=0.0).to(tl.float32)
 

@@ -16,16 +16,12 @@ around the GEMM folded in, all in float32 and the output rounded once:
   each program reads and writes only its own columns).
 
 Two kernels. The rows kernel (K <= ROWS_MAX_K, no SILU) runs a program's rows all at
-once over [K runs, rows, columns, K lanes] tiles: K lies along the 32 lanes of a warp
-and the columns along the warps, so every reduction is a thread's own or a warp's
-shuffles and a launch has one barrier (the output's layout change), whatever the row
-count. The order matters because Triton hands a tile's warps to its dimensions from the
-innermost out once the lanes are placed: the columns must come next to the lanes and the
-runs outermost. With the runs next to the lanes (the order before stop 50) a 576- or
-1536-wide K put 2-4 warps on the runs, and each launch summed them and converted the
-partials' layout through shared memory: 21-61 barriers a launch at one row and 93-265 at
-four (offline sm_90); with the rows there, the warps took the rows and W was converted
-to their layout (13-25 at four rows). In this order: 1. The wide kernel
+once over [columns, rows, K runs, K lanes] tiles: K lies along the 32 lanes of a warp,
+and a row's sums do not depend on the row count. Triton gives the warps to the K runs
+first, so the sums over the runs cross warps (sm_90: 21-505 bar.sync a launch). The
+order [K runs, rows, columns, K lanes] compiles to one barrier and 30-68% fewer
+instructions, yet ran 3.3x slower on the H200 (SmolLM2's step 1151 against 348 µs at one
+row, stop 51): instruction and barrier counts do not predict this kernel. The wide kernel
 (larger K, or SILU, whose product it forms once a program) spreads K over all of a
 program's warps and runs its rows one after another, two block-wide reductions a row,
 ROWS rows a program (the grid's second axis covers the rest). H200, SmolLM2-135M decode
@@ -70,9 +66,9 @@ ROWS_MAX_K = 2048
 
 @triton.jit
 def _rows_w(w_ptr, nn, N, K, stride_w, BASE: tl.constexpr, KH: tl.constexpr, KL: tl.constexpr):
-    """One K piece of W for the rows kernel: K offsets [KH, 1, 1, KL] from BASE, their
-    mask, and W [KH, 1, BN, KL] as float32 (zero past N and K)."""
-    kk = BASE + tl.arange(0, KH)[:, None, None, None] * KL + tl.arange(0, KL)[None, None, None, :]
+    """One K piece of W for the rows kernel: K offsets [1, 1, KH, KL] from BASE, their
+    mask, and W [BN, 1, KH, KL] as float32 (zero past N and K)."""
+    kk = BASE + tl.arange(0, KH)[None, None, :, None] * KL + tl.arange(0, KL)[None, None, None, :]
     km = kk < K
     w = tl.load(w_ptr + nn.to(tl.int64) * stride_w + kk, mask=(nn < N) & km, other=0.0)
     return kk, km, w.to(tl.float32)
@@ -80,7 +76,7 @@ def _rows_w(w_ptr, nn, N, K, stride_w, BASE: tl.constexpr, KH: tl.constexpr, KL:
 
 @triton.jit
 def _rows_x(x_ptr, kk, km, rr, nn, M, stride_x):
-    """The rows' x over one K piece, [KH, R, BN, KL] float32 (broadcast over the BN
+    """The rows' x over one K piece, [BN, R, KH, KL] float32 (broadcast over the BN
     columns, so that it shares W's layout)."""
     ptr = x_ptr + rr * stride_x + kk + nn * 0
     return tl.load(ptr, mask=km & (rr < M) & (nn * 0 == 0), other=0.0).to(tl.float32)
@@ -106,21 +102,19 @@ def _rows_x_merged(x_ptr, rr, nn, M, sp_out_ptr, sp_lse_ptr, qsl_ptr, num_reqs,
                            PART_MAX)  # fmt: skip
     merged = tl.where(ok & (r < _load_qsl(qsl_ptr, num_reqs, M)), merged, 0.0)
     merged = merged.to(x_ptr.dtype.element_ty).to(tl.float32)
-    merged = tl.permute(tl.reshape(merged, [ROWS, KH, KL]), (1, 0, 2))  # [KH, ROWS, KL]
-    return tl.expand_dims(merged, 2) + (nn * 0).to(tl.float32)
+    return tl.reshape(merged, [1, ROWS, KH, KL]) + (nn * 0).to(tl.float32)
 
 
 @triton.jit
 def _rows_part(w, x):
-    """A thread's partial sums of w * x over its K runs (the tile's outermost axis, which
-    Triton gives no warps, so the sum stays in the thread): [R, BN, KL]."""
-    return tl.sum(w * x, axis=0)
+    """A thread's partial sums of w * x over its K runs: [BN, R, KL]."""
+    return tl.sum(w * x, axis=2)
 
 
 @triton.jit
 def _lanes_sum(part):
-    """The partials summed across the lanes of a warp (shuffles, no barrier), as [BN, R]."""
-    return tl.trans(tl.sum(part, axis=2))
+    """The partials summed across the lanes of a warp (shuffles, no barrier): [BN, R]."""
+    return tl.sum(part, axis=2)
 
 
 @triton.jit
@@ -129,7 +123,7 @@ def _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
                GLU: tl.constexpr, GDC: tl.constexpr, sp_out_ptr, sp_lse_ptr, qsl_ptr, num_reqs,
                MERGE: tl.constexpr, NQH: tl.constexpr, HD: tl.constexpr, NSPLIT: tl.constexpr,
                PART_MAX: tl.constexpr):  # fmt: skip
-    """The rows kernel's product over tiles [KH, R, BN, KL]: W (and with GLU the up
+    """The rows kernel's product over tiles [BN, R, KH, KL]: W (and with GLU the up
     rows, N rows further) loaded, the norm weight folded in, then the wait (GDC), then
     x; returns (acc, acc_up) [BN, R] float32, with RMSNorm's row scale applied (acc_up
     is acc without GLU). MERGE: x merged from split attention partials (_rows_x_merged:
@@ -192,11 +186,11 @@ def _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
 @triton.jit
 def _rows_program(M, N, BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
     """A rows-kernel program's rows and columns: the tile indices rr [1, R, 1, 1] and nn
-    [1, 1, BN, 1], the output's rows [1, R] and cols [BN, 1], and its mask."""
+    [BN, 1, 1, 1], the output's rows [1, R] and cols [BN, 1], and its mask."""
     n0 = tl.program_id(0) * BLOCK_N
     m0 = tl.program_id(1) * ROWS
     rr = m0 + tl.arange(0, ROWS)[None, :, None, None]
-    nn = n0 + tl.arange(0, BLOCK_N)[None, None, :, None]
+    nn = n0 + tl.arange(0, BLOCK_N)[:, None, None, None]
     rows = m0 + tl.arange(0, ROWS)[None, :]
     cols = n0 + tl.arange(0, BLOCK_N)[:, None]
     return rr, nn, rows, cols, (rows < M) & (cols < N)
@@ -212,7 +206,7 @@ def _fused_rows_kernel(
     sp_out_ptr, sp_lse_ptr, qsl_ptr, num_reqs, MERGE: tl.constexpr, NQH: tl.constexpr,
     HD: tl.constexpr, NSPLIT: tl.constexpr, PART_MAX: tl.constexpr,
 ):  # fmt: skip
-    """All ROWS rows of a program at once over tiles [KH, ROWS, BLOCK_N, KL]: K (KH1 +
+    """All ROWS rows of a program at once over tiles [BLOCK_N, ROWS, KH, KL]: K (KH1 +
     KH2 pieces of KL) runs along the lanes of a warp and the columns along the warps, so
     every reduction stays inside a warp, and each row costs its loads and arithmetic
     but no latency step of its own. GLU: W holds [gate; up] (2N rows) and the output
@@ -255,7 +249,7 @@ def _fused_qkv_rope_kernel(
     n = tl.arange(0, 2 * PAIRS)
     j = p0 + n % PAIRS  # the pair a column belongs to
     col = (j // HALF) * (2 * HALF) + j % HALF + (n // PAIRS) * HALF
-    nn = col[None, None, :, None]
+    nn = col[:, None, None, None]
     rr = m0 + tl.arange(0, ROWS)[None, :, None, None]
     # A pair's head, its dim and each row's metadata: before the wait (see _rope_meta),
     # or after it with LATE_META (the kernel just before wrote them: embed_fc's advance).
