@@ -107,13 +107,14 @@ def _rows_x_merged(x_ptr, rr, nn, M, sp_out_ptr, sp_lse_ptr, qsl_ptr, num_reqs,
 
 @triton.jit
 def _rows_part(w, x):
-    """A thread's partial sums of w * x over its K runs: [BN, R, KL]."""
+    """The partial sums of w * x over the K runs: [BN, R, KL] (the runs lie across warps
+    where K has several, so this sum goes through shared memory)."""
     return tl.sum(w * x, axis=2)
 
 
 @triton.jit
 def _lanes_sum(part):
-    """The partials summed across the lanes of a warp (shuffles, no barrier): [BN, R]."""
+    """The partials summed across the lanes of a warp (shuffles): [BN, R]."""
     return tl.sum(part, axis=2)
 
 
@@ -207,11 +208,11 @@ def _fused_rows_kernel(
     HD: tl.constexpr, NSPLIT: tl.constexpr, PART_MAX: tl.constexpr,
 ):  # fmt: skip
     """All ROWS rows of a program at once over tiles [BLOCK_N, ROWS, KH, KL]: K (KH1 +
-    KH2 pieces of KL) runs along the lanes of a warp and the columns along the warps, so
-    every reduction stays inside a warp, and each row costs its loads and arithmetic
-    but no latency step of its own. GLU: W holds [gate; up] (2N rows) and the output
-    is silu(x W_gate^T) * (x W_up^T). MERGE: x is split attention's output, merged
-    from its partials on the way in (fused_linear's x_splits)."""
+    KH2 pieces of KL) runs along the lanes of a warp and its runs across the warps, and
+    each row costs its loads and arithmetic but no latency step of its own. GLU: W holds
+    [gate; up] (2N rows) and the output is silu(x W_gate^T) * (x W_up^T). MERGE: x is
+    split attention's output, merged from its partials on the way in (fused_linear's
+    x_splits)."""
     rr, nn, rows, cols, omask = _rows_program(M, N, BLOCK_N, ROWS)
     bias, bias_u, res = 0.0, 0.0, 0.0
     if HAS_BIAS:  # before the wait, with the weights
