@@ -85,6 +85,26 @@ def _chain_phase_kernel(x_ptr, w_ptr, y_ptr, N, K, BN: tl.constexpr, BK: tl.cons
     _tile_out(w, x_ptr, y_ptr, n0, N, K, BN, BK)
 
 
+@triton.jit
+def _barriers_kernel(counter_ptr, L):
+    """L grid barriers and nothing else: a barrier's own cost."""
+    nprog = tl.num_programs(0)
+    old = 0
+    for i in range(L):
+        if i > 0:
+            grid_wait(counter_ptr, i * nprog)
+        old = grid_arrive(counter_ptr)
+    grid_reset(counter_ptr, old, L * nprog)
+
+
+@triton.jit
+def _empty_kernel(x_ptr, GDC: tl.constexpr):
+    """A launch that only waits for the one before it (GDC) and lets the next start."""
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 def chain_launches(x: torch.Tensor, w: torch.Tensor, *, bn: int, pdl: bool) -> None:
     """x[l + 1] = w[l] @ x[l] for every l, one launch a phase."""
     from specdraft.kernels.launch import pdl_launch
@@ -256,6 +276,26 @@ def main(argv=None) -> int:
             rows.append({"variant": name, "bn": bn, "programs": triton.cdiv(d, bn), "us": us,
                          "x_floor": us / floor_us})  # fmt: skip
             print(f"  {name:16s} bn {bn:3d}: {us:7.3f} µs a phase", flush=True)
+    # Boundaries alone: L empty launches against one launch of L barriers, 132 programs
+    from specdraft.kernels.launch import pdl_launch
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for gdc_on in (False, True):
+        gdc, options = pdl_launch(gdc_on)
+
+        def empties(gdc=gdc, options=options):
+            for _ in range(layers):
+                _empty_kernel[(sms,)](counter, gdc, **options)
+
+        us = time_graph_us([empties], min_launches=4) / layers
+        name = "empty launches" + (" + PDL" if gdc_on else "")
+        rows.append({"variant": name, "bn": "-", "programs": sms, "us": us, "x_floor": None})
+        print(f"  {name}: {us:7.3f} µs a launch", flush=True)
+    us = time_graph_us([lambda: _barriers_kernel[(sms,)](counter, layers)], min_launches=4)
+    us /= layers
+    rows.append({"variant": "barriers alone", "bn": "-", "programs": sms, "us": us,
+                 "x_floor": None})  # fmt: skip
+    print(f"  barriers alone: {us:7.3f} µs a barrier", flush=True)
     # SmolLM2-135M's four projections a layer x 30 at one row (decode_step's chain)
     h, nqkv, f, nl = 576, 960, 1536, 30
     lw = layer_weights(nl, h, nqkv, f, "cuda", torch.bfloat16)
@@ -264,7 +304,6 @@ def main(argv=None) -> int:
     layers_launches(lx, qkv, act, lw, pdl=False)
     want = (lx.clone(), qkv.clone(), act.clone())
     lx.copy_(xs), qkv.fill_(float("nan")), act.fill_(float("nan"))
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     layers_barrier(lx, qkv, act, lw, counter, programs=sms)
     torch.cuda.synchronize()
     same = all(torch.equal(a, b) for a, b in zip((lx, qkv, act), want))

@@ -48,10 +48,26 @@ def _check(device: str, dtype: torch.dtype, d: int, layers: int, bn: int, bn_bar
     assert torch.equal(x, got_launches)  # the same tile code: the same sums
 
 
+def _barriers_leave_zero(device, programs):
+    from bench.phase_barrier import _barriers_kernel
+
+    counter = torch.full((1,), 0, device=device, dtype=torch.int32)
+    for layers in (1, 5):
+        _barriers_kernel[(programs,)](counter, layers)
+        assert int(counter.item()) == 0
+
+
 def test_phase_chains_on_the_interpreter():
     if HAS_CUDA:
         pytest.skip("the interpreter's case; the GPU case is below")
     _check("cpu", torch.float16, d=64, layers=3, bn=16, bn_barrier=64)
+    _barriers_leave_zero("cpu", 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs an NVIDIA GPU")
+def test_gpu_barriers_alone_leave_the_counter_at_zero():
+    _barriers_leave_zero("cuda", torch.cuda.get_device_properties(0).multi_processor_count)
 
 
 @pytest.mark.gpu
