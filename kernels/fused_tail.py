@@ -20,8 +20,6 @@ multiprocessor, and under the interpreter (programs run one after another) one p
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -111,9 +109,8 @@ def _layer_tail_kernel(
 
 _TAIL_LAUNCH = CachedLaunch(_layer_tail_kernel)
 # The layers' switch (specdraft.layers.forward_fused): off until the H200 shows the
-# persistent tail beating the three launches it replaces (bench.decode_step --tail);
-# SPECDRAFT_TAIL=1 turns it on for a process.
-TAIL_FUSED = os.environ.get("SPECDRAFT_TAIL", "0") == "1"
+# persistent tail beating the three launches it replaces (bench.decode_step --tail).
+TAIL_FUSED = False
 
 
 def fused_layer_tail_supported(rows: int, hidden: int, q_width: int, intermediate: int) -> bool:
