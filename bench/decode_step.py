@@ -14,14 +14,13 @@ adds columns with the attention split count forced, `--stages` with its pipeline
 `--chain` also times SmolLM2's projections alone (projection_chain.md), `--mma-tiles`
 with tensor-core tile variants; `--merge-in-o` adds the fused path with split attention
 merged by the O projection on its loads (specdraft.layers.MERGE_IN_O_PROJ) instead of a
-merge launch; `--tail` the fused path with each layer's O, gate/up and down projections
-in one persistent launch (kernels.fused_tail.TAIL_FUSED).
+merge launch.
 
 Launches per step come from the profiler, after every timing.
 
     python -m bench.decode_step [--out results] [--rows 1,2,4,8,32] [--ctx 256]
         [--max-model-len 1024] [--rpp 1,2,4] [--splits 1,8,16] [--stages 2,3] [--chain]
-        [--merge-in-o] [--tail]
+        [--merge-in-o]
 """
 
 from __future__ import annotations
@@ -227,8 +226,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="also fused with attention's pipeline at these depths")  # fmt: skip
     ap.add_argument("--merge-in-o", action="store_true",
                     help="also fused with the O projection merging split attention")  # fmt: skip
-    ap.add_argument("--tail", action="store_true",
-                    help="also fused with the layer tail in one persistent launch")  # fmt: skip
     ap.add_argument("--chain", action="store_true",
                     help="also SmolLM2's projections alone (projection_chain.md)")  # fmt: skip
     ap.add_argument("--mma-tiles", default="",
@@ -256,31 +253,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{env['gpu']}: read {bw:.2f} TB/s; PDL {pdl}; torch {env['torch']}", flush=True)
     pa = importlib.import_module("specdraft.kernels.paged_attention")
     # (column, fused, rows a program, attention's forced ("splits" or "stages", value),
-    # rows kernel's K bound, split attention merged in the O projection, the layer tail
-    # in one launch); None: the library's choice
-    ft = importlib.import_module("specdraft.kernels.fused_tail")
-    lib, merge_o, tail_lib = fl.ROWS_MAX_K, layers.MERGE_IN_O_PROJ, ft.TAIL_FUSED
-    mo = (merge_o, tail_lib)
-    modes = [("unfused", False, None, None, lib, *mo),
-             ("fused", True, None, None, lib, *mo)]  # fmt: skip
+    # rows kernel's K bound, split attention merged in the O projection); None: the
+    # library's choice
+    lib, merge_o = fl.ROWS_MAX_K, layers.MERGE_IN_O_PROJ
+    modes = [("unfused", False, None, None, lib, merge_o),
+             ("fused", True, None, None, lib, merge_o)]  # fmt: skip
     if args.wide:
-        modes.append(("fused_wide", True, None, None, 0, *mo))
-    modes += [(f"fused_rpp{r}", True, int(r), None, 0, *mo) for r in args.rpp.split(",") if r]
-    modes += [(f"fused_splits{n}", True, None, ("splits", int(n)), lib, *mo)
+        modes.append(("fused_wide", True, None, None, 0, merge_o))
+    modes += [(f"fused_rpp{r}", True, int(r), None, 0, merge_o) for r in args.rpp.split(",") if r]
+    modes += [(f"fused_splits{n}", True, None, ("splits", int(n)), lib, merge_o)
               for n in args.splits.split(",") if n]  # fmt: skip
-    modes += [(f"fused_stages{n}", True, None, ("stages", int(n)), lib, *mo)
+    modes += [(f"fused_stages{n}", True, None, ("stages", int(n)), lib, merge_o)
               for n in args.stages.split(",") if n]  # fmt: skip
     if args.merge_in_o:
-        modes.append(("fused_merge_o", True, None, None, lib, True, tail_lib))
-    if args.tail:
-        modes.append(("fused_tail", True, None, None, lib, merge_o, True))
+        modes.append(("fused_merge_o", True, None, None, lib, True))
     saved = (ops._fused_decode, ops._fused_rows, fl.ROWS_PER_PROGRAM, pa.choose_launch_config)
     rows_out, steps, target = [], [], None
 
-    def use(fused: bool, rpp, splits, max_k, merge: bool, tail: bool, rows: int) -> None:
+    def use(fused: bool, rpp, splits, max_k, merge: bool, rows: int) -> None:
         fl.ROWS_MAX_K = max_k
         layers.MERGE_IN_O_PROJ = merge
-        ft.TAIL_FUSED = tail
         ops.set_fused_decode(fused)
         ops._fused_rows = rows if fused else saved[1]
         fl.ROWS_PER_PROGRAM = rpp if rpp is not None else saved[2]
@@ -297,16 +289,15 @@ def main(argv: list[str] | None = None) -> int:
                 step = _step(model, cfg, rows, args.ctx, name.startswith("eagle"), max_len)
                 floor = _weight_bytes(model, rows) / (bw * 1e12) * 1e6
                 row = {"model": name, "rows": rows, "floor_us": floor}
-                for mode, fused, rpp, splits, max_k, merge, tail in modes:
+                for mode, fused, rpp, splits, max_k, merge in modes:
                     if fused and rows > fm.MMA_MAX_ROWS:  # past what fused_linear takes
                         row[f"{mode}_us"] = row[f"{mode}_x_floor"] = None
                         continue
-                    use(fused, rpp, splits, max_k, merge, tail, rows)
+                    use(fused, rpp, splits, max_k, merge, rows)
                     with torch.inference_mode():
                         row[f"{mode}_us"] = time_graph_us([step], min_launches=20)
                     row[f"{mode}_x_floor"] = row[f"{mode}_us"] / floor
-                    how = (fused, rpp, splits, max_k, merge, tail, rows)
-                    steps.append((row, mode, how, step))
+                    steps.append((row, mode, (fused, rpp, splits, max_k, merge, rows), step))
                 fused_us = row["fused_us"]
                 row["fused_over_unfused"] = fused_us and fused_us / row["unfused_us"]
                 rows_out.append(row)
@@ -318,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ops.set_fused_decode(saved[0])
         ops._fused_rows, fl.ROWS_PER_PROGRAM, pa.choose_launch_config = saved[1:]
-        fl.ROWS_MAX_K, layers.MERGE_IN_O_PROJ, ft.TAIL_FUSED = lib, merge_o, tail_lib
+        fl.ROWS_MAX_K, layers.MERGE_IN_O_PROJ = lib, merge_o
     cols = [("model", "model"), ("rows", "rows"), ("floor_us", "weight floor µs")]
     for mode, *_ in modes:
         cols += [(f"{mode}_us", f"{mode} µs"), (f"{mode}_x_floor", "x floor"),

@@ -22,11 +22,6 @@ from .fused_linear import (
     late_meta_supported,
     max_fused_rows,
 )
-from .fused_tail import (
-    check_fused_layer_tail_args,
-    fused_layer_tail,
-    fused_layer_tail_supported,
-)
 from .gemv import check_linear_small_m_args, linear_small_m
 from .guard import INTERPRET, check_tensors_runnable, runnable
 from .kv_store import check_store_kv_args, store_kv
@@ -118,7 +113,6 @@ __all__ = [
     "check_commit_args",
     "check_embed_concat_args",
     "check_embed_fc_args",
-    "check_fused_layer_tail_args",
     "check_fused_linear_args",
     "check_linear_int8_args",
     "check_linear_int8_partials_args",
@@ -144,8 +138,6 @@ __all__ = [
     "embed_concat",
     "embed_fc",
     "embed_fc_supported",
-    "fused_layer_tail",
-    "fused_layer_tail_supported",
     "fused_linear",
     "fused_qkv_rope",
     "fused_qkv_rope_supported",

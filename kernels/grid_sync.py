@@ -14,7 +14,6 @@ barrier is read at L2 (cache_modifier=".cg") after it.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -44,24 +43,10 @@ def grid_reset(counter_ptr, last_old, arrivals):
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
 
 
-_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
-
-
-def grid_counter(device: torch.device) -> torch.Tensor:
-    """The device's barrier counter (int32 [1], zero between launches), made on first
-    use: make it before a capture (a warm-up launch does). Persistent launches that share
-    it must be stream-ordered (one at a time on a device)."""
-    device = torch.device(device)
-    key = (device.type, device.index if device.type != "cuda" or device.index is not None
-           else torch.cuda.current_device())  # fmt: skip
-    counter = _COUNTERS.get(key)
-    if counter is None:
-        counter = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
-    return counter
-
-
 def check_grid_resident(programs: int, device) -> None:
     """A persistent launch's programs must all be resident: at most one a multiprocessor."""
+    import torch
+
     if torch.device(device).type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         if programs > sms:

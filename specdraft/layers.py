@@ -400,39 +400,25 @@ class DecoderLayer(nn.Module):
         attention splits its keys: the merge): norm + QKV + rotary + K/V store
         (Attention.project_attend), attention, O + residual, norm + gate/up +
         SiLU-and-multiply, down + residual; each rounds once, from float32, where forward
-        rounds the norm, the GEMM output and the product too. With
-        kernels.fused_tail.TAIL_FUSED on, where kernels.fused_layer_tail takes the shapes,
-        three: the last three in one persistent launch that merges split attention's
-        partials itself (the same bits). late_meta: see Attention.project_attend."""
+        rounds the norm, the GEMM output and the product too. late_meta: see
+        Attention.project_attend."""
         attn, mlp = self.self_attn, self.mlp
         if stream.dim() != 2 or stream.shape[1] != attn.qkv_proj.in_features:
             raise ValueError(
                 f"stream has shape {tuple(stream.shape)}, expected "
                 f"[num_tokens, {attn.qkv_proj.in_features}]"
             )
-        norm, post = self.input_layernorm, self.post_attention_layernorm
-        # The tail (O, norm + gate/up, down) in one persistent launch where it is on and
-        # takes the shapes; it merges split attention's partials on its loads.
-        tail = kernels.fused_tail.TAIL_FUSED and kernels.fused_layer_tail_supported(
-            stream.shape[0], stream.shape[1], attn.o_proj.in_features, mlp.down_proj.in_features
-        )
+        norm = self.input_layernorm
         out, splits = attn.project_attend(
             stream, meta, kv_cache, norm_weight=None if norm is None else norm.weight,
             eps=1e-6 if norm is None else norm.eps, pdl=pdl, late_meta=late_meta,
-            merge=not (MERGE_IN_O_PROJ or tail),
+            merge=not MERGE_IN_O_PROJ,
         )  # fmt: skip
-        if tail:
-            ops.fused_layer_tail(
-                out, stream, attn.o_proj.weight, post.weight, mlp.gate_up_proj.weight,
-                mlp.down_proj.weight, eps=post.eps, o_bias=attn.o_proj.bias,
-                gate_up_bias=mlp.gate_up_proj.bias, down_bias=mlp.down_proj.bias,
-                x_splits=splits, pdl=pdl,
-            )  # fmt: skip
-            return
         ops.fused_linear(
             out, attn.o_proj.weight, bias=attn.o_proj.bias, residual=stream, out=stream, pdl=pdl,
             x_splits=splits,
         )  # fmt: skip
+        post = self.post_attention_layernorm
         act = ops.fused_linear(
             stream, mlp.gate_up_proj.weight, norm_weight=post.weight, eps=post.eps, glu=True,
             pdl=pdl,

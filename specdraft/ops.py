@@ -167,12 +167,6 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, **kw) -> torch.Tensor:
     return kernels.fused_linear(x, weight, **kw)
 
 
-def fused_layer_tail(x: torch.Tensor, stream: torch.Tensor, *args, **kw) -> torch.Tensor:
-    """kernels.fused_layer_tail (Triton backend only: the fused decode path's O
-    projection, norm + gate/up + SiLU-and-multiply and down projection in one launch)."""
-    return kernels.fused_layer_tail(x, stream, *args, **kw)
-
-
 def fused_qkv_rope(x: torch.Tensor, weight: torch.Tensor, *args, **kw) -> torch.Tensor:
     """kernels.fused_qkv_rope (Triton backend only: the fused decode path's QKV
     projection with rotary and the K/V store)."""

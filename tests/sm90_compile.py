@@ -91,7 +91,6 @@ def decode_path_compiles() -> list[tuple[str, object]]:
     rot = importlib.import_module("kernels.rotary")
     emb = importlib.import_module("kernels.embedding")
     li = importlib.import_module("kernels.linear_int8")
-    ft = importlib.import_module("kernels.fused_tail")
 
     got: list[tuple[str, object]] = []
     label = [""]
@@ -110,7 +109,7 @@ def decode_path_compiles() -> list[tuple[str, object]]:
     for jit in (fl._fused_rows_kernel, fl._fused_linear_kernel, fl._fused_qkv_rope_kernel,
                 fm._mma_linear_kernel, fm._mma_qkv_rope_kernel, rot._rotary_store_kv_kernel,
                 pa._paged_attention_kernel, pa._combine_splits_kernel,
-                emb._embed_fc_kernel, li._linear_int8_kernel, ft._layer_tail_kernel):  # fmt: skip
+                emb._embed_fc_kernel, li._linear_int8_kernel):  # fmt: skip
         compile_only(jit)
     bf = torch.bfloat16
     h, f, hq, hkv, d = 576, 1536, 9, 3, 64
@@ -146,12 +145,6 @@ def decode_path_compiles() -> list[tuple[str, object]]:
         fl.fused_qkv_rope(stream, torch.randn((hq + 2 * hkv) * d, h).to(bf), torch.arange(m),
                           torch.randn(64, d), kc, kc.clone(), torch.arange(m), num_q_heads=hq,
                           norm_weight=torch.ones(h).to(bf), pdl=True)  # fmt: skip
-        if m <= fl.MAX_ROWS:  # the layer tail in one persistent launch
-            label[0] = f"decode M {m} layer tail"
-            ft.fused_layer_tail(torch.randn(m, h).to(bf), stream.clone(),
-                                torch.randn(h, h).to(bf), torch.ones(h).to(bf),
-                                torch.randn(2 * f, h).to(bf), torch.randn(h, f).to(bf),
-                                pdl=True)  # fmt: skip
     fl.ROWS_PER_PROGRAM = None
     for m in (1, 4, 8):  # EAGLE-1's fc over [embed(token); hidden[rows]]
         label[0] = f"decode M {m} embed fc"
