@@ -16,17 +16,16 @@ model's layers do). Timed under CUDA-graph replay, µs a phase:
   l + 1's weight tile before it waits for every program's phase-l store;
 - rows kernel: the project's kernels.fused_linear at one row, PDL, one launch a phase.
 Then the boundaries alone (empty launches with and without PDL; one launch of barriers
-only), and SmolLM2-135M's four projections a layer x 30 (norm + QKV, O + residual, norm +
-gate/up + SiLU-and-multiply, down + residual) as fused_linear launches against one
-persistent launch running each phase through the rows kernel's own helpers.
+only).
 
 Each barrier chain's output is checked bit for bit against its launch chain's (the same
 tile code, so the same sums in the same order) before anything is timed.
 
 Measured on an H100 (stop 52, bench/NOTES.md): a PDL boundary 0.61 µs, a grid barrier
-1.0 µs; SmolLM2's projections 7.4 µs a layer as PDL launches, 16.4 in one persistent
-launch. The barriers do not pay at these shapes; the persistent layer tail built on them
-was reverted.
+1.0 µs; SmolLM2's four projections a layer 7.4 µs as PDL launches, 16.4 in one persistent
+launch (a chain this file held then, through the rows kernel's helpers). The barriers do
+not pay at these shapes: the persistent layer tail built on them, and the chain, were
+removed.
 
     python -m bench.phase_barrier --out results
 """
@@ -41,9 +40,36 @@ import torch
 import triton
 import triton.language as tl
 
-from specdraft.kernels.fused_linear import _rows_gemv, _rows_tile
-from specdraft.kernels.fused_mma import _epilogue
-from specdraft.kernels.grid_sync import check_grid_resident, grid_arrive, grid_reset, grid_wait
+# A grid barrier: every program of the launch resident at once (here at most one an SM),
+# meeting at one int32 counter. A program arrives after its stores (a CTA barrier, then
+# one release add); it waits with acquire loads until the counter holds the arrivals it
+# needs, then a CTA barrier. The last program to arrive after the last phase resets the
+# counter. Under the interpreter programs run one after another: one program there.
+
+
+@triton.jit
+def grid_arrive(counter_ptr):
+    """Every store of this program so far is visible to a program whose grid_wait
+    counts this arrival. Returns the counter before the arrival."""
+    tl.debug_barrier()  # every thread's stores precede the release
+    return tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def grid_wait(counter_ptr, target):
+    """Returns once the counter holds at least `target` arrivals."""
+    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()  # no thread reads before the acquire
+
+
+@triton.jit
+def grid_reset(counter_ptr, last_old, arrivals):
+    """After a program's last arrival (which returned `last_old`): the last program of
+    all `arrivals` sets the counter back to zero."""
+    if last_old == arrivals - 1:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -130,104 +156,9 @@ def chain_barrier(x: torch.Tensor, w: torch.Tensor, counter: torch.Tensor, *, bn
     """The same chain in one persistent launch; counter: one int32, 0 on entry and exit."""
     layers, n, k = w.shape
     grid = triton.cdiv(n, bn)
-    check_grid_resident(grid, x.device)
+    if x.is_cuda and grid > torch.cuda.get_device_properties(x.device).multi_processor_count:
+        raise ValueError(f"bn {bn}: {grid} programs, more than one an SM")
     _chain_barrier_kernel[(grid,)](x, w, counter, layers, n, k, bn, triton.next_power_of_2(k))
-
-
-@triton.jit
-def _proj_phase(x_ptr, w_ptr, g_ptr, out_ptr, N, K, eps, stride_x, bar_ptr, target, pid, nprog,
-                KH1: tl.constexpr, KH2: tl.constexpr, KL: tl.constexpr, BLOCK_N: tl.constexpr,
-                NORM: tl.constexpr, GLU: tl.constexpr, RES: tl.constexpr):  # fmt: skip
-    """One projection of one row over this program's column tiles, as the rows kernel
-    computes it (the same helpers, tiles and rounding); its x after the grid barrier."""
-    for t in range(pid, tl.cdiv(N, BLOCK_N), nprog):
-        rr = tl.arange(0, 1)[None, :, None, None]
-        nn = t * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None, None]
-        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
-        omask = (tl.arange(0, 1)[None, :] < 1) & (cols < N)
-        acc, acc_u = _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, 1, N, K, eps, stride_x, K,
-                                KH1, KH2, KL, NORM, GLU, False, x_ptr, x_ptr, x_ptr, 0, False,
-                                1, 1, 1, 1.0, bar_ptr, target, True)  # fmt: skip
-        res = 0.0
-        if RES:  # out is the residual stream, written by this launch
-            res = tl.load(out_ptr + cols, mask=omask, other=0.0, cache_modifier=".cg")
-            res = res.to(tl.float32)
-        acc = _epilogue(acc, acc_u, 0.0, 0.0, res, False, GLU, RES)
-        tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=omask)
-
-
-@triton.jit
-def _layers_barrier_kernel(x_ptr, qkv_ptr, act_ptr, wq_ptr, wo_ptr, wgu_ptr, wd_ptr, n1_ptr,
-                           n2_ptr, bar_ptr, L, H, NQKV, F, eps,
-                           KH1: tl.constexpr, KH2: tl.constexpr, KL: tl.constexpr,
-                           BN: tl.constexpr, KH1F: tl.constexpr, KH2F: tl.constexpr,
-                           KLF: tl.constexpr, BNF: tl.constexpr):  # fmt: skip
-    """A Llama layer's four projections x L at one row, as the fused layer launches
-    them (norm + QKV, O + residual, norm + gate/up + SiLU-and-multiply, down +
-    residual), in one persistent launch: a grid barrier between phases. Weights stacked
-    [L, N, K]; the O projection reads the first H of qkv."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    old = 0
-    for i in range(L):
-        p = 4 * i * nprog
-        _proj_phase(x_ptr, wq_ptr + i * NQKV * H, n1_ptr + i * H, qkv_ptr, NQKV, H, eps, H,
-                    bar_ptr, p, pid, nprog, KH1, KH2, KL, BN, True, False, False)  # fmt: skip
-        old = grid_arrive(bar_ptr)
-        _proj_phase(qkv_ptr, wo_ptr + i * H * H, n1_ptr, x_ptr, H, H, eps, NQKV, bar_ptr,
-                    p + nprog, pid, nprog, KH1, KH2, KL, BN, False, False, True)  # fmt: skip
-        old = grid_arrive(bar_ptr)
-        _proj_phase(x_ptr, wgu_ptr + i * 2 * F * H, n2_ptr + i * H, act_ptr, F, H, eps, H,
-                    bar_ptr, p + 2 * nprog, pid, nprog, KH1, KH2, KL, BN, True, True,
-                    False)  # fmt: skip
-        old = grid_arrive(bar_ptr)
-        _proj_phase(act_ptr, wd_ptr + i * H * F, n2_ptr, x_ptr, H, F, eps, F, bar_ptr,
-                    p + 3 * nprog, pid, nprog, KH1F, KH2F, KLF, BNF, False, False,
-                    True)  # fmt: skip
-        old = grid_arrive(bar_ptr)
-    grid_reset(bar_ptr, old, 4 * L * nprog)
-
-
-def layers_launches(x, qkv, act, w, *, pdl: bool) -> None:
-    """The same projections through kernels.fused_linear, one launch each.
-    w: (wq, wo, wgu, wd, n1, n2), each stacked over the layers."""
-    from specdraft.kernels import fused_linear
-
-    wq, wo, wgu, wd, n1, n2 = w
-    h = x.shape[1]
-    for i in range(wq.shape[0]):
-        fused_linear(x, wq[i], norm_weight=n1[i], out=qkv, pdl=pdl)
-        fused_linear(qkv[:, :h], wo[i], residual=x, out=x, pdl=pdl)
-        fused_linear(x, wgu[i], norm_weight=n2[i], glu=True, out=act, pdl=pdl)
-        fused_linear(act, wd[i], residual=x, out=x, pdl=pdl)
-
-
-def layers_barrier(x, qkv, act, w, counter, *, programs: int, eps: float = 1e-6) -> None:
-    """layers_launches in one persistent launch of `programs` programs (one row)."""
-    wq, wo, wgu, wd, n1, n2 = w
-    layers, nqkv, h = wq.shape
-    f = wd.shape[2]
-    if x.shape[0] != 1:
-        raise ValueError(f"x has {x.shape[0]} rows: the barrier chain takes 1")
-    check_grid_resident(programs, x.device)
-    kh1, kh2, kl, bn, warps = _rows_tile(h, x.element_size())
-    kh1f, kh2f, klf, bnf, _ = _rows_tile(f, x.element_size())
-    if bnf != bn:
-        raise ValueError(f"the tiles for K {h} and K {f} take {bn} and {bnf} columns")
-    _layers_barrier_kernel[(programs,)](x, qkv, act, wq, wo, wgu, wd, n1, n2, counter, layers,
-                                        h, nqkv, f, eps, kh1, kh2, kl, bn, kh1f, kh2f, klf,
-                                        bnf, num_warps=warps)  # fmt: skip
-
-
-def layer_weights(layers: int, h: int, nqkv: int, f: int, device, dtype, seed: int = 0):
-    g = torch.Generator(device=device).manual_seed(seed)
-
-    def rand(*shape, scale=0.04):
-        return (torch.randn(*shape, device=device, generator=g) * scale).to(dtype)
-
-    norms = [1 + rand(layers, h, scale=0.1) for _ in range(2)]
-    return (rand(layers, nqkv, h), rand(layers, h, h), rand(layers, 2 * f, h),
-            rand(layers, h, f), *norms)  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -263,7 +194,6 @@ def main(argv=None) -> int:
     x = torch.empty(layers + 1, d, device="cuda", dtype=torch.bfloat16)
     x0 = torch.randn(d, device="cuda", dtype=torch.bfloat16, generator=g)
     counter = torch.zeros(1, device="cuda", dtype=torch.int32)
-    kw = {"device": "cuda", "dtype": torch.bfloat16}
     rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for bn in (int(b) for b in args.bn.split(",")):
@@ -308,32 +238,6 @@ def main(argv=None) -> int:
     rows.append({"variant": "barriers alone", "bn": "-", "programs": sms, "us": us,
                  "x_floor": None})  # fmt: skip
     print(f"  barriers alone: {us:7.3f} µs a barrier", flush=True)
-    # SmolLM2-135M's four projections a layer x 30 at one row (decode_step's chain)
-    h, nqkv, f, nl = 576, 960, 1536, 30
-    lw = layer_weights(nl, h, nqkv, f, "cuda", torch.bfloat16)
-    xs = torch.randn(1, h, device="cuda", dtype=torch.bfloat16, generator=g)
-    lx, qkv, act = xs.clone(), torch.empty(1, nqkv, **kw), torch.empty(1, f, **kw)
-    layers_launches(lx, qkv, act, lw, pdl=False)
-    want = (lx.clone(), qkv.clone(), act.clone())
-    lx.copy_(xs), qkv.fill_(float("nan")), act.fill_(float("nan"))
-    layers_barrier(lx, qkv, act, lw, counter, programs=sms)
-    torch.cuda.synchronize()
-    same = all(torch.equal(a, b) for a, b in zip((lx, qkv, act), want))
-    same = same and bool(want[0].isfinite().all()) and int(counter.item()) == 0
-    print(f"SmolLM2 layers: barrier chain equals the launch chain: {same}", flush=True)
-    if not same:
-        return 1
-    lfloor = sum(t[0].numel() for t in lw[:4]) * 2 / (read * 1e12) * 1e6
-    cases = {
-        "launches (fused_linear)": lambda: layers_launches(lx, qkv, act, lw, pdl=False),
-        "launches + PDL (fused_linear)": lambda: layers_launches(lx, qkv, act, lw, pdl=True),
-        "barrier": lambda: layers_barrier(lx, qkv, act, lw, counter, programs=sms),
-    }
-    for name, fn in cases.items():
-        us = time_graph_us([fn], min_launches=2) / nl
-        rows.append({"variant": f"SmolLM2 layer: {name}", "bn": 4, "programs": "-", "us": us,
-                     "x_floor": us / lfloor})  # fmt: skip
-        print(f"  SmolLM2 layer {name}: {us:7.2f} µs a layer (floor {lfloor:.2f})", flush=True)
     rows_fn = lambda: [fused_linear(x[i : i + 1], w[i], out=x[i + 1 : i + 2], pdl=True)  # noqa: E731
                        for i in range(layers)]  # fmt: skip
     us = time_graph_us([rows_fn], min_launches=4) / layers

@@ -46,7 +46,6 @@ import triton
 import triton.language as tl
 
 from .fused_mma import MMA_MAX_ROWS, _epilogue, _rope_meta, _rope_store, mma_linear, mma_qkv_rope
-from .grid_sync import grid_wait
 from .guard import INTERPRET
 from .launch import CachedLaunch, pdl_launch, specialization_key
 from .paged_attention import AttentionSplits, _load_qsl, _merge_splits, combine_splits
@@ -76,17 +75,11 @@ def _rows_w(w_ptr, nn, N, K, stride_w, BASE: tl.constexpr, KH: tl.constexpr, KL:
 
 
 @triton.jit
-def _rows_x(x_ptr, kk, km, rr, nn, M, stride_x, L2: tl.constexpr):
+def _rows_x(x_ptr, kk, km, rr, nn, M, stride_x):
     """The rows' x over one K piece, [BN, R, KH, KL] float32 (broadcast over the BN
-    columns, so that it shares W's layout); L2: read at L2 (x written by other programs
-    of this launch)."""
+    columns, so that it shares W's layout)."""
     ptr = x_ptr + rr * stride_x + kk + nn * 0
-    mask = km & (rr < M) & (nn * 0 == 0)
-    if L2:
-        x = tl.load(ptr, mask=mask, other=0.0, cache_modifier=".cg")
-    else:
-        x = tl.load(ptr, mask=mask, other=0.0)
-    return x.to(tl.float32)
+    return tl.load(ptr, mask=km & (rr < M) & (nn * 0 == 0), other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -130,14 +123,13 @@ def _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
                KH1: tl.constexpr, KH2: tl.constexpr, KL: tl.constexpr, NORM: tl.constexpr,
                GLU: tl.constexpr, GDC: tl.constexpr, sp_out_ptr, sp_lse_ptr, qsl_ptr, num_reqs,
                MERGE: tl.constexpr, NQH: tl.constexpr, HD: tl.constexpr, NSPLIT: tl.constexpr,
-               PART_MAX: tl.constexpr, bar_ptr, bar_target, BAR: tl.constexpr):  # fmt: skip
+               PART_MAX: tl.constexpr):  # fmt: skip
     """The rows kernel's product over tiles [BN, R, KH, KL]: W (and with GLU the up
-    rows, N rows further) loaded, the norm weight folded in, then the wait (GDC, or BAR:
-    a persistent launch's grid barrier, kernels.grid_sync, until bar_target arrivals;
-    x is then read at L2), then x; returns (acc, acc_up) [BN, R] float32, with RMSNorm's
-    row scale applied (acc_up is acc without GLU). MERGE: x merged from split attention
-    partials (_rows_x_merged: the partials' outputs and lses, query_start_loc,
-    num_reqs; Hq NQH, head_dim HD, NSPLIT splits)."""
+    rows, N rows further) loaded, the norm weight folded in, then the wait (GDC), then
+    x; returns (acc, acc_up) [BN, R] float32, with RMSNorm's row scale applied (acc_up
+    is acc without GLU). MERGE: x merged from split attention partials (_rows_x_merged:
+    the partials' outputs and lses, query_start_loc, num_reqs; Hq NQH, head_dim HD,
+    NSPLIT splits)."""
     k1, km1, w1 = _rows_w(w_ptr, nn, N, K, stride_w, 0, KH1, KL)
     if GLU:
         _, _, u1 = _rows_w(w_ptr + N * stride_w, nn, N, K, stride_w, 0, KH1, KL)
@@ -158,19 +150,17 @@ def _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
     if GDC:  # weights are in flight; now wait for the kernel that wrote x
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if BAR:  # weights are in flight; now wait for the programs that wrote x
-        grid_wait(bar_ptr, bar_target)
     if MERGE:
         x1 = _rows_x_merged(x_ptr, rr, nn, M, sp_out_ptr, sp_lse_ptr, qsl_ptr, num_reqs, 0,
                             KH1, KL, NQH, HD, NSPLIT, PART_MAX)  # fmt: skip
     else:
-        x1 = _rows_x(x_ptr, k1, km1, rr, nn, M, stride_x, BAR)
+        x1 = _rows_x(x_ptr, k1, km1, rr, nn, M, stride_x)
     if KH2 > 0:
         if MERGE:
             x2 = _rows_x_merged(x_ptr, rr, nn, M, sp_out_ptr, sp_lse_ptr, qsl_ptr, num_reqs,
                                 KH1 * KL, KH2, KL, NQH, HD, NSPLIT, PART_MAX)  # fmt: skip
         else:
-            x2 = _rows_x(x_ptr, k2, km2, rr, nn, M, stride_x, BAR)
+            x2 = _rows_x(x_ptr, k2, km2, rr, nn, M, stride_x)
     part = _rows_part(w1, x1)
     if GLU:
         part_u = _rows_part(u1, x1)
@@ -231,8 +221,7 @@ def _fused_rows_kernel(
             bias_u = tl.load(b_ptr + N + cols, mask=cols < N, other=0.0).to(tl.float32)
     acc, acc_u = _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
                             KH1, KH2, KL, NORM, GLU, GDC, sp_out_ptr, sp_lse_ptr, qsl_ptr,
-                            num_reqs, MERGE, NQH, HD, NSPLIT, PART_MAX, x_ptr, 0,
-                            False)  # fmt: skip
+                            num_reqs, MERGE, NQH, HD, NSPLIT, PART_MAX)  # fmt: skip
     if RES:
         res = tl.load(r_ptr + rows * stride_r + cols, mask=omask, other=0.0).to(tl.float32)
     acc = _epilogue(acc, acc_u, bias, bias_u, res, HAS_BIAS, GLU, RES)
@@ -276,7 +265,7 @@ def _fused_qkv_rope_kernel(
         bias = tl.load(b_ptr + col[:, None], mask=col[:, None] < N, other=0.0).to(tl.float32)
     acc, _ = _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
                         KH1, KH2, KL, NORM, False, GDC, x_ptr, x_ptr, x_ptr, 0, False, 1, 1, 1,
-                        1.0, x_ptr, 0, False)  # fmt: skip
+                        1.0)  # fmt: skip
     if LATE_META:
         head, d, live, rot, cos, sin, slot = _rope_meta(
             jp, rows, M, pos_ptr, slot_ptr, cs_ptr, max_positions, stride_cs, HALF,
