@@ -14,13 +14,14 @@ adds columns with the attention split count forced, `--stages` with its pipeline
 `--chain` also times SmolLM2's projections alone (projection_chain.md), `--mma-tiles`
 with tensor-core tile variants; `--merge-in-o` adds the fused path with split attention
 merged by the O projection on its loads (specdraft.layers.MERGE_IN_O_PROJ) instead of a
-merge launch.
+merge launch; `--rows-tiles` with the rows kernel's tile set (kernels.fused_linear's
+ROWS_TILE).
 
 Launches per step come from the profiler, after every timing.
 
     python -m bench.decode_step [--out results] [--rows 1,2,4,8,32] [--ctx 256]
         [--max-model-len 1024] [--rpp 1,2,4] [--splits 1,8,16] [--stages 2,3] [--chain]
-        [--merge-in-o]
+        [--merge-in-o] [--rows-tiles whole/8/4,whole/2/1]
 """
 
 from __future__ import annotations
@@ -224,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--splits", default="", help="also fused with these attention splits")
     ap.add_argument("--stages", default="",
                     help="also fused with attention's pipeline at these depths")  # fmt: skip
+    ap.add_argument("--rows-tiles", default="",
+                    help="also fused with the rows kernel's ROWS_TILE set: layout/columns/warps "
+                    "items, e.g. whole/8/4,whole/2/1")  # fmt: skip
     ap.add_argument("--merge-in-o", action="store_true",
                     help="also fused with the O projection merging split attention")  # fmt: skip
     ap.add_argument("--chain", action="store_true",
@@ -253,25 +257,31 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{env['gpu']}: read {bw:.2f} TB/s; PDL {pdl}; torch {env['torch']}", flush=True)
     pa = importlib.import_module("specdraft.kernels.paged_attention")
     # (column, fused, rows a program, attention's forced ("splits" or "stages", value),
-    # rows kernel's K bound, split attention merged in the O projection); None: the
-    # library's choice
-    lib, merge_o = fl.ROWS_MAX_K, layers.MERGE_IN_O_PROJ
-    modes = [("unfused", False, None, None, lib, merge_o),
-             ("fused", True, None, None, lib, merge_o)]  # fmt: skip
+    # rows kernel's K bound, split attention merged in the O projection, the rows
+    # kernel's ROWS_TILE); None: the library's choice
+    lib, merge_o, tile0 = fl.ROWS_MAX_K, layers.MERGE_IN_O_PROJ, fl.ROWS_TILE
+    modes = [("unfused", False, None, None, lib, merge_o, tile0),
+             ("fused", True, None, None, lib, merge_o, tile0)]  # fmt: skip
     if args.wide:
-        modes.append(("fused_wide", True, None, None, 0, merge_o))
-    modes += [(f"fused_rpp{r}", True, int(r), None, 0, merge_o) for r in args.rpp.split(",") if r]
-    modes += [(f"fused_splits{n}", True, None, ("splits", int(n)), lib, merge_o)
+        modes.append(("fused_wide", True, None, None, 0, merge_o, tile0))
+    modes += [(f"fused_rpp{r}", True, int(r), None, 0, merge_o, tile0)
+              for r in args.rpp.split(",") if r]  # fmt: skip
+    modes += [(f"fused_splits{n}", True, None, ("splits", int(n)), lib, merge_o, tile0)
               for n in args.splits.split(",") if n]  # fmt: skip
-    modes += [(f"fused_stages{n}", True, None, ("stages", int(n)), lib, merge_o)
+    modes += [(f"fused_stages{n}", True, None, ("stages", int(n)), lib, merge_o, tile0)
               for n in args.stages.split(",") if n]  # fmt: skip
+    for t in (t for t in args.rows_tiles.split(",") if t):
+        layout, cols, warps = t.split("/")
+        modes.append((f"fused_tile_{layout}{cols}w{warps}", True, None, None, lib, merge_o,
+                      (layout, int(cols), int(warps))))  # fmt: skip
     if args.merge_in_o:
-        modes.append(("fused_merge_o", True, None, None, lib, True))
+        modes.append(("fused_merge_o", True, None, None, lib, True, tile0))
     saved = (ops._fused_decode, ops._fused_rows, fl.ROWS_PER_PROGRAM, pa.choose_launch_config)
     rows_out, steps, target = [], [], None
 
-    def use(fused: bool, rpp, splits, max_k, merge: bool, rows: int) -> None:
+    def use(fused: bool, rpp, splits, max_k, merge: bool, tile, rows: int) -> None:
         fl.ROWS_MAX_K = max_k
+        fl.ROWS_TILE = tile
         layers.MERGE_IN_O_PROJ = merge
         ops.set_fused_decode(fused)
         ops._fused_rows = rows if fused else saved[1]
@@ -289,15 +299,16 @@ def main(argv: list[str] | None = None) -> int:
                 step = _step(model, cfg, rows, args.ctx, name.startswith("eagle"), max_len)
                 floor = _weight_bytes(model, rows) / (bw * 1e12) * 1e6
                 row = {"model": name, "rows": rows, "floor_us": floor}
-                for mode, fused, rpp, splits, max_k, merge in modes:
+                for mode, fused, rpp, splits, max_k, merge, tile in modes:
                     if fused and rows > fm.MMA_MAX_ROWS:  # past what fused_linear takes
                         row[f"{mode}_us"] = row[f"{mode}_x_floor"] = None
                         continue
-                    use(fused, rpp, splits, max_k, merge, rows)
+                    use(fused, rpp, splits, max_k, merge, tile, rows)
                     with torch.inference_mode():
                         row[f"{mode}_us"] = time_graph_us([step], min_launches=20)
                     row[f"{mode}_x_floor"] = row[f"{mode}_us"] / floor
-                    steps.append((row, mode, (fused, rpp, splits, max_k, merge, rows), step))
+                    steps.append((row, mode, (fused, rpp, splits, max_k, merge, tile, rows),
+                                  step))  # fmt: skip
                 fused_us = row["fused_us"]
                 row["fused_over_unfused"] = fused_us and fused_us / row["unfused_us"]
                 rows_out.append(row)
@@ -309,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ops.set_fused_decode(saved[0])
         ops._fused_rows, fl.ROWS_PER_PROGRAM, pa.choose_launch_config = saved[1:]
-        fl.ROWS_MAX_K, layers.MERGE_IN_O_PROJ = lib, merge_o
+        fl.ROWS_MAX_K, layers.MERGE_IN_O_PROJ, fl.ROWS_TILE = lib, merge_o, tile0
     cols = [("model", "model"), ("rows", "rows"), ("floor_us", "weight floor µs")]
     for mode, *_ in modes:
         cols += [(f"{mode}_us", f"{mode} µs"), (f"{mode}_x_floor", "x floor"),

@@ -27,7 +27,10 @@ launch (a chain this file held then, through the rows kernel's helpers). The bar
 not pay at these shapes: the persistent layer tail built on them, and the chain, were
 removed.
 
-    python -m bench.phase_barrier --out results
+`--rows-tiles` also times the rows kernel with other tiles (kernels.fused_linear's
+ROWS_TILE: K whole or in runs, columns a program, warps).
+
+    python -m bench.phase_barrier --out results [--bn 4,8,16] [--rows-tiles whole/8/4]
 """
 
 from __future__ import annotations
@@ -169,6 +172,9 @@ def main(argv=None) -> int:
     ap.add_argument("--bn", default="8,16",
                     help="columns a program of the square chain; the barrier chain runs "
                     "where that leaves at most one program an SM")  # fmt: skip
+    ap.add_argument("--rows-tiles", default="",
+                    help="also the rows kernel with ROWS_TILE set: layout/columns/warps items, "
+                    "e.g. whole/8/4,whole/2/1")  # fmt: skip
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.phase_barrier needs an NVIDIA GPU (tests/test_phase_barrier.py: the CPU)")
@@ -181,6 +187,8 @@ def main(argv=None) -> int:
         time_graph_us,
     )
     from specdraft.kernels import fused_linear
+
+    fl = sys.modules["specdraft.kernels.fused_linear"]
 
     env = environment()
     read = read_bandwidth_tbps()
@@ -240,10 +248,20 @@ def main(argv=None) -> int:
     print(f"  barriers alone: {us:7.3f} µs a barrier", flush=True)
     rows_fn = lambda: [fused_linear(x[i : i + 1], w[i], out=x[i + 1 : i + 2], pdl=True)  # noqa: E731
                        for i in range(layers)]  # fmt: skip
-    us = time_graph_us([rows_fn], min_launches=4) / layers
-    rows.append({"variant": "rows kernel (fused_linear, PDL)", "bn": "-", "programs": "-",
-                 "us": us, "x_floor": us / floor_us})  # fmt: skip
-    print(f"  rows kernel: {us:7.3f} µs a phase", flush=True)
+    tiles = [None] + [(t.split("/")[0], int(t.split("/")[1]), int(t.split("/")[2]))
+                      for t in args.rows_tiles.split(",") if t]  # fmt: skip
+    try:
+        for tile in tiles:
+            fl.ROWS_TILE = tile
+            _, _, _, bn, warps = fl._rows_tile(d, 2)
+            us = time_graph_us([rows_fn], min_launches=4) / layers
+            name = "rows kernel (fused_linear, PDL)" + (f", tile {tile[0]}" if tile else "")
+            rows.append({"variant": name + f", {warps} warps", "bn": bn,
+                         "programs": triton.cdiv(d, bn), "us": us,
+                         "x_floor": us / floor_us})  # fmt: skip
+            print(f"  {name} {bn} columns {warps} warps: {us:7.3f} µs a phase", flush=True)
+    finally:
+        fl.ROWS_TILE = None
     table = markdown_table(rows, [("variant", "variant"), ("bn", "columns a program"),
                                   ("programs", "programs"), ("us", "µs a phase"),
                                   ("x_floor", "x weight floor")])  # fmt: skip

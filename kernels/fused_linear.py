@@ -62,6 +62,10 @@ MAX_K = 16384  # the padded reduction width a program holds in registers
 # K up to which the rows kernel takes a projection (at most 64 of K a thread); wider K
 # goes to the wide kernel.
 ROWS_MAX_K = 2048
+# The rows kernel's tile when set (bench and tests): (layout, columns a program, warps),
+# layout "runs" (K in runs of lanes x vector, _rows_tile's default) or "whole" (K padded
+# to a power of two in one piece, as bench.phase_barrier's plain kernel holds it).
+ROWS_TILE: tuple[str, int, int] | None = None
 
 
 @triton.jit
@@ -516,6 +520,12 @@ def _rows_tile(k: int, elem: int, *, interpret: bool = INTERPRET):
     kh2 = triton.next_power_of_2(runs - kh1) if runs > kh1 else 0
     warps = 4
     block_n = 32 // lanes_k * warps
+    if ROWS_TILE is not None:
+        layout, block_n, warps = ROWS_TILE
+        if layout == "whole":
+            kh1, kh2, kl = 1, 0, max(kl, triton.next_power_of_2(k))
+        elif layout != "runs":
+            raise ValueError(f"ROWS_TILE layout {layout!r}: 'runs' or 'whole'")
     if interpret:  # the interpreter pays per program: larger tiles
         block_n = max(block_n, 64)
     return kh1, kh2, kl, block_n, warps

@@ -194,6 +194,29 @@ def test_fused_linear_rows_per_program(rows, flags, monkeypatch):
         check_case("cpu", torch.float16, m, k, n, **flags)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("tile", [("whole", 8, 4), ("whole", 2, 1), ("runs", 8, 1)])
+@pytest.mark.parametrize("flags", FLAGS[::2] + FLAGS[-3:-2], ids=_flag_id)
+def test_fused_linear_rows_tile_variants(tile, flags, monkeypatch):
+    """The rows kernel with ROWS_TILE set (K whole in one padded piece, or in runs;
+    other column counts and warps): the same float64 agreement as the default tile."""
+    import importlib
+
+    fl = importlib.import_module("specdraft.kernels.fused_linear")
+    monkeypatch.setattr(fl, "ROWS_TILE", tile)
+    for m, k, n in ((3, 300, 40), (1, 64, 72)):
+        check_case("cpu", torch.float16, m, k, n, **flags)
+
+
+def test_rows_tile_refuses_an_unknown_layout(monkeypatch):
+    import importlib
+
+    fl = importlib.import_module("specdraft.kernels.fused_linear")
+    monkeypatch.setattr(fl, "ROWS_TILE", ("columns", 8, 4))
+    with pytest.raises(ValueError, match="ROWS_TILE layout 'columns'"):
+        fl._rows_tile(576, 2)
+
+
 def test_max_fused_rows_follows_the_program_budget():
     """Projections the rows kernel takes (K <= ROWS_MAX_K) take up to MMA_FUSED_ROWS rows
     (the tensor-core kernels past MAX_ROWS): SmolLM2's; the llama-68m draft's widest
@@ -229,6 +252,20 @@ def test_gpu_fused_linear_rows_per_program(rows, flags, monkeypatch):
     monkeypatch.setattr(fl, "ROWS_MAX_K", 0)
     pdl = kernels.pdl_supported("cuda")
     for m, k, n in ((4, 576, 960), (MAX_ROWS, 1536, 576), (7, 300, 77)):
+        check_case("cuda", torch.bfloat16, m, k, n, pdl=pdl, **flags)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [("whole", 8, 4), ("whole", 4, 1), ("whole", 2, 1)])
+@pytest.mark.parametrize("flags", FLAGS, ids=_flag_id)
+def test_gpu_fused_linear_rows_tile_variants(tile, flags, monkeypatch):
+    """The rows kernel's ROWS_TILE variants at SmolLM2's K, bf16."""
+    import importlib
+
+    fl = importlib.import_module("specdraft.kernels.fused_linear")
+    monkeypatch.setattr(fl, "ROWS_TILE", tile)
+    pdl = kernels.pdl_supported("cuda")
+    for m, k, n in ((1, 576, 960), (4, 1536, 576), (7, 300, 77)):
         check_case("cuda", torch.bfloat16, m, k, n, pdl=pdl, **flags)
 
 
@@ -474,7 +511,14 @@ def test_fused_decode_path_past_8_rows_with_a_wide_projection_matches_unfused_mo
 
 
 @pytest.mark.gpu
-def test_gpu_fused_decode_path_matches_unfused_model_bf16():
+@pytest.mark.parametrize("tile", [None, ("whole", 8, 4), ("whole", 2, 1)])
+def test_gpu_fused_decode_path_matches_unfused_model_bf16(tile, monkeypatch):
+    """Also with the rows kernel's ROWS_TILE variants (QKV + rotary, the embedding's
+    projection and the merge on the O projection's loads take the tile too)."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("specdraft.kernels.fused_linear"), "ROWS_TILE",
+                        tile)  # fmt: skip
     _compare_fused("cuda", torch.bfloat16, 3e-2)
 
 
