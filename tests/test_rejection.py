@@ -546,24 +546,9 @@ def _filter_batch(seed: int, k: int, v: int, kinds: list, seed0: int) -> tuple:
     return logits, drafts, q, st, pos
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_tiles_bit_equal_to_one_row_per_program(device):
-    """Cut tiles of 4 and 64 rows and race tiles of 4 and 64 requests against one row
-    and one request per program (ROW_TILES), on tiles that mix every mode: the rows of
-    _filter_rows (boundary cases, tie groups, -inf, a single tie group) under requests
-    with top-k, top-p, both, neither or greedy (top-k 1 and >= V among them), and padded
-    requests; four race blocks per row, so each request's own ticket picks its last
-    program. Thresholds, kept masses, race winners, tokens and counters are the same bit
-    for bit; the kept sets are filtered_probs' and the tokens the reference's. The same
-    tiles screened (only the rows a decision needs get a cut), and with the walk inside
-    the race programs: the same race winners, tokens and counters."""
-    k, v = 2, 203
-    kinds = [*MIXED, SP(1.0, top_k=1), SP(0.7, top_k=v + 5, top_p=0.8), SP(0.9, top_k=v)]
-    logits, drafts, q, st, pos = _filter_batch(31, k, v, kinds, 11)
-    b = drafts.shape[0]
-    pos[[2, 9]] = -1
-    sampled = ~st.greedy & (pos >= 0)
-    outs = []
+def _tile_variants(device: str) -> list:
+    """test_tiles_bit_equal_to_one_row_per_program's tiles, ROW_TILES (its reference)
+    first."""
     tiles = (ROW_TILES, BAND_TILES, dataclasses.replace(BAND_TILES, rows_t=64, rows_r=64),
              FAST_TILES, FAST_SMALL_TILES, FUSED_TILES,
              dataclasses.replace(FAST_SMALL_TILES, fuse_kp=True), SORT32_TILES,
@@ -575,6 +560,36 @@ def test_tiles_bit_equal_to_one_row_per_program(device):
     # the walk inside the race programs (walk_in_race), unscreened and screened
     tiles += [dataclasses.replace(c, walk_in_race=True, screen=s)
               for c, s in ((ROW_TILES, False), (FAST_TILES, True), (BAND_TILES, True))]  # fmt: skip
+    return tiles
+
+
+# The variants in this many groups, each its own test (a GPU compile is ~10 s a variant:
+# one test of all of them took 250 s, longer than any other process of the GPU suite).
+TILE_GROUPS = 4
+
+
+@pytest.mark.parametrize("group", range(TILE_GROUPS))
+@pytest.mark.parametrize("device", DEVICES)
+def test_tiles_bit_equal_to_one_row_per_program(device, group):
+    """Cut tiles of 4 and 64 rows and race tiles of 4 and 64 requests against one row
+    and one request per program (ROW_TILES), on tiles that mix every mode: the rows of
+    _filter_rows (boundary cases, tie groups, -inf, a single tie group) under requests
+    with top-k, top-p, both, neither or greedy (top-k 1 and >= V among them), and padded
+    requests; four race blocks per row, so each request's own ticket picks its last
+    program. Thresholds, kept masses, race winners, tokens and counters are the same bit
+    for bit; the kept sets are filtered_probs' and the tokens the reference's. The same
+    tiles screened (only the rows a decision needs get a cut), and with the walk inside
+    the race programs: the same race winners, tokens and counters. Each group takes
+    every TILE_GROUPS-th variant after ROW_TILES."""
+    k, v = 2, 203
+    kinds = [*MIXED, SP(1.0, top_k=1), SP(0.7, top_k=v + 5, top_p=0.8), SP(0.9, top_k=v)]
+    logits, drafts, q, st, pos = _filter_batch(31, k, v, kinds, 11)
+    b = drafts.shape[0]
+    pos[[2, 9]] = -1
+    sampled = ~st.greedy & (pos >= 0)
+    outs = []
+    every = _tile_variants(device)
+    tiles = every[:1] + every[1:][group::TILE_GROUPS]
     for cfg in tiles:
         batch = Batch(logits.to(device), drafts.to(device), q.to(device), _on(st, device),
                       pos.to(device), cfg)  # fmt: skip
