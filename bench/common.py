@@ -219,6 +219,24 @@ def host_burst_us(fn, calls: int, spin: int) -> list[float]:
     return out
 
 
+def rows_tiles_arg(text: str) -> list[tuple[str, int, int]]:
+    """`--rows-tiles` (bench.decode_step, bench.phase_barrier): comma-separated
+    layout/columns/warps items for kernels.fused_linear's ROWS_TILE, layout "runs" or
+    "whole", columns >= 1, warps a power of two 1-16; SystemExit naming the item."""
+    tiles = []
+    for item in (t for t in text.split(",") if t):
+        parts = item.split("/")
+        ok = len(parts) == 3 and parts[0] in ("runs", "whole")
+        ok = ok and all(p.isdigit() for p in parts[1:])
+        if not ok or int(parts[1]) < 1 or int(parts[2]) not in (1, 2, 4, 8, 16):
+            raise SystemExit(
+                f"--rows-tiles: {item!r} must be layout/columns/warps, layout runs or whole, "
+                "columns >= 1, warps 1, 2, 4, 8 or 16"
+            )
+        tiles.append((parts[0], int(parts[1]), int(parts[2])))
+    return tiles
+
+
 def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     """rows: dicts; columns: (key, header). Floats get 3 significant decimals."""
 

@@ -244,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         environment,
         markdown_table,
         read_bandwidth_tbps,
+        rows_tiles_arg,
         save_results,
         time_graph_us,
     )
@@ -270,10 +271,8 @@ def main(argv: list[str] | None = None) -> int:
               for n in args.splits.split(",") if n]  # fmt: skip
     modes += [(f"fused_stages{n}", True, None, ("stages", int(n)), lib, merge_o, tile0)
               for n in args.stages.split(",") if n]  # fmt: skip
-    for t in (t for t in args.rows_tiles.split(",") if t):
-        layout, cols, warps = t.split("/")
-        modes.append((f"fused_tile_{layout}{cols}w{warps}", True, None, None, lib, merge_o,
-                      (layout, int(cols), int(warps))))  # fmt: skip
+    modes += [(f"fused_tile_{t[0]}{t[1]}w{t[2]}", True, None, None, lib, merge_o, t)
+              for t in rows_tiles_arg(args.rows_tiles)]  # fmt: skip
     if args.merge_in_o:
         modes.append(("fused_merge_o", True, None, None, lib, True, tile0))
     saved = (ops._fused_decode, ops._fused_rows, fl.ROWS_PER_PROGRAM, pa.choose_launch_config)

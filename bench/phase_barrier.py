@@ -183,6 +183,7 @@ def main(argv=None) -> int:
         environment,
         markdown_table,
         read_bandwidth_tbps,
+        rows_tiles_arg,
         save_results,
         time_graph_us,
     )
@@ -248,8 +249,7 @@ def main(argv=None) -> int:
     print(f"  barriers alone: {us:7.3f} µs a barrier", flush=True)
     rows_fn = lambda: [fused_linear(x[i : i + 1], w[i], out=x[i + 1 : i + 2], pdl=True)  # noqa: E731
                        for i in range(layers)]  # fmt: skip
-    tiles = [None] + [(t.split("/")[0], int(t.split("/")[1]), int(t.split("/")[2]))
-                      for t in args.rows_tiles.split(",") if t]  # fmt: skip
+    tiles, saved = [None, *rows_tiles_arg(args.rows_tiles)], fl.ROWS_TILE
     try:
         for tile in tiles:
             fl.ROWS_TILE = tile
@@ -261,7 +261,7 @@ def main(argv=None) -> int:
                          "x_floor": us / floor_us})  # fmt: skip
             print(f"  {name} {bn} columns {warps} warps: {us:7.3f} µs a phase", flush=True)
     finally:
-        fl.ROWS_TILE = None
+        fl.ROWS_TILE = saved
     table = markdown_table(rows, [("variant", "variant"), ("bn", "columns a program"),
                                   ("programs", "programs"), ("us", "µs a phase"),
                                   ("x_floor", "x weight floor")])  # fmt: skip

@@ -511,7 +511,7 @@ def _rows_tile(k: int, elem: int, *, interpret: bool = INTERPRET):
     """(KH1, KH2, KL, columns a program, warps) of the rows kernel: K in 16-byte
     vectors along up to 32 lanes (KL = lanes x vector), then in KH1 + KH2 (powers of
     two) such runs a thread; the columns along the 4 warps (and any lanes K leaves), one
-    a thread."""
+    a thread. ROWS_TILE, when set, overrides the layout, the columns and the warps."""
     vec = 16 // elem
     lanes_k = min(32, triton.next_power_of_2(triton.cdiv(k, vec)))
     kl = lanes_k * vec

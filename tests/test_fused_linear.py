@@ -798,3 +798,14 @@ def test_merge_in_o_projection_matches_the_merge_launch(monkeypatch):
     assert launches - (len(combines) - launches) == 3 * 2, combines
     for a, b in zip(plain, merged):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_bench_rows_tiles_arg():
+    """bench's --rows-tiles parser: items as ROWS_TILE takes them; a bad item is named."""
+    from bench.common import rows_tiles_arg
+
+    assert rows_tiles_arg("whole/8/4,runs/2/1") == [("whole", 8, 4), ("runs", 2, 1)]
+    assert rows_tiles_arg("") == []
+    for bad in ("whole/8", "cols/8/4", "whole/0/4", "whole/8/3", "whole/x/4"):
+        with pytest.raises(SystemExit, match=f"--rows-tiles: '{bad}'"):
+            rows_tiles_arg(bad)
