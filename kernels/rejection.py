@@ -1659,12 +1659,19 @@ class RejectionConfig:
 
     def __post_init__(self) -> None:
         # Every size is a tile width (tl.arange needs a power of two); tries_f, the stages
-        # and prefetch_f are counts; cap_f, small_f, sample_k and hist_f may be 0 (off /
-        # sample_f).
-        counts = ("tries_f", "stages_f", "stages_g", "prefetch_f")
+        # and prefetch_f are counts (tries_f 0: no bracket tries, every cut row narrows;
+        # prefetch_f 0: none; a loop takes at least one stage); cap_f, small_f, sample_k
+        # and hist_f may be 0 (off / sample_f).
+        counts = {"tries_f": 0, "prefetch_f": 0, "stages_f": 1, "stages_g": 1}
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.type == "bool" or v is None or f.name in counts:
+            if f.name in counts:
+                if type(v) is not int or v < counts[f.name]:
+                    raise ValueError(
+                        f"RejectionConfig.{f.name} must be an int >= {counts[f.name]}, got {v!r}"
+                    )
+                continue
+            if f.type == "bool" or v is None:
                 continue
             zero = f.name in ("cap_f", "small_f", "sample_k", "hist_f")
             if type(v) is not int or v < 0 or (v == 0 and not zero) or v & (v - 1):

@@ -1343,11 +1343,16 @@ def test_gpu_lossless_mixed_modes_200k():
      ("sample_k", -8, "sample_k must be a power of two or 0, got -8"),
      ("hist_f", 1000, "hist_f must be a power of two or 0, got 1000"),
      ("block_r", 0, "block_r must be a power of two, got 0"),
-     ("sample_f", 1536, "sample_f must be a power of two, got 1536")],
+     ("sample_f", 1536, "sample_f must be a power of two, got 1536"),
+     ("prefetch_f", -1, "prefetch_f must be an int >= 0, got -1"),
+     ("tries_f", 2.0, "tries_f must be an int >= 0, got 2.0"),
+     ("stages_f", 0, "stages_f must be an int >= 1, got 0"),
+     ("stages_g", True, "stages_g must be an int >= 1, got True")],
 )  # fmt: skip
-def test_config_refuses_a_tile_that_is_not_a_power_of_two(field, value, match):
-    # a width the kernels would take to tl.arange: refused when the config is made,
-    # not at a compile deep inside a launch; the config it was replaced from is unchanged
+def test_config_refuses_a_bad_tile_or_count(field, value, match):
+    # a width the kernels would take to tl.arange, or a count below its floor: refused
+    # when the config is made, not at a compile deep inside a launch; the config it was
+    # replaced from is unchanged
     before = dataclasses.asdict(FAST_TILES)
     with pytest.raises(ValueError, match=match):
         dataclasses.replace(FAST_TILES, **{field: value})
