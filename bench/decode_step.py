@@ -15,13 +15,13 @@ adds columns with the attention split count forced, `--stages` with its pipeline
 with tensor-core tile variants; `--merge-in-o` adds the fused path with split attention
 merged by the O projection on its loads (specdraft.layers.MERGE_IN_O_PROJ) instead of a
 merge launch; `--rows-tiles` with the rows kernel's tile set (kernels.fused_linear's
-ROWS_TILE); `--preload-off` with attention's first key tile loaded after the PDL wait.
+ROWS_TILE).
 
 Launches per step come from the profiler, after every timing.
 
     python -m bench.decode_step [--out results] [--rows 1,2,4,8,32] [--ctx 256]
         [--max-model-len 1024] [--rpp 1,2,4] [--splits 1,8,16] [--stages 2,3] [--chain]
-        [--merge-in-o] [--rows-tiles whole/8/4,whole/2/1] [--preload-off]
+        [--merge-in-o] [--rows-tiles whole/8/4,whole/2/1]
 """
 
 from __future__ import annotations
@@ -228,9 +228,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows-tiles", default="",
                     help="also fused with the rows kernel's ROWS_TILE set: layout/columns/warps "
                     "items, e.g. whole/8/4,whole/2/1")  # fmt: skip
-    ap.add_argument("--preload-off", action="store_true",
-                    help="also fused with attention's first key tile loaded after the PDL "
-                    "wait (kernels.paged_attention's PRELOAD_FIRST_TILE off)")  # fmt: skip
     ap.add_argument("--merge-in-o", action="store_true",
                     help="also fused with the O projection merging split attention")  # fmt: skip
     ap.add_argument("--chain", action="store_true",
@@ -262,32 +259,28 @@ def main(argv: list[str] | None = None) -> int:
     pa = importlib.import_module("specdraft.kernels.paged_attention")
     # (column, fused, rows a program, attention's forced ("splits" or "stages", value),
     # rows kernel's K bound, split attention merged in the O projection, the rows
-    # kernel's ROWS_TILE, attention's PRELOAD_FIRST_TILE); None: the library's choice
+    # kernel's ROWS_TILE); None: the library's choice
     lib, merge_o, tile0 = fl.ROWS_MAX_K, layers.MERGE_IN_O_PROJ, fl.ROWS_TILE
-    pre = pa.PRELOAD_FIRST_TILE
-    modes = [("unfused", False, None, None, lib, merge_o, tile0, pre),
-             ("fused", True, None, None, lib, merge_o, tile0, pre)]  # fmt: skip
+    modes = [("unfused", False, None, None, lib, merge_o, tile0),
+             ("fused", True, None, None, lib, merge_o, tile0)]  # fmt: skip
     if args.wide:
-        modes.append(("fused_wide", True, None, None, 0, merge_o, tile0, pre))
-    modes += [(f"fused_rpp{r}", True, int(r), None, 0, merge_o, tile0, pre)
+        modes.append(("fused_wide", True, None, None, 0, merge_o, tile0))
+    modes += [(f"fused_rpp{r}", True, int(r), None, 0, merge_o, tile0)
               for r in args.rpp.split(",") if r]  # fmt: skip
-    modes += [(f"fused_splits{n}", True, None, ("splits", int(n)), lib, merge_o, tile0, pre)
+    modes += [(f"fused_splits{n}", True, None, ("splits", int(n)), lib, merge_o, tile0)
               for n in args.splits.split(",") if n]  # fmt: skip
-    modes += [(f"fused_stages{n}", True, None, ("stages", int(n)), lib, merge_o, tile0, pre)
+    modes += [(f"fused_stages{n}", True, None, ("stages", int(n)), lib, merge_o, tile0)
               for n in args.stages.split(",") if n]  # fmt: skip
-    modes += [(f"fused_tile_{t[0]}{t[1]}w{t[2]}", True, None, None, lib, merge_o, t, pre)
+    modes += [(f"fused_tile_{t[0]}{t[1]}w{t[2]}", True, None, None, lib, merge_o, t)
               for t in rows_tiles_arg(args.rows_tiles)]  # fmt: skip
     if args.merge_in_o:
-        modes.append(("fused_merge_o", True, None, None, lib, True, tile0, pre))
-    if args.preload_off:
-        modes.append(("fused_no_preload", True, None, None, lib, merge_o, tile0, False))
+        modes.append(("fused_merge_o", True, None, None, lib, True, tile0))
     saved = (ops._fused_decode, ops._fused_rows, fl.ROWS_PER_PROGRAM, pa.choose_launch_config)
     rows_out, steps, target = [], [], None
 
-    def use(fused: bool, rpp, splits, max_k, merge: bool, tile, preload, rows: int) -> None:
+    def use(fused: bool, rpp, splits, max_k, merge: bool, tile, rows: int) -> None:
         fl.ROWS_MAX_K = max_k
         fl.ROWS_TILE = tile
-        pa.PRELOAD_FIRST_TILE = preload
         layers.MERGE_IN_O_PROJ = merge
         ops.set_fused_decode(fused)
         ops._fused_rows = rows if fused else saved[1]
@@ -305,16 +298,16 @@ def main(argv: list[str] | None = None) -> int:
                 step = _step(model, cfg, rows, args.ctx, name.startswith("eagle"), max_len)
                 floor = _weight_bytes(model, rows) / (bw * 1e12) * 1e6
                 row = {"model": name, "rows": rows, "floor_us": floor}
-                for mode, fused, rpp, splits, max_k, merge, tile, preload in modes:
+                for mode, fused, rpp, splits, max_k, merge, tile in modes:
                     if fused and rows > fm.MMA_MAX_ROWS:  # past what fused_linear takes
                         row[f"{mode}_us"] = row[f"{mode}_x_floor"] = None
                         continue
-                    use(fused, rpp, splits, max_k, merge, tile, preload, rows)
+                    use(fused, rpp, splits, max_k, merge, tile, rows)
                     with torch.inference_mode():
                         row[f"{mode}_us"] = time_graph_us([step], min_launches=20)
                     row[f"{mode}_x_floor"] = row[f"{mode}_us"] / floor
-                    how = (fused, rpp, splits, max_k, merge, tile, preload, rows)
-                    steps.append((row, mode, how, step))
+                    steps.append((row, mode, (fused, rpp, splits, max_k, merge, tile, rows),
+                                  step))  # fmt: skip
                 fused_us = row["fused_us"]
                 row["fused_over_unfused"] = fused_us and fused_us / row["unfused_us"]
                 rows_out.append(row)
@@ -327,7 +320,6 @@ def main(argv: list[str] | None = None) -> int:
         ops.set_fused_decode(saved[0])
         ops._fused_rows, fl.ROWS_PER_PROGRAM, pa.choose_launch_config = saved[1:]
         fl.ROWS_MAX_K, layers.MERGE_IN_O_PROJ, fl.ROWS_TILE = lib, merge_o, tile0
-        pa.PRELOAD_FIRST_TILE = pre
     cols = [("model", "model"), ("rows", "rows"), ("floor_us", "weight floor µs")]
     for mode, *_ in modes:
         cols += [(f"{mode}_us", f"{mode} µs"), (f"{mode}_x_floor", "x floor"),

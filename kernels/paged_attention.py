@@ -50,13 +50,6 @@ from .validation import _check_tensor as _check_tensor
 from .validation import validate_kv_cache as validate_kv_cache
 
 _LOG2E = 1.4426950408889634
-# Decode and short verification tiles load their first key tile's K and V rows of
-# earlier steps before the programmatic-dependent-launch wait (the kernel's PRELOAD), in
-# grids of at most PRELOAD_PROGRAMS_PER_SM programs an SM: the tile held in registers
-# doubles a program's registers (sm_90, SmolLM2's heads: 97 -> 199), which would cut the
-# programs an SM of larger grids. Bench and tests set both.
-PRELOAD_FIRST_TILE = True
-PRELOAD_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
@@ -81,94 +74,6 @@ def _find_request(qsl_ptr, tile, num_reqs, num_tokens, BLOCK_Q: tl.constexpr):
         lo = tl.where(go_right, mid, lo)
         hi = tl.where(go_right, hi, mid - 1)
     return lo
-
-
-@triton.jit
-def _kv_tile(kv0, kv_hi, bt_row, num_blocks, k_head, v_head, offs_d, stride_kb, stride_kt,
-             stride_vb, stride_vt, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-             MASK: tl.constexpr):  # fmt: skip
-    """A key tile's addresses: (offs_n, K pointers [D, BLOCK_N], V pointers [BLOCK_N, D],
-    the keys that may be loaded). MASK: keys at or past kv_hi are not loaded (else the
-    caller guarantees there are none).
-
-    A block id outside [0, num_blocks) is never dereferenced: its keys load as zero
-    vectors (masked K and V loads), so they score 0 and add nothing to the output
-    beyond a share of the softmax denominator; a row whose visible keys are all such
-    gets zeros. Masking their scores to -inf instead (true "no key") needs the ids in
-    the scores' MMA layout, a shared-memory layout conversion per key tile: measured on
-    the H200 (Hq 32, Hkv 8, D 128, bf16) it cost 1.37-1.48x on decode and 1.21x on
-    prefill. This way costs a compare pair and a select per key plus masks on loads
-    whose layout already holds the ids: 0.96-1.04x (decode b64 ctx 4096 251 -> 258 us,
-    b8 41.4 -> 42.9 us, verify b32 q8 88.8 -> 87.1 us, prefill 2x4096 944 -> 905 us)."""
-    offs_n = kv0 + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < kv_hi
-    if MASK:
-        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0)
-    else:
-        blk = tl.load(bt_row + offs_n // BLOCK_SIZE)
-    blk_ok = (blk >= 0) & (blk < num_blocks)
-    # int64: block id * block stride exceeds 2^31 elements on large caches.
-    blk = tl.where(blk_ok, blk, 0).to(tl.int64)
-    in_blk = offs_n % BLOCK_SIZE
-    k_ptrs = k_head + blk[None, :] * stride_kb + in_blk[None, :] * stride_kt + offs_d[:, None]
-    v_ptrs = v_head + blk[:, None] * stride_vb + in_blk[:, None] * stride_vt + offs_d[None, :]
-    if MASK:
-        blk_ok = n_valid & blk_ok
-    return offs_n, k_ptrs, v_ptrs, blk_ok
-
-
-@triton.jit
-def _load_k(k_ptrs, ok, d_mask, USE_D: tl.constexpr):
-    """K [D, BLOCK_N] where ok (keys) and, with USE_D, d_mask (dims); zero elsewhere."""
-    if USE_D:
-        return tl.load(k_ptrs, mask=ok[None, :] & d_mask[:, None], other=0.0)
-    return tl.load(k_ptrs, mask=ok[None, :], other=0.0)
-
-
-@triton.jit
-def _load_v(v_ptrs, ok, d_mask, USE_D: tl.constexpr):
-    """V [BLOCK_N, D], as _load_k."""
-    if USE_D:
-        return tl.load(v_ptrs, mask=ok[:, None] & d_mask[None, :], other=0.0)
-    return tl.load(v_ptrs, mask=ok[:, None], other=0.0)
-
-
-@triton.jit
-def _tile_scores(q, k, m_i, l_i, offs_n, kv0, row_lo, row_hi, scale, qk_scale, softcap,
-                 USE_SOFTCAP: tl.constexpr, MASK: tl.constexpr, LO_MASK: tl.constexpr,
-                 LO_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """The online softmax over one key tile's scores: (m_new, l_i, p, alpha); the
-    caller adds p V to acc * alpha. Row r sees keys [row_lo[r], row_hi[r]): LO_MASK
-    compares each key with row_lo, LO_TILE (row_lo a multiple of BLOCK_N) each row's
-    row_lo with the tile's start kv0; neither: row_lo is 0. MASK False: every key of the
-    tile is visible to every row (the caller guarantees it), so no mask is built."""
-    s = tl.dot(q, k, input_precision=DOT_PRECISION)
-    if USE_SOFTCAP:
-        # softcap * tanh(x / softcap), tanh through exp; saturates to +-1, never NaN.
-        x = s * (scale / softcap)
-        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * 1.4426950408889634
-    else:
-        s = s * qk_scale
-    if MASK:
-        # row_hi <= kv_hi (the caller clamps it), so it also masks the ragged end.
-        hi = row_hi
-        if LO_TILE:
-            # Splits without a window: row_lo is a multiple of BLOCK_N, so a row sees
-            # all of this tile from kv0 up or none of it: one select a row, not a
-            # compare a score (SmolLM2's heads, batch 8, context 32768, 4 tokens:
-            # 89.6 -> 87.7 us; 84.6 before rows took their own splits).
-            hi = tl.where(row_lo <= kv0, row_hi, 0)
-        visible = offs_n[None, :] < hi[:, None]
-        if LO_MASK:
-            visible = visible & (offs_n[None, :] >= row_lo[:, None])
-        s = tl.where(visible, s, float("-inf"))
-
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    return m_new, l_i, p, alpha
 
 
 @triton.jit
@@ -203,17 +108,71 @@ def _attend_tile(
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One key tile of the online softmax (_kv_tile's addresses, _tile_scores' mask
-    flags); V loads after the scores."""
-    offs_n, k_ptrs, v_ptrs, ok = _kv_tile(kv0, kv_hi, bt_row, num_blocks, k_head, v_head,
-                                          offs_d, stride_kb, stride_kt, stride_vb, stride_vt,
-                                          BLOCK_SIZE, BLOCK_N, MASK)  # fmt: skip
-    use_d: tl.constexpr = MASK or not EVEN_D
-    k = _load_k(k_ptrs, ok, d_mask, use_d)
-    m_new, l_i, p, alpha = _tile_scores(q, k, m_i, l_i, offs_n, kv0, row_lo, row_hi, scale,
-                                        qk_scale, softcap, USE_SOFTCAP, MASK, LO_MASK,
-                                        LO_TILE, DOT_PRECISION)  # fmt: skip
-    v = _load_v(v_ptrs, ok, d_mask, use_d)
+    """One key tile of the online softmax. Row r sees keys [row_lo[r], row_hi[r]) below
+    kv_hi: LO_MASK compares each key with row_lo, LO_TILE (row_lo a multiple of BLOCK_N)
+    each row's row_lo with the tile's start; neither: row_lo is 0. MASK False: every key
+    of the tile is visible to every row (the caller guarantees it), so no mask is
+    built."""
+    offs_n = kv0 + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < kv_hi
+    if MASK:
+        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0)
+    else:
+        blk = tl.load(bt_row + offs_n // BLOCK_SIZE)
+    # A block id outside [0, num_blocks) is never dereferenced: its keys load as zero
+    # vectors (masked K and V loads), so they score 0 and add nothing to the output
+    # beyond a share of the softmax denominator; a row whose visible keys are all such
+    # gets zeros. Masking their scores to -inf instead (true "no key") needs the ids in
+    # the scores' MMA layout, a shared-memory layout conversion per key tile: measured on
+    # the H200 (Hq 32, Hkv 8, D 128, bf16) it cost 1.37-1.48x on decode and 1.21x on
+    # prefill. This way costs a compare pair and a select per key plus masks on loads
+    # whose layout already holds the ids: 0.96-1.04x (decode b64 ctx 4096 251 -> 258 us,
+    # b8 41.4 -> 42.9 us, verify b32 q8 88.8 -> 87.1 us, prefill 2x4096 944 -> 905 us).
+    blk_ok = (blk >= 0) & (blk < num_blocks)
+    # int64: block id * block stride exceeds 2^31 elements on large caches.
+    blk = tl.where(blk_ok, blk, 0).to(tl.int64)
+    in_blk = offs_n % BLOCK_SIZE
+    k_ptrs = k_head + blk[None, :] * stride_kb + in_blk[None, :] * stride_kt + offs_d[:, None]
+    v_ptrs = v_head + blk[:, None] * stride_vb + in_blk[:, None] * stride_vt + offs_d[None, :]
+    if MASK:
+        kv_ok = n_valid & blk_ok
+        k = tl.load(k_ptrs, mask=kv_ok[None, :] & d_mask[:, None], other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptrs, mask=blk_ok[None, :], other=0.0)
+    else:
+        k = tl.load(k_ptrs, mask=blk_ok[None, :] & d_mask[:, None], other=0.0)
+    s = tl.dot(q, k, input_precision=DOT_PRECISION)
+    if USE_SOFTCAP:
+        # softcap * tanh(x / softcap), tanh through exp; saturates to +-1, never NaN.
+        x = s * (scale / softcap)
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * 1.4426950408889634
+    else:
+        s = s * qk_scale
+    if MASK:
+        # row_hi <= kv_hi (the caller clamps it), so it also masks the ragged end.
+        hi = row_hi
+        if LO_TILE:
+            # Splits without a window: row_lo is a multiple of BLOCK_N, so a row sees
+            # all of this tile from kv0 up or none of it: one select a row, not a
+            # compare a score (SmolLM2's heads, batch 8, context 32768, 4 tokens:
+            # 89.6 -> 87.7 us; 84.6 before rows took their own splits).
+            hi = tl.where(row_lo <= kv0, row_hi, 0)
+        visible = offs_n[None, :] < hi[:, None]
+        if LO_MASK:
+            visible = visible & (offs_n[None, :] >= row_lo[:, None])
+        s = tl.where(visible, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASK:
+        v = tl.load(v_ptrs, mask=kv_ok[:, None] & d_mask[None, :], other=0.0)
+    elif EVEN_D:
+        v = tl.load(v_ptrs, mask=blk_ok[:, None], other=0.0)
+    else:
+        v = tl.load(v_ptrs, mask=blk_ok[:, None] & d_mask[None, :], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -279,7 +238,6 @@ def _paged_attention_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     GDC: tl.constexpr = False,
-    PRELOAD: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -335,6 +293,14 @@ def _paged_attention_kernel(
     rows = (local_q < BLOCK_Q) & (q_idx < q_len)
     tok = (q_start + q_idx).to(tl.int64)
     q_pos = ctx_len + q_idx
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=rows[:, None] & d_mask[None, :],
+        other=0.0,
+    )
 
     # The keys each row sees, [row_lo, row_hi) (see _key_range). Both ends grow with the
     # position, so the tile's range, the union of its rows', runs from its first token's
@@ -368,37 +334,6 @@ def _paged_attention_kernel(
         # row starts there.
         full_end = tl.maximum(kv_start + ((first_hi - kv_start) // BLOCK_N) * BLOCK_N, kv_start)
         full_end = tl.where(last_lo <= kv_start, full_end, kv_start)
-    lo_tile: tl.constexpr = NUM_SPLITS > 1 and not USE_WINDOW
-    if PRELOAD:
-        # The first key tile's K and V where earlier steps wrote them (keys below
-        # ctx_len: the block table and those rows are final before the wait, as the
-        # metadata is), loaded before the wait; this step's rows (at ctx_len and past,
-        # written by the kernel just before) after it. The tile is then attended as the
-        # masked loop would (full_end == kv_start: the launcher sets PRELOAD only for
-        # tiles of BLOCK_M < 64), the same values through the same arithmetic.
-        offs_n, k_ptrs, v_ptrs, ok = _kv_tile(kv_start, kv_hi, bt_row, num_blocks, k_head,
-                                              v_head, offs_d, stride_kb, stride_kt, stride_vb,
-                                              stride_vt, BLOCK_SIZE, BLOCK_N, True)  # fmt: skip
-        old = offs_n < ctx_len
-        k_old = _load_k(k_ptrs, ok & old, d_mask, True)
-        v_old = _load_v(v_ptrs, ok & old, d_mask, True)
-    if GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    q = tl.load(
-        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=rows[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-    masked_from = full_end
-    if PRELOAD:
-        k = tl.where(old[None, :], k_old, _load_k(k_ptrs, ok & ~old, d_mask, True))
-        v = tl.where(old[:, None], v_old, _load_v(v_ptrs, ok & ~old, d_mask, True))
-        m_i, l_i, p, alpha = _tile_scores(q, k, m_i, l_i, offs_n, kv_start, row_lo, row_hi,
-                                          scale, qk_scale, softcap, USE_SOFTCAP, True,
-                                          USE_WINDOW, lo_tile, DOT_PRECISION)  # fmt: skip
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        masked_from = kv_start + BLOCK_N
     for kv0 in range(kv_start, full_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q,
@@ -431,7 +366,7 @@ def _paged_attention_kernel(
             HEAD_DIM == HEAD_DIM_P,
             DOT_PRECISION,
         )
-    for kv0 in range(masked_from, kv_hi, BLOCK_N):
+    for kv0 in range(full_end, kv_hi, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q,
             m_i,
@@ -459,7 +394,7 @@ def _paged_attention_kernel(
             USE_SOFTCAP,
             True,
             USE_WINDOW,
-            lo_tile,
+            NUM_SPLITS > 1 and not USE_WINDOW,
             HEAD_DIM == HEAD_DIM_P,
             DOT_PRECISION,
         )
@@ -665,14 +600,6 @@ def choose_launch_config(
     return AttentionLaunchConfig(block_m, block_q, block_n, num_splits, num_warps, num_stages)
 
 
-def _preload(cfg: AttentionLaunchConfig, grid: tuple[int, int, int], sms: int) -> bool:
-    """Whether the launch loads its first key tile before the PDL wait (PRELOAD): tiles
-    below BLOCK_M 64 (no unmasked loop, so the first tile is the masked loop's first) in
-    a grid of at most PRELOAD_PROGRAMS_PER_SM programs an SM."""
-    programs = grid[0] * grid[1] * grid[2]
-    return PRELOAD_FIRST_TILE and cfg.block_m < 64 and programs <= PRELOAD_PROGRAMS_PER_SM * sms
-
-
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -830,7 +757,6 @@ def paged_attention_unmerged(
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         GDC=pdl,
-        PRELOAD=_preload(cfg, grid, num_sms(q.device)),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch_pdl,

@@ -321,56 +321,6 @@ def test_gpu_verified_rows_equal_decoded_rows_bitwise(heads, head_dim, q_len):
     assert not bad, bad
 
 
-def _preload_equal(device, dtype, monkeypatch, q_choices, num_splits, window, seed):
-    """The kernel with and without PRELOAD (the first key tile's earlier rows loaded
-    before the PDL wait, this step's rows after it): the same bits, NaN-poisoned outputs
-    written everywhere, and within the reference's tolerance."""
-    import importlib
-
-    pa_mod = importlib.import_module("specdraft.kernels.paged_attention")
-    rng = random.Random(seed)
-    q_lens, ctx = random_lens(5, q_choices, 200, rng)
-    q_lens[0], ctx[0] = 1, 0  # a request whose only key is its own token
-    ctx[1] = 63  # its own token opens a key tile
-    b = make_paged_batch(q_lens, ctx, num_q_heads=6, num_kv_heads=2, head_dim=64, dtype=dtype,
-                         device=device, pad_reqs=1, pad_tokens=2)  # fmt: skip
-    outs = []
-    monkeypatch.setattr(pa_mod, "PRELOAD_PROGRAMS_PER_SM", 1 << 20)  # any grid
-    for on in (False, True):
-        monkeypatch.setattr(pa_mod, "PRELOAD_FIRST_TILE", on)
-        outs.append(run_and_check(b, dtype, num_splits=num_splits, sliding_window=window))
-    assert torch.equal(outs[0], outs[1])
-
-
-def test_preload_only_for_short_tiles_in_small_grids(monkeypatch):
-    import importlib
-
-    pa_mod = importlib.import_module("specdraft.kernels.paged_attention")
-    decode = AttentionLaunchConfig(16, 5, 64, 8, 4, 2)
-    prefill = AttentionLaunchConfig(64, 16, 128, 1, 8, 2)
-    assert pa_mod._preload(decode, (2, 3, 8), 132)  # SmolLM2's heads at batch 1
-    assert not pa_mod._preload(decode, (128, 8, 1), 132)  # more than 2 programs an SM
-    assert pa_mod._preload(decode, (33, 8, 1), 132)  # 264: 2 an SM
-    assert not pa_mod._preload(prefill, (2, 3, 1), 132)  # its unmasked loop comes first
-    monkeypatch.setattr(pa_mod, "PRELOAD_FIRST_TILE", False)
-    assert not pa_mod._preload(decode, (2, 3, 8), 132)
-
-
-@pytest.mark.parametrize("num_splits, window", [(1, None), (4, None), (4, 37)])
-@pytest.mark.parametrize("q_choices", [[1], [1, 2, 3]], ids=["decode", "verify"])
-def test_preloaded_first_tile_changes_no_bit(device, monkeypatch, q_choices, num_splits, window):
-    _preload_equal(device, torch.float32, monkeypatch, q_choices, num_splits, window,
-                   num_splits + len(q_choices))  # fmt: skip
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_splits, window", [(1, None), (8, None), (8, 37)])
-@pytest.mark.parametrize("q_choices", [[1], [1, 2, 4]], ids=["decode", "verify"])
-def test_gpu_preloaded_first_tile_changes_no_bit(monkeypatch, q_choices, num_splits, window):
-    _preload_equal("cuda", torch.bfloat16, monkeypatch, q_choices, num_splits, window,
-                   num_splits + len(q_choices))  # fmt: skip
-
-
 # ---- launch configuration is a function of descriptor bounds only ------------------
 
 
