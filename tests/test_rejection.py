@@ -563,13 +563,17 @@ def _tile_variants(device: str) -> list:
     return tiles
 
 
-# The variants in this many groups, each its own test (a GPU compile is ~10 s a variant:
-# one test of all of them took 250 s, longer than any other process of the GPU suite).
+# On the GPU the variants run in this many groups, each its own test (a compile is ~10 s
+# a variant: one test of all of them took 250 s, longer than any other process of the GPU
+# suite); the interpreter, one process, takes them all in one (group None).
 TILE_GROUPS = 4
 
 
-@pytest.mark.parametrize("group", range(TILE_GROUPS))
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "device, group",
+    [pytest.param("cpu", None, marks=interp)]
+    + [pytest.param("cuda", g, marks=gpu) for g in range(TILE_GROUPS)],
+)
 def test_tiles_bit_equal_to_one_row_per_program(device, group):
     """Cut tiles of 4 and 64 rows and race tiles of 4 and 64 requests against one row
     and one request per program (ROW_TILES), on tiles that mix every mode: the rows of
@@ -579,7 +583,7 @@ def test_tiles_bit_equal_to_one_row_per_program(device, group):
     program. Thresholds, kept masses, race winners, tokens and counters are the same bit
     for bit; the kept sets are filtered_probs' and the tokens the reference's. The same
     tiles screened (only the rows a decision needs get a cut), and with the walk inside
-    the race programs: the same race winners, tokens and counters. Each group takes
+    the race programs: the same race winners, tokens and counters. A GPU group takes
     every TILE_GROUPS-th variant after ROW_TILES."""
     k, v = 2, 203
     kinds = [*MIXED, SP(1.0, top_k=1), SP(0.7, top_k=v + 5, top_p=0.8), SP(0.9, top_k=v)]
@@ -588,8 +592,9 @@ def test_tiles_bit_equal_to_one_row_per_program(device, group):
     pos[[2, 9]] = -1
     sampled = ~st.greedy & (pos >= 0)
     outs = []
-    every = _tile_variants(device)
-    tiles = every[:1] + every[1:][group::TILE_GROUPS]
+    tiles = _tile_variants(device)
+    if group is not None:
+        tiles = tiles[:1] + tiles[1:][group::TILE_GROUPS]
     for cfg in tiles:
         batch = Batch(logits.to(device), drafts.to(device), q.to(device), _on(st, device),
                       pos.to(device), cfg)  # fmt: skip
