@@ -195,6 +195,9 @@ def _embed_fc_kernel(
     if GDC:  # the ids and hidden rows are the kernels' before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    w1 = w1.to(tl.float32)  # after the wait, as in fused_linear's _rows_gemv
+    if KH2 > 0:
+        w2 = w2.to(tl.float32)
     rmask = rr < M
     if ADVANCE:
         t = _advance_token(a_tok, a_stride_tok, a_val, a_idx, a_stride_p, a_blocks, a_off, ri,

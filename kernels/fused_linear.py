@@ -71,11 +71,12 @@ ROWS_TILE: tuple[str, int, int] | None = None
 @triton.jit
 def _rows_w(w_ptr, nn, N, K, stride_w, BASE: tl.constexpr, KH: tl.constexpr, KL: tl.constexpr):
     """One K piece of W for the rows kernel: K offsets [1, 1, KH, KL] from BASE, their
-    mask, and W [BN, 1, KH, KL] as float32 (zero past N and K)."""
+    mask, and W [BN, 1, KH, KL] in its own dtype (zero past N and K). The caller converts
+    it after the PDL wait (see _rows_gemv)."""
     kk = BASE + tl.arange(0, KH)[None, None, :, None] * KL + tl.arange(0, KL)[None, None, None, :]
     km = kk < K
     w = tl.load(w_ptr + nn.to(tl.int64) * stride_w + kk, mask=(nn < N) & km, other=0.0)
-    return kk, km, w.to(tl.float32)
+    return kk, km, w
 
 
 @triton.jit
@@ -127,13 +128,16 @@ def _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
                KH1: tl.constexpr, KH2: tl.constexpr, KL: tl.constexpr, NORM: tl.constexpr,
                GLU: tl.constexpr, GDC: tl.constexpr, sp_out_ptr, sp_lse_ptr, qsl_ptr, num_reqs,
                MERGE: tl.constexpr, NQH: tl.constexpr, HD: tl.constexpr, NSPLIT: tl.constexpr,
-               PART_MAX: tl.constexpr):  # fmt: skip
+               PART_MAX: tl.constexpr, r_ptr, stride_r, rows, cols, omask,
+               RES: tl.constexpr):  # fmt: skip
     """The rows kernel's product over tiles [BN, R, KH, KL]: W (and with GLU the up
     rows, N rows further) loaded, the norm weight folded in, then the wait (GDC), then
-    x; returns (acc, acc_up) [BN, R] float32, with RMSNorm's row scale applied (acc_up
-    is acc without GLU). MERGE: x merged from split attention partials (_rows_x_merged:
-    the partials' outputs and lses, query_start_loc, num_reqs; Hq NQH, head_dim HD,
-    NSPLIT splits)."""
+    x and (RES) the residual's [BN, R] block at (rows, cols); returns (acc, acc_up, res)
+    float32, acc and acc_up [BN, R] with RMSNorm's row scale applied (acc_up is acc
+    without GLU; res 0.0 without RES). MERGE: x merged from split attention partials
+    (_rows_x_merged: the partials' outputs and lses, query_start_loc, num_reqs; Hq NQH,
+    head_dim HD, NSPLIT splits). The residual is loaded beside x, right after the wait:
+    loaded after the sums, its L2 round trip came after them in the launch's chain."""
     k1, km1, w1 = _rows_w(w_ptr, nn, N, K, stride_w, 0, KH1, KL)
     if GLU:
         _, _, u1 = _rows_w(w_ptr + N * stride_w, nn, N, K, stride_w, 0, KH1, KL)
@@ -141,19 +145,35 @@ def _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
         k2, km2, w2 = _rows_w(w_ptr, nn, N, K, stride_w, KH1 * KL, KH2, KL)
         if GLU:
             _, _, u2 = _rows_w(w_ptr + N * stride_w, nn, N, K, stride_w, KH1 * KL, KH2, KL)
-    if NORM:  # fold the norm weight into W (exact for bf16 / fp16: a 16-bit product)
-        g1 = tl.load(g_ptr + k1 + nn * 0, mask=km1 & (nn * 0 == 0), other=0.0)  # W's layout
-        w1 = w1 * g1.to(tl.float32)
-        if GLU:
-            u1 = u1 * g1.to(tl.float32)
+    if NORM:  # W's layout
+        g1 = tl.load(g_ptr + k1 + nn * 0, mask=km1 & (nn * 0 == 0), other=0.0)
         if KH2 > 0:
             g2 = tl.load(g_ptr + k2 + nn * 0, mask=km2 & (nn * 0 == 0), other=0.0)
-            w2 = w2 * g2.to(tl.float32)
-            if GLU:
-                u2 = u2 * g2.to(tl.float32)
     if GDC:  # weights are in flight; now wait for the kernel that wrote x
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    res = 0.0
+    if RES:
+        res = tl.load(r_ptr + rows * stride_r + cols, mask=omask, other=0.0).to(tl.float32)
+    # W to float32 and the norm weight folded in (exact for bf16 / fp16: a 16-bit
+    # product) only now. Written before the wait, these wait for W's loads, and ptxas
+    # kept them between griddepcontrol.wait and launch_dependents (sm_90 SASS), so the
+    # next launch could start only once this one's weights had arrived.
+    w1 = w1.to(tl.float32)
+    if GLU:
+        u1 = u1.to(tl.float32)
+    if NORM:
+        w1 = w1 * g1.to(tl.float32)
+        if GLU:
+            u1 = u1 * g1.to(tl.float32)
+    if KH2 > 0:
+        w2 = w2.to(tl.float32)
+        if GLU:
+            u2 = u2.to(tl.float32)
+        if NORM:
+            w2 = w2 * g2.to(tl.float32)
+            if GLU:
+                u2 = u2 * g2.to(tl.float32)
     if MERGE:
         x1 = _rows_x_merged(x_ptr, rr, nn, M, sp_out_ptr, sp_lse_ptr, qsl_ptr, num_reqs, 0,
                             KH1, KL, NQH, HD, NSPLIT, PART_MAX)  # fmt: skip
@@ -185,7 +205,7 @@ def _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
         acc = acc * rstd
         if GLU:
             acc_u = acc_u * rstd
-    return acc, acc_u
+    return acc, acc_u, res
 
 
 @triton.jit
@@ -218,16 +238,15 @@ def _fused_rows_kernel(
     split attention's output, merged from its partials on the way in (fused_linear's
     x_splits)."""
     rr, nn, rows, cols, omask = _rows_program(M, N, BLOCK_N, ROWS)
-    bias, bias_u, res = 0.0, 0.0, 0.0
+    bias, bias_u = 0.0, 0.0
     if HAS_BIAS:  # before the wait, with the weights
         bias = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
         if GLU:
             bias_u = tl.load(b_ptr + N + cols, mask=cols < N, other=0.0).to(tl.float32)
-    acc, acc_u = _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
-                            KH1, KH2, KL, NORM, GLU, GDC, sp_out_ptr, sp_lse_ptr, qsl_ptr,
-                            num_reqs, MERGE, NQH, HD, NSPLIT, PART_MAX)  # fmt: skip
-    if RES:
-        res = tl.load(r_ptr + rows * stride_r + cols, mask=omask, other=0.0).to(tl.float32)
+    acc, acc_u, res = _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x,
+                                 stride_w, KH1, KH2, KL, NORM, GLU, GDC, sp_out_ptr, sp_lse_ptr,
+                                 qsl_ptr, num_reqs, MERGE, NQH, HD, NSPLIT, PART_MAX, r_ptr,
+                                 stride_r, rows, cols, omask, RES)  # fmt: skip
     acc = _epilogue(acc, acc_u, bias, bias_u, res, HAS_BIAS, GLU, RES)
     tl.store(out_ptr + rows * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=omask)
 
@@ -267,9 +286,9 @@ def _fused_qkv_rope_kernel(
         )  # fmt: skip
     if HAS_BIAS:
         bias = tl.load(b_ptr + col[:, None], mask=col[:, None] < N, other=0.0).to(tl.float32)
-    acc, _ = _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
-                        KH1, KH2, KL, NORM, False, GDC, x_ptr, x_ptr, x_ptr, 0, False, 1, 1, 1,
-                        1.0)  # fmt: skip
+    acc, _, _ = _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
+                           KH1, KH2, KL, NORM, False, GDC, x_ptr, x_ptr, x_ptr, 0, False, 1, 1,
+                           1, 1.0, x_ptr, 0, rows, jp, rows < M, False)  # fmt: skip
     if LATE_META:
         head, d, live, rot, cos, sin, slot = _rope_meta(
             jp, rows, M, pos_ptr, slot_ptr, cs_ptr, max_positions, stride_cs, HALF,

@@ -430,8 +430,8 @@ def _merge_splits(part_out_ptr, part_lse_ptr, row, d, ok, split_rows, HEAD_DIM_P
     With consistent metadata every split wrote a finite or -inf lse and a bounded
     partial. A token no request covers (only with an inconsistent query_start_loc: rows
     before its first entry, or skipped by a decreasing one) holds whatever the allocator
-    left: NaN / +inf lse count as empty splits, and partials are read only for splits
-    that count, zeroed where NaN and clamped to +-PART_MAX, so the merged value is
+    left: NaN / +inf lse count as empty splits, and partials count only for splits that
+    count, zeroed where NaN and clamped to +-PART_MAX, so the merged value is
     finite (garbage, but finite)."""
     lse_max = tl.full(row.shape, float("-inf"), tl.float32)
     for s in tl.static_range(NUM_SPLITS):
@@ -445,9 +445,12 @@ def _merge_splits(part_out_ptr, part_lse_ptr, row, d, ok, split_rows, HEAD_DIM_P
         lse = tl.load(part_lse_ptr + s * split_rows + row, mask=ok, other=float("-inf"))
         lse = tl.where((lse == lse) & (lse < float("inf")), lse, float("-inf"))
         w = tl.exp2(lse - lse_max)
-        part = tl.load(part_out_ptr + (s * split_rows + row) * HEAD_DIM_P + d,
-                       mask=ok & (w > 0.0), other=0.0)  # fmt: skip
-        part = tl.where(part == part, part, 0.0)
+        # Loaded whatever w is, then selected: a load masked by w waited for the lse
+        # loads, one more L2 round trip in the chain (the buffer holds every split's
+        # rows, so the read stays inside it).
+        part = tl.load(part_out_ptr + (s * split_rows + row) * HEAD_DIM_P + d, mask=ok,
+                       other=0.0)  # fmt: skip
+        part = tl.where((w > 0.0) & (part == part), part, 0.0)
         part = tl.minimum(tl.maximum(part, -PART_MAX), PART_MAX)
         num += w * part
         den += w
@@ -475,13 +478,17 @@ def _combine_splits_kernel(
     # partials and `out` whatever the metadata says.
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    # query_start_loc before the wait: metadata, final once the attention launch before
+    # this one has started (see _paged_attention_kernel), so its L2 round trip leaves
+    # the chain after the wait.
+    tokens_end = _load_qsl(qsl_ptr, num_reqs, num_tokens)
     if GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     offs_d = tl.arange(0, HEAD_DIM_P)
     d_mask = offs_d < HEAD_DIM
     o_ptrs = out_ptr + tok * stride_ot + head * stride_oh + offs_d
-    if tok >= _load_qsl(qsl_ptr, num_reqs, num_tokens):
+    if tok >= tokens_end:
         # Padded token: no request owns it, and no partial was written for it.
         tl.store(o_ptrs, tl.zeros([HEAD_DIM_P], dtype=out_ptr.dtype.element_ty), mask=d_mask)
         return
