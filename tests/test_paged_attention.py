@@ -449,6 +449,27 @@ def test_combine_splits_takes_only_attention_splits(device):
     assert torch.equal(out, ref)
 
 
+def test_combine_ignores_partials_of_empty_splits(device):
+    """The merge loads every split's partial together with its lse (no load waits for an
+    lse) and keeps only the splits that hold keys: NaN, infinite or huge values in an
+    empty split's partial change no bit of the merged output (_merge_splits' select and
+    clamp; without both the NaN leaks)."""
+    b = _good(device)
+    out, splits = kernels.paged_attention_unmerged(
+        b.q, b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens, b.block_table, 0.125,
+        num_splits=4,
+    )  # fmt: skip
+    tokens = int(b.query_start_loc[-1])
+    empty = splits.part_lse[:, :tokens] == float("-inf")  # [splits, tokens, heads]
+    assert empty.any() and (~empty).any(), "the batch must leave some splits empty"
+    want = kernels.combine_splits(splits).clone()
+    for poison in (float("nan"), float("inf"), float("-inf"), 1e30, -1e30):
+        part = splits.part_out[:, :tokens]
+        part[empty] = poison
+        out.fill_(7.0)
+        assert torch.equal(kernels.combine_splits(splits), want), poison
+
+
 # ---- GPU: bf16, large shapes, > 2^31-element cache, CUDA-graph replay --------------
 
 
