@@ -13,7 +13,14 @@ spills), its most frequent opcodes and the instructions in each of its loops: a
 device-free look at a kernel's cost. --decode
 also compiles the fused decode path's launches with programmatic dependent launch (and
 `--cases` with no value skips the sampler). Run it in
-a process of its own: it replaces Triton's active driver."""
+a process of its own: it replaces Triton's active driver.
+
+SASS figures are the installed Triton's. For a figure that is to guide a change on the
+device, compile with the device's version (triton 3.6 on the lent H100 / H200): another
+version can lay the same source out differently (stop 54: the rows kernels compiled to
+21-61 bar.sync with triton 3.9 and to one with 3.6). A CPU machine can hold it beside its
+own: `pip download --no-deps triton==3.6.0`, `pip install --no-deps --target DIR` on the
+wheel, then run this module with `PYTHONPATH=DIR:.`."""
 
 from __future__ import annotations
 
