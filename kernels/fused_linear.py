@@ -17,19 +17,22 @@ around the GEMM folded in, all in float32 and the output rounded once:
 
 Two kernels. The rows kernel (K <= ROWS_MAX_K, no SILU) runs a program's rows all at
 once over [columns, rows, K runs, K lanes] tiles: K lies along the 32 lanes of a warp,
-and a row's sums do not depend on the row count. Triton gives the warps to the K runs
-first, so the sums over the runs cross warps (sm_90: 21-505 bar.sync a launch). The
-order [K runs, rows, columns, K lanes] compiles to one barrier and 30-68% fewer
-instructions, yet ran 3.3x slower on the H200 (SmolLM2's step 1151 against 348 µs at one
-row, stop 51): instruction and barrier counts do not predict this kernel. The wide kernel
-(larger K, or SILU, whose product it forms once a program) spreads K over all of a
-program's warps and runs its rows one after another, two block-wide reductions a row,
-ROWS rows a program (the grid's second axis covers the rest). H200, SmolLM2-135M decode
-step under a graph (stop 27, bench.decode_step): rows kernel 390 / 470 / 562 / 677 µs at
-1 / 2 / 4 / 8 rows against 416 / 489 / 601 / 771 with the wide kernel for every
-projection. A tensor-core variant (x padded to 16 rows, K in pipelined chunks) measured
-2.6x slower than the wide kernel at 4 rows (stop 26); it waited before loading its
-weights and ran its K loop chunk after chunk.
+and a row's sums do not depend on the row count. Where the warps go is the compiler's:
+triton 3.6, the lent GPUs' version, puts them on the columns and rows, so every sum
+stays inside a warp (one bar.sync a launch, for the output's store; offline sm_90 SASS
+at 1 and 4 rows), where triton 3.9 gives them to the K runs and sums across warps
+(21-265 bar.sync). The order [K runs, rows, columns, K lanes] ran 3.3x slower on the
+H200 (SmolLM2's step 1151 against 348 µs at one row, stop 51), and summing K's lanes
+before its runs 1.2x slower on an H100 (stop 54: a butterfly a run, a dependent shuffle
+chain three times as long). The wide kernel (larger K, or SILU, whose product it forms
+once a program) spreads K over all of a program's warps and runs its rows one after
+another, two block-wide reductions a row, ROWS rows a program (the grid's second axis
+covers the rest). H200, SmolLM2-135M decode step under a graph (stop 27,
+bench.decode_step): rows kernel 390 / 470 / 562 / 677 µs at 1 / 2 / 4 / 8 rows against
+416 / 489 / 601 / 771 with the wide kernel for every projection. A tensor-core variant
+(x padded to 16 rows, K in pipelined chunks) measured 2.6x slower than the wide kernel
+at 4 rows (stop 26); it waited before loading its weights and ran its K loop chunk after
+chunk.
 
 GDC (programmatic dependent launch, Hopper and later): the program loads its weights,
 which no kernel writes, then waits for the previous kernel in the stream to finish
@@ -112,8 +115,8 @@ def _rows_x_merged(x_ptr, rr, nn, M, sp_out_ptr, sp_lse_ptr, qsl_ptr, num_reqs,
 
 @triton.jit
 def _rows_part(w, x):
-    """The partial sums of w * x over the K runs: [BN, R, KL] (the runs lie across warps
-    where K has several, so this sum goes through shared memory)."""
+    """The partial sums of w * x over the K runs: [BN, R, KL] (inside each thread where
+    the compiler keeps a thread's runs in its registers, as triton 3.6 does)."""
     return tl.sum(w * x, axis=2)
 
 
@@ -231,12 +234,12 @@ def _fused_rows_kernel(
     sp_out_ptr, sp_lse_ptr, qsl_ptr, num_reqs, MERGE: tl.constexpr, NQH: tl.constexpr,
     HD: tl.constexpr, NSPLIT: tl.constexpr, PART_MAX: tl.constexpr,
 ):  # fmt: skip
-    """All ROWS rows of a program at once over tiles [BLOCK_N, ROWS, KH, KL]: K (KH1 +
-    KH2 pieces of KL) runs along the lanes of a warp and its runs across the warps, and
-    each row costs its loads and arithmetic but no latency step of its own. GLU: W holds
-    [gate; up] (2N rows) and the output is silu(x W_gate^T) * (x W_up^T). MERGE: x is
-    split attention's output, merged from its partials on the way in (fused_linear's
-    x_splits)."""
+    """All ROWS rows of a program at once over tiles [BLOCK_N, ROWS, KH, KL]: K (KH1 + KH2
+    pieces of KL) runs along the lanes of a warp, its runs in each thread (triton 3.6; see
+    the module docstring), and each row costs its loads and arithmetic but no latency step
+    of its own. GLU: W holds [gate; up] (2N rows) and the output is silu(x W_gate^T) * (x
+    W_up^T). MERGE: x is split attention's output, merged from its partials on the way in
+    (fused_linear's x_splits)."""
     rr, nn, rows, cols, omask = _rows_program(M, N, BLOCK_N, ROWS)
     bias, bias_u = 0.0, 0.0
     if HAS_BIAS:  # before the wait, with the weights
