@@ -133,14 +133,15 @@ def _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
                MERGE: tl.constexpr, NQH: tl.constexpr, HD: tl.constexpr, NSPLIT: tl.constexpr,
                PART_MAX: tl.constexpr, r_ptr, stride_r, rows, cols, omask,
                RES: tl.constexpr):  # fmt: skip
-    """The rows kernel's product over tiles [BN, R, KH, KL]: W (and with GLU the up
-    rows, N rows further) loaded, the norm weight folded in, then the wait (GDC), then
-    x and (RES) the residual's [BN, R] block at (rows, cols); returns (acc, acc_up, res)
-    float32, acc and acc_up [BN, R] with RMSNorm's row scale applied (acc_up is acc
-    without GLU; res 0.0 without RES). MERGE: x merged from split attention partials
-    (_rows_x_merged: the partials' outputs and lses, query_start_loc, num_reqs; Hq NQH,
-    head_dim HD, NSPLIT splits). The residual is loaded beside x, right after the wait:
-    loaded after the sums, its L2 round trip came after them in the launch's chain."""
+    """The rows kernel's product over tiles [BN, R, KH, KL]: W (and with GLU the up rows, N
+    rows further) and the norm weight loaded, then the wait (GDC), then x and (RES) the
+    residual's [BN, R] block at (rows, cols), W taken to float32 with the norm weight folded
+    in; returns (acc, acc_up, res) float32, acc and acc_up [BN, R] with RMSNorm's row scale
+    applied (acc_up is acc without GLU; res 0.0 without RES). MERGE: x merged from split
+    attention partials (_rows_x_merged: the partials' outputs and lses, query_start_loc,
+    num_reqs; Hq NQH, head_dim HD, NSPLIT splits). The residual is loaded beside x, right
+    after the wait: loaded after the sums, its L2 round trip came after them in the launch's
+    chain."""
     k1, km1, w1 = _rows_w(w_ptr, nn, N, K, stride_w, 0, KH1, KL)
     if GLU:
         _, _, u1 = _rows_w(w_ptr + N * stride_w, nn, N, K, stride_w, 0, KH1, KL)
@@ -159,9 +160,10 @@ def _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
     if RES:
         res = tl.load(r_ptr + rows * stride_r + cols, mask=omask, other=0.0).to(tl.float32)
     # W to float32 and the norm weight folded in (exact for bf16 / fp16: a 16-bit
-    # product) only now. Written before the wait, these wait for W's loads, and ptxas
-    # kept them between griddepcontrol.wait and launch_dependents (sm_90 SASS), so the
-    # next launch could start only once this one's weights had arrived.
+    # product) only now. Written before the wait, these instructions (which wait for W's
+    # loads) were placed by ptxas between griddepcontrol.wait and launch_dependents: 165
+    # of them in the gate/up launch (triton 3.6 SASS), 73 written here. H100, SmolLM2's
+    # step 368.5 -> 366.5 µs (bench/NOTES.md, stop 54).
     w1 = w1.to(tl.float32)
     if GLU:
         u1 = u1.to(tl.float32)
