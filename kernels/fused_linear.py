@@ -293,7 +293,7 @@ def _fused_qkv_rope_kernel(
         bias = tl.load(b_ptr + col[:, None], mask=col[:, None] < N, other=0.0).to(tl.float32)
     acc, _, _ = _rows_gemv(x_ptr, w_ptr, g_ptr, nn, rr, M, N, K, eps, stride_x, stride_w,
                            KH1, KH2, KL, NORM, False, GDC, x_ptr, x_ptr, x_ptr, 0, False, 1, 1,
-                           1, 1.0, x_ptr, 0, rows, jp, rows < M, False)  # fmt: skip
+                           1, 1.0, x_ptr, 0, 0, 0, False, False)  # fmt: skip
     if LATE_META:
         head, d, live, rot, cos, sin, slot = _rope_meta(
             jp, rows, M, pos_ptr, slot_ptr, cs_ptr, max_positions, stride_cs, HALF,
