@@ -10,7 +10,8 @@ that many rows of x to a program, each with its ratio to the weight-read floor (
 bytes / the read bandwidth measured in the same run). The fused columns force the path
 for every row count timed up to fused_linear's 64 (tensor-core kernels past 8 rows; the
 library takes it up to each model's kernels.max_fused_rows: 4 to 8, or 32). `--splits`
-adds columns with the attention split count forced, `--stages` with its pipeline depth;
+adds columns with the attention split count forced, `--stages` with its pipeline depth,
+`--attn` with its key tile, splits, warps and stages;
 `--chain` also times SmolLM2's projections alone (projection_chain.md), `--mma-tiles`
 with tensor-core tile variants; `--merge-in-o` adds the fused path with split attention
 merged by the O projection on its loads (specdraft.layers.MERGE_IN_O_PROJ) instead of a
@@ -20,8 +21,8 @@ ROWS_TILE).
 Launches per step come from the profiler, after every timing.
 
     python -m bench.decode_step [--out results] [--rows 1,2,4,8,32] [--ctx 256]
-        [--max-model-len 1024] [--rpp 1,2,4] [--splits 1,8,16] [--stages 2,3] [--chain]
-        [--merge-in-o] [--rows-tiles whole/8/4,whole/2/1]
+        [--max-model-len 1024] [--rpp 1,2,4] [--splits 1,8,16] [--stages 2,3]
+        [--attn 256/1/8/2] [--chain] [--merge-in-o] [--rows-tiles whole/8/4,whole/2/1]
 """
 
 from __future__ import annotations
@@ -100,10 +101,11 @@ def _launches(step) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
-def _forced_attention(choose, what: tuple[str, int]):
+def _forced_attention(choose, what: tuple):
     """choose_launch_config with its split count ("splits": the launcher passes
-    num_splits=None explicitly, so a partial's keyword would be overridden) or its
-    pipeline depth ("stages") fixed."""
+    num_splits=None explicitly, so a partial's keyword would be overridden), its
+    pipeline depth ("stages") or its key tile, splits, warps, stages and optionally its
+    prefetch ("attn", a 4- or 5-tuple) fixed."""
     from dataclasses import replace
 
     field, value = what
@@ -112,6 +114,10 @@ def _forced_attention(choose, what: tuple[str, int]):
         if field == "splits":
             kw["num_splits"] = value
             return choose(**kw)
+        if field == "attn":
+            n, s, w, st, *ahead = value
+            return replace(choose(**kw), block_n=n, num_splits=s, num_warps=w, num_stages=st,
+                           prefetch=bool(ahead and ahead[0]))  # fmt: skip
         return replace(choose(**kw), num_stages=value)
 
     return forced
@@ -225,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--splits", default="", help="also fused with these attention splits")
     ap.add_argument("--stages", default="",
                     help="also fused with attention's pipeline at these depths")  # fmt: skip
+    ap.add_argument("--attn", default="",
+                    help="also fused with attention's key tile / splits / warps / stages "
+                    "[/ 1: prefetch] forced, e.g. 128/1/4/3,128/1/4/2/1")  # fmt: skip
     ap.add_argument("--rows-tiles", default="",
                     help="also fused with the rows kernel's ROWS_TILE set: layout/columns/warps "
                     "items, e.g. whole/8/4,whole/2/1")  # fmt: skip
@@ -271,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
               for n in args.splits.split(",") if n]  # fmt: skip
     modes += [(f"fused_stages{n}", True, None, ("stages", int(n)), lib, merge_o, tile0)
               for n in args.stages.split(",") if n]  # fmt: skip
+    modes += [(f"fused_attn{a.replace('/', '_')}", True, None,
+               ("attn", tuple(int(v) for v in a.split("/"))), lib, merge_o, tile0)
+              for a in args.attn.split(",") if a]  # fmt: skip
     modes += [(f"fused_tile_{t[0]}{t[1]}w{t[2]}", True, None, None, lib, merge_o, t)
               for t in rows_tiles_arg(args.rows_tiles)]  # fmt: skip
     if args.merge_in_o:

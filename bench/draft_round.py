@@ -560,6 +560,11 @@ def main(argv: list[str] | None = None) -> int:
         "(specdraft.kernels.linear_int8.ACT_INT8)",
     )  # fmt: skip
     ap.add_argument(
+        "--attn", default="",
+        help="attention's key tile / splits / warps / stages [/ 1: prefetch] forced for every "
+        "launch of the run, the SmolLM2 step's too (an experiment), e.g. 128/1/4/2/1",
+    )  # fmt: skip
+    ap.add_argument(
         "--kernels", action="store_true",
         help="also each round graph's kernels, timed under torch.profiler (last: it slows "
         "later launches)",
@@ -587,6 +592,13 @@ def main(argv: list[str] | None = None) -> int:
     copy_bw = copy_bandwidth_tbps()["best"]
     env["copy_tbps"] = copy_bw
     env["merge_in_o"], env["act_int8"] = layers.MERGE_IN_O_PROJ, li.ACT_INT8
+    if args.attn:
+        from bench.decode_step import _forced_attention
+
+        pa = importlib.import_module("specdraft.kernels.paged_attention")
+        forced = tuple(int(v) for v in args.attn.split("/"))
+        pa.choose_launch_config = _forced_attention(pa.choose_launch_config, ("attn", forced))
+        env["attn_forced"] = args.attn
     print(f"{env['gpu']}: copy {copy_bw:.2f} TB/s; torch {env['torch']}", flush=True)
     ks = [int(x) for x in args.ks.split(",")]
     room = (args.iters * 8 + 64) * (max(ks) + 1)

@@ -77,6 +77,95 @@ def _find_request(qsl_ptr, tile, num_reqs, num_tokens, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _tile_ids(bt_row, kv0, kv_hi, num_blocks, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+              MASK: tl.constexpr):  # fmt: skip
+    """The key tile at kv0's block ids (int64, an id outside [0, num_blocks) replaced by
+    0), whether each was in range, and which keys lie below kv_hi."""
+    offs_n = kv0 + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < kv_hi
+    if MASK:
+        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0)
+    else:
+        blk = tl.load(bt_row + offs_n // BLOCK_SIZE)
+    # A block id outside [0, num_blocks) is never dereferenced: its keys load as zero
+    # vectors (masked K and V loads), so they score 0 and add nothing to the output
+    # beyond a share of the softmax denominator; a row whose visible keys are all such
+    # gets zeros. Masking their scores to -inf instead (true "no key") needs the ids in
+    # the scores' MMA layout, a shared-memory layout conversion per key tile: measured on
+    # the H200 (Hq 32, Hkv 8, D 128, bf16) it cost 1.37-1.48x on decode and 1.21x on
+    # prefill. This way costs a compare pair and a select per key plus masks on loads
+    # whose layout already holds the ids: 0.96-1.04x (decode b64 ctx 4096 251 -> 258 us,
+    # b8 41.4 -> 42.9 us, verify b32 q8 88.8 -> 87.1 us, prefill 2x4096 944 -> 905 us).
+    blk_ok = (blk >= 0) & (blk < num_blocks)
+    # int64: block id * block stride exceeds 2^31 elements on large caches.
+    return tl.where(blk_ok, blk, 0).to(tl.int64), blk_ok, n_valid
+
+
+@triton.jit
+def _tile_kv(head_ptr, kv0, blk, blk_ok, n_valid, offs_d, d_mask, stride_b, stride_t,
+             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+             EVEN_D: tl.constexpr, TRANS: tl.constexpr):  # fmt: skip
+    """The key tile at kv0 of one cache (K or V) for one KV head: [HEAD_DIM_P, BLOCK_N]
+    with TRANS (keys, as the scores' dot takes them), else [BLOCK_N, HEAD_DIM_P]; keys
+    of out-of-range blocks (and with MASK, keys at or past kv_hi) are zeros."""
+    in_blk = (kv0 + tl.arange(0, BLOCK_N)) % BLOCK_SIZE
+    ok = blk_ok
+    if MASK:
+        ok = n_valid & blk_ok
+    if TRANS:
+        ptrs = head_ptr + blk[None, :] * stride_b + in_blk[None, :] * stride_t + offs_d[:, None]
+        mask = ok[None, :]
+        if MASK or not EVEN_D:
+            mask = mask & d_mask[:, None]
+    else:
+        ptrs = head_ptr + blk[:, None] * stride_b + in_blk[:, None] * stride_t + offs_d[None, :]
+        mask = ok[:, None]
+        if MASK or not EVEN_D:
+            mask = mask & d_mask[None, :]
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _tile_scores(q, k, m_i, l_i, kv0, row_lo, row_hi, scale, qk_scale, softcap,
+                 BLOCK_N: tl.constexpr, USE_SOFTCAP: tl.constexpr, MASK: tl.constexpr,
+                 LO_MASK: tl.constexpr, LO_TILE: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """The online softmax's step over one key tile's scores: (the new running max, the
+    new running sum, the tile's probabilities p, the old terms' factor alpha). Row r
+    sees keys [row_lo[r], row_hi[r]): LO_MASK compares each key with row_lo, LO_TILE
+    (row_lo a multiple of BLOCK_N) each row's row_lo with the tile's start; neither:
+    row_lo is 0. MASK False: every key of the tile is visible to every row (the caller
+    guarantees it), so no mask is built."""
+    s = tl.dot(q, k, input_precision=DOT_PRECISION)
+    if USE_SOFTCAP:
+        # softcap * tanh(x / softcap), tanh through exp; saturates to +-1, never NaN.
+        x = s * (scale / softcap)
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * 1.4426950408889634
+    else:
+        s = s * qk_scale
+    if MASK:
+        offs_n = kv0 + tl.arange(0, BLOCK_N)
+        # row_hi <= kv_hi (the caller clamps it), so it also masks the ragged end.
+        hi = row_hi
+        if LO_TILE:
+            # Splits without a window: row_lo is a multiple of BLOCK_N, so a row sees
+            # all of this tile from kv0 up or none of it: one select a row, not a
+            # compare a score (SmolLM2's heads, batch 8, context 32768, 4 tokens:
+            # 89.6 -> 87.7 us; 84.6 before rows took their own splits).
+            hi = tl.where(row_lo <= kv0, row_hi, 0)
+        visible = offs_n[None, :] < hi[:, None]
+        if LO_MASK:
+            visible = visible & (offs_n[None, :] >= row_lo[:, None])
+        s = tl.where(visible, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return m_new, l_i * alpha + tl.sum(p, 1), p, alpha
+
+
+@triton.jit
 def _attend_tile(
     q,
     m_i,
@@ -108,73 +197,57 @@ def _attend_tile(
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One key tile of the online softmax. Row r sees keys [row_lo[r], row_hi[r]) below
-    kv_hi: LO_MASK compares each key with row_lo, LO_TILE (row_lo a multiple of BLOCK_N)
-    each row's row_lo with the tile's start; neither: row_lo is 0. MASK False: every key
-    of the tile is visible to every row (the caller guarantees it), so no mask is
-    built."""
-    offs_n = kv0 + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < kv_hi
-    if MASK:
-        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0)
-    else:
-        blk = tl.load(bt_row + offs_n // BLOCK_SIZE)
-    # A block id outside [0, num_blocks) is never dereferenced: its keys load as zero
-    # vectors (masked K and V loads), so they score 0 and add nothing to the output
-    # beyond a share of the softmax denominator; a row whose visible keys are all such
-    # gets zeros. Masking their scores to -inf instead (true "no key") needs the ids in
-    # the scores' MMA layout, a shared-memory layout conversion per key tile: measured on
-    # the H200 (Hq 32, Hkv 8, D 128, bf16) it cost 1.37-1.48x on decode and 1.21x on
-    # prefill. This way costs a compare pair and a select per key plus masks on loads
-    # whose layout already holds the ids: 0.96-1.04x (decode b64 ctx 4096 251 -> 258 us,
-    # b8 41.4 -> 42.9 us, verify b32 q8 88.8 -> 87.1 us, prefill 2x4096 944 -> 905 us).
-    blk_ok = (blk >= 0) & (blk < num_blocks)
-    # int64: block id * block stride exceeds 2^31 elements on large caches.
-    blk = tl.where(blk_ok, blk, 0).to(tl.int64)
-    in_blk = offs_n % BLOCK_SIZE
-    k_ptrs = k_head + blk[None, :] * stride_kb + in_blk[None, :] * stride_kt + offs_d[:, None]
-    v_ptrs = v_head + blk[:, None] * stride_vb + in_blk[:, None] * stride_vt + offs_d[None, :]
-    if MASK:
-        kv_ok = n_valid & blk_ok
-        k = tl.load(k_ptrs, mask=kv_ok[None, :] & d_mask[:, None], other=0.0)
-    elif EVEN_D:
-        k = tl.load(k_ptrs, mask=blk_ok[None, :], other=0.0)
-    else:
-        k = tl.load(k_ptrs, mask=blk_ok[None, :] & d_mask[:, None], other=0.0)
-    s = tl.dot(q, k, input_precision=DOT_PRECISION)
-    if USE_SOFTCAP:
-        # softcap * tanh(x / softcap), tanh through exp; saturates to +-1, never NaN.
-        x = s * (scale / softcap)
-        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * 1.4426950408889634
-    else:
-        s = s * qk_scale
-    if MASK:
-        # row_hi <= kv_hi (the caller clamps it), so it also masks the ragged end.
-        hi = row_hi
-        if LO_TILE:
-            # Splits without a window: row_lo is a multiple of BLOCK_N, so a row sees
-            # all of this tile from kv0 up or none of it: one select a row, not a
-            # compare a score (SmolLM2's heads, batch 8, context 32768, 4 tokens:
-            # 89.6 -> 87.7 us; 84.6 before rows took their own splits).
-            hi = tl.where(row_lo <= kv0, row_hi, 0)
-        visible = offs_n[None, :] < hi[:, None]
-        if LO_MASK:
-            visible = visible & (offs_n[None, :] >= row_lo[:, None])
-        s = tl.where(visible, s, float("-inf"))
-
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if MASK:
-        v = tl.load(v_ptrs, mask=kv_ok[:, None] & d_mask[None, :], other=0.0)
-    elif EVEN_D:
-        v = tl.load(v_ptrs, mask=blk_ok[:, None], other=0.0)
-    else:
-        v = tl.load(v_ptrs, mask=blk_ok[:, None] & d_mask[None, :], other=0.0)
+    """One key tile of the online softmax, its block ids, keys and values loaded here
+    (_tile_scores has the masks' contract)."""
+    blk, blk_ok, n_valid = _tile_ids(bt_row, kv0, kv_hi, num_blocks, BLOCK_SIZE, BLOCK_N, MASK)
+    k = _tile_kv(k_head, kv0, blk, blk_ok, n_valid, offs_d, d_mask, stride_kb, stride_kt,
+                 BLOCK_SIZE, BLOCK_N, MASK, EVEN_D, True)  # fmt: skip
+    m_new, l_i, p, alpha = _tile_scores(q, k, m_i, l_i, kv0, row_lo, row_hi, scale, qk_scale,
+                                        softcap, BLOCK_N, USE_SOFTCAP, MASK, LO_MASK, LO_TILE,
+                                        DOT_PRECISION)  # fmt: skip
+    v = _tile_kv(v_head, kv0, blk, blk_ok, n_valid, offs_d, d_mask, stride_vb, stride_vt,
+                 BLOCK_SIZE, BLOCK_N, MASK, EVEN_D, False)  # fmt: skip
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_prefetched(
+    q, m_i, l_i, acc, kv_lo, kv_hi, row_lo, row_hi, bt_row, num_blocks, k_head, v_head,
+    offs_d, d_mask, scale, qk_scale, softcap, stride_kb, stride_kt, stride_vb, stride_vt,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    LO_MASK: tl.constexpr, LO_TILE: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The masked key tiles [kv_lo, kv_hi) as _attend_tile takes them, one after another
+    with the same arithmetic (the same bits), but with the loads run ahead in registers:
+    a tile's keys and values are requested before the tile before it is attended, and
+    its block ids one tile earlier still, so a serial run of tiles waits for one memory
+    round trip instead of two a tile. No compiler pipelining (its shared-memory stages
+    put the indirect K / V loads only one tile ahead, behind a wait for all of them).
+    Loads past kv_hi are masked off (no memory traffic)."""
+    blk, ok, nv = _tile_ids(bt_row, kv_lo, kv_hi, num_blocks, BLOCK_SIZE, BLOCK_N, True)
+    k = _tile_kv(k_head, kv_lo, blk, ok, nv, offs_d, d_mask, stride_kb, stride_kt, BLOCK_SIZE,
+                 BLOCK_N, True, EVEN_D, True)  # fmt: skip
+    v = _tile_kv(v_head, kv_lo, blk, ok, nv, offs_d, d_mask, stride_vb, stride_vt, BLOCK_SIZE,
+                 BLOCK_N, True, EVEN_D, False)  # fmt: skip
+    blk, ok, nv = _tile_ids(bt_row, kv_lo + BLOCK_N, kv_hi, num_blocks, BLOCK_SIZE, BLOCK_N, True)
+    for kv0 in tl.range(kv_lo, kv_hi, BLOCK_N, num_stages=1):
+        nxt = kv0 + BLOCK_N
+        k_next = _tile_kv(k_head, nxt, blk, ok, nv, offs_d, d_mask, stride_kb, stride_kt,
+                          BLOCK_SIZE, BLOCK_N, True, EVEN_D, True)  # fmt: skip
+        v_next = _tile_kv(v_head, nxt, blk, ok, nv, offs_d, d_mask, stride_vb, stride_vt,
+                          BLOCK_SIZE, BLOCK_N, True, EVEN_D, False)  # fmt: skip
+        blk, ok, nv = _tile_ids(bt_row, nxt + BLOCK_N, kv_hi, num_blocks, BLOCK_SIZE, BLOCK_N,
+                                True)  # fmt: skip
+        m_new, l_i, p, alpha = _tile_scores(q, k, m_i, l_i, kv0, row_lo, row_hi, scale,
+                                            qk_scale, softcap, BLOCK_N, USE_SOFTCAP, True,
+                                            LO_MASK, LO_TILE, DOT_PRECISION)  # fmt: skip
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+        k = k_next
+        v = v_next
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -238,6 +311,7 @@ def _paged_attention_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     GDC: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -336,68 +410,26 @@ def _paged_attention_kernel(
         full_end = tl.where(last_lo <= kv_start, full_end, kv_start)
     for kv0 in range(kv_start, full_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
-            q,
-            m_i,
-            l_i,
-            acc,
-            kv0,
-            kv_hi,
-            row_lo,
-            row_hi,
-            bt_row,
-            num_blocks,
-            k_head,
-            v_head,
-            offs_d,
-            d_mask,
-            scale,
-            qk_scale,
-            softcap,
-            stride_kb,
-            stride_kt,
-            stride_vb,
-            stride_vt,
-            BLOCK_SIZE,
-            BLOCK_N,
-            USE_SOFTCAP,
-            False,
-            False,
-            False,
-            HEAD_DIM == HEAD_DIM_P,
+            q, m_i, l_i, acc, kv0, kv_hi, row_lo, row_hi, bt_row, num_blocks, k_head, v_head,
+            offs_d, d_mask, scale, qk_scale, softcap, stride_kb, stride_kt, stride_vb, stride_vt,
+            BLOCK_SIZE, BLOCK_N, USE_SOFTCAP, False, False, False, HEAD_DIM == HEAD_DIM_P,
             DOT_PRECISION,
-        )
-    for kv0 in range(full_end, kv_hi, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
-            q,
-            m_i,
-            l_i,
-            acc,
-            kv0,
-            kv_hi,
-            row_lo,
-            row_hi,
-            bt_row,
-            num_blocks,
-            k_head,
-            v_head,
-            offs_d,
-            d_mask,
-            scale,
-            qk_scale,
-            softcap,
-            stride_kb,
-            stride_kt,
-            stride_vb,
-            stride_vt,
-            BLOCK_SIZE,
-            BLOCK_N,
-            USE_SOFTCAP,
-            True,
-            USE_WINDOW,
-            NUM_SPLITS > 1 and not USE_WINDOW,
-            HEAD_DIM == HEAD_DIM_P,
-            DOT_PRECISION,
-        )
+        )  # fmt: skip
+    if PREFETCH:
+        m_i, l_i, acc = _attend_prefetched(
+            q, m_i, l_i, acc, full_end, kv_hi, row_lo, row_hi, bt_row, num_blocks, k_head,
+            v_head, offs_d, d_mask, scale, qk_scale, softcap, stride_kb, stride_kt, stride_vb,
+            stride_vt, BLOCK_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW,
+            NUM_SPLITS > 1 and not USE_WINDOW, HEAD_DIM == HEAD_DIM_P, DOT_PRECISION,
+        )  # fmt: skip
+    else:
+        for kv0 in range(full_end, kv_hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, kv0, kv_hi, row_lo, row_hi, bt_row, num_blocks, k_head,
+                v_head, offs_d, d_mask, scale, qk_scale, softcap, stride_kb, stride_kt,
+                stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, USE_SOFTCAP, True, USE_WINDOW,
+                NUM_SPLITS > 1 and not USE_WINDOW, HEAD_DIM == HEAD_DIM_P, DOT_PRECISION,
+            )  # fmt: skip
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
@@ -512,6 +544,9 @@ class AttentionLaunchConfig:
     num_splits: int
     num_warps: int
     num_stages: int
+    # Masked key tiles with their loads run ahead in registers (_attend_prefetched)
+    # instead of the compiler's pipeline: the same bits.
+    prefetch: bool = False
 
 
 @cache
@@ -764,6 +799,7 @@ def paged_attention_unmerged(
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         GDC=pdl,
+        PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch_pdl,

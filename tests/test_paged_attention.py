@@ -6,9 +6,11 @@ bf16, large shapes, a cache over 2^31 elements and CUDA-graph replay."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
+import triton
 
 from specdraft import kernels
 from specdraft.kernels import paged_attention
@@ -229,6 +231,57 @@ def test_softcap(device, num_splits):
         b.q, b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens, b.block_table, 64**-0.5
     )
     assert (out.double() - plain).abs().max() > 1e-2, "softcap had no effect: test is blind"
+
+
+# (q_lens, ctx_lens, heads, head_dim, dtype, block_m, block_n, splits, window, softcap)
+PREFETCH_CASES = {
+    "decode_splits": ([1, 1, 1], [257, 40, 700], (9, 3), 64, torch.float16, 16, 64, 4, None,
+                      None),
+    "decode_one_split": ([1, 1], [300, 77], (9, 3), 64, torch.float32, 16, 32, 1, None, None),
+    "verify": ([4, 2, 1], [130, 61, 5], (8, 2), 64, torch.float32, 16, 32, 2, None, None),
+    "window": ([1, 3, 1], [200, 90, 9], (4, 2), 64, torch.float32, 16, 32, 1, 37, None),
+    "softcap": ([1, 2], [150, 33], (4, 2), 64, torch.float32, 16, 32, 2, None, 5.0),
+    "odd_head_dim": ([1, 3], [140, 20], (4, 1), 48, torch.float16, 16, 32, 1, None, None),
+    "prefill_tiles": ([40, 1], [70, 100], (4, 2), 32, torch.float32, 64, 32, 1, None, None),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(PREFETCH_CASES))
+def test_prefetched_tiles_equal_the_loop_bitwise(device, case):
+    """AttentionLaunchConfig.prefetch (the loads of the masked key tiles run ahead in
+    registers) gives the same bits as the loop that loads each tile itself, over
+    several tiles a program: decode with and without splits, verification, a window,
+    a softcap, a padded head dim, and a prefill tile whose full tiles come first."""
+    q_lens, ctx, heads, d, dtype, bm, bn, splits, window, cap = PREFETCH_CASES[case]
+    b = make_paged_batch(q_lens, ctx, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=d,
+                         dtype=dtype, device=device, pad_reqs=1, pad_tokens=2)  # fmt: skip
+    b.q.mul_(3.0)  # scores past the softcap
+    qpk = heads[0] // heads[1]
+    cfg = AttentionLaunchConfig(bm, max(1, bm // qpk), bn, splits, 4, 2)
+    plain = run_and_check(b, dtype, sliding_window=window, softcap=cap, config=cfg)
+    ahead = run_and_check(b, dtype, sliding_window=window, softcap=cap,
+                          config=replace(cfg, prefetch=True))  # fmt: skip
+    assert torch.equal(ahead, plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "heads, head_dim", [((9, 3), 64), ((32, 8), 128)], ids=["smollm2", "llama"]
+)
+@pytest.mark.parametrize("block_n, splits", [(128, 1), (64, 8), (256, 1)])
+def test_gpu_prefetched_tiles_equal_the_loop_bitwise(heads, head_dim, block_n, splits):
+    """bf16 on the GPU, where the two loops compile apart (registers against the
+    compiler's shared-memory stages): decode and 4-token verification over contexts of
+    one to dozens of tiles a program, the same bits."""
+    b = make_paged_batch([1, 4, 1, 1], [257, 1000, 4000, 31], num_q_heads=heads[0],
+                         num_kv_heads=heads[1], head_dim=head_dim, dtype=torch.bfloat16,
+                         device="cuda", pad_reqs=1, pad_tokens=2)  # fmt: skip
+    qpk = heads[0] // heads[1]
+    bm = max(16, triton.next_power_of_2(4 * qpk))
+    cfg = AttentionLaunchConfig(bm, bm // qpk, block_n, splits, 8 if block_n > 128 else 4, 2)
+    plain = run_and_check(b, torch.bfloat16, config=cfg)
+    ahead = run_and_check(b, torch.bfloat16, config=replace(cfg, prefetch=True))
+    assert torch.equal(ahead, plain)
 
 
 def test_fp32_on_strided_cache_view(device):
