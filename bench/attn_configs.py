@@ -12,7 +12,10 @@ attn_configs.md (per shape: the chosen configuration's µs and the fastest six).
 
     python -m bench.attn_configs [--out results] [--bound 1024]
         [--shapes smollm2:1:256:1,llama68m:64:256:1] [--tiles 32,64,128]
-        [--splits 1,2,4,8,16,32] [--warps 2,4] [--stages 2,3]
+        [--splits 1,2,4,8,16,32] [--warps 2,4] [--stages 2,3] [--prefetch 0,1]
+
+`--prefetch 0,1` also times each configuration with its masked key tiles' loads run
+ahead in registers (AttentionLaunchConfig.prefetch; keys end in "p").
 """
 
 from __future__ import annotations
@@ -84,10 +87,11 @@ def sweep(shape, bound: int, grid) -> dict:
 
     ref = call(chosen, torch.full_like(b.q, float("nan")))
     times = {}
-    for tile, splits, warps, stages in grid:
+    for tile, splits, warps, stages, ahead in grid:
         if splits > max(1, bound // tile):
             continue
-        cfg = pa.AttentionLaunchConfig(chosen.block_m, chosen.block_q, tile, splits, warps, stages)
+        cfg = pa.AttentionLaunchConfig(chosen.block_m, chosen.block_q, tile, splits, warps, stages,
+                                       prefetch=bool(ahead))  # fmt: skip
         out = torch.full_like(b.q, float("nan"))
         try:
             call(cfg, out)
@@ -97,7 +101,7 @@ def sweep(shape, bound: int, grid) -> dict:
         except Exception as e:  # a tile that does not compile or fit: say so, go on
             print(f"{shape} {cfg}: {type(e).__name__}: {e}"[:300], flush=True)
             continue
-        times[f"{tile}/{splits}/{warps}/{stages}"] = (us, err)
+        times[f"{tile}/{splits}/{warps}/{stages}{'p' if ahead else ''}"] = (us, err)
     key = f"{chosen.block_n}/{chosen.num_splits}/{chosen.num_warps}/{chosen.num_stages}"
     return {"chosen": key, "times": times}
 
@@ -111,10 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--splits", default="1,2,4,8,16,32")
     ap.add_argument("--warps", default="2,4")
     ap.add_argument("--stages", default="2,3")
+    ap.add_argument("--prefetch", default="0", help="0, 1 or 0,1 (see above)")
     args = ap.parse_args(argv)
     shapes = parse_shapes(args.shapes)
     axes = ("tiles", "splits", "warps", "stages")
-    grid = list(itertools.product(*(_ints(getattr(args, n), n) for n in axes)))
+    prefetch = [v for v in args.prefetch.split(",") if v]
+    if not prefetch or set(prefetch) - {"0", "1"}:
+        raise SystemExit(f"--prefetch must be 0, 1 or 0,1, got {args.prefetch!r}")
+    prefetch = [int(v) for v in prefetch]
+    grid = list(itertools.product(*(_ints(getattr(args, n), n) for n in axes), prefetch))
     if args.bound < max(ctx for _, _, ctx, _ in shapes):
         raise SystemExit(f"--bound {args.bound} is below a shape's context")
     if not torch.cuda.is_available():
