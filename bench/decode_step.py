@@ -104,8 +104,9 @@ def _launches(step) -> int:
 def _forced_attention(choose, what: tuple):
     """choose_launch_config with its split count ("splits": the launcher passes
     num_splits=None explicitly, so a partial's keyword would be overridden), its
-    pipeline depth ("stages") or its key tile, splits, warps, stages and optionally its
-    prefetch ("attn", a 4- or 5-tuple) fixed."""
+    pipeline depth ("stages") or, for decode and verification tiles (BLOCK_M <= 32), its
+    key tile, splits, warps, stages and optionally its prefetch ("attn", a 4- or 5-tuple)
+    fixed."""
     from dataclasses import replace
 
     field, value = what
@@ -114,9 +115,12 @@ def _forced_attention(choose, what: tuple):
         if field == "splits":
             kw["num_splits"] = value
             return choose(**kw)
-        if field == "attn":
+        if field == "attn":  # decode and verification tiles only (prefill keeps its own)
             n, s, w, st, *ahead = value
-            return replace(choose(**kw), block_n=n, num_splits=s, num_warps=w, num_stages=st,
+            cfg = choose(**kw)
+            if cfg.block_m > 32:
+                return cfg
+            return replace(cfg, block_n=n, num_splits=s, num_warps=w, num_stages=st,
                            prefetch=bool(ahead and ahead[0]))  # fmt: skip
         return replace(choose(**kw), num_stages=value)
 
