@@ -704,6 +704,9 @@ def paged_attention_unmerged(
     With validation mode on (kernels/validation.py; the default for CPU tensors) such
     metadata raises ValueError before anything is launched. pdl: launch with
     programmatic dependent launch (kernels.pdl_supported; ignored by the interpreter).
+    config: the launch's tiles, splits, warps and stages instead of choose_launch_config's
+    (checked: powers of two, block_q * q heads a KV head <= block_m; num_splits, if also
+    given, must agree with it).
     """
     check_paged_attention_args(
         q,

@@ -276,6 +276,37 @@ def check_slot_mapping(slot_mapping: torch.Tensor, *, num_tokens: int, num_slots
     raise ValueError(f"slot_mapping[{t}] = {value} (token {t}) {why}")
 
 
+def check_launch_config(config, qpk: int) -> None:
+    """An explicit AttentionLaunchConfig for heads with qpk query heads a KV head: its
+    tiles must be powers of two the kernel can lay out and its query tile must hold
+    block_q tokens of qpk heads in block_m rows (a larger block_q would leave tokens of
+    every tile unwritten)."""
+    from .paged_attention import AttentionLaunchConfig
+
+    if not isinstance(config, AttentionLaunchConfig):
+        raise TypeError(
+            f"config must be an AttentionLaunchConfig or None, got {type(config).__name__}"
+        )
+    limits = (("block_m", 16, 256), ("block_n", 16, 1024), ("num_splits", 1, MAX_NUM_SPLITS),
+              ("num_warps", 1, 32))  # fmt: skip
+    for name, lo, hi in limits:
+        v = getattr(config, name)
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi or v & (v - 1):
+            raise ValueError(f"config.{name} must be a power of two in [{lo}, {hi}], got {v!r}")
+    most = config.block_m // qpk
+    v = config.block_q
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= most:
+        raise ValueError(
+            f"config.block_q must be an int in [1, block_m // (q heads a KV head) = "
+            f"{config.block_m} // {qpk} = {most}], got {v!r}"
+        )
+    v = config.num_stages
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 8:
+        raise ValueError(f"config.num_stages must be an int in [1, 8], got {v!r}")
+    if not isinstance(config.prefetch, bool):
+        raise TypeError(f"config.prefetch must be a bool, got {type(config.prefetch).__name__}")
+
+
 def check_paged_attention_args(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -357,6 +388,13 @@ def check_paged_attention_args(
         raise ValueError(
             f"num_splits must be a power of two in [1, {MAX_NUM_SPLITS}], got {num_splits}"
         )
+    if config is not None:
+        check_launch_config(config, num_q_heads // num_kv_heads)
+        if num_splits is not None and num_splits != config.num_splits:
+            raise ValueError(
+                f"num_splits {num_splits} conflicts with config.num_splits "
+                f"{config.num_splits}: pass one of them"
+            )
     if out is not None:
         _check_tensor("out", out, 3, SUPPORTED_DTYPES)
         if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:

@@ -430,6 +430,11 @@ def _good(device):
     )
 
 
+def _cfg(**over):
+    """A valid launch configuration for _good's heads (2 q heads a KV head), with `over`."""
+    return replace(AttentionLaunchConfig(16, 8, 64, 1, 4, 2), **over)
+
+
 def _call(b, fn=paged_attention, **over):
     args = dict(
         q=b.q,
@@ -469,6 +474,17 @@ def _call(b, fn=paged_attention, **over):
         (lambda b: {"max_query_len": 0}, ValueError, "max_query_len"),
         (lambda b: {"out": torch.empty(5, 4, 64)}, ValueError, "out"),
         (lambda b: {"q": "not a tensor"}, TypeError, "q must be a torch.Tensor"),
+        # an explicit launch configuration (4 q heads over 2 KV heads: block_q <= 16 // 2)
+        (lambda b: {"config": (16, 8, 64, 1, 4, 2)}, TypeError, "config must be an Attention"),
+        (lambda b: {"config": _cfg(block_q=16)}, ValueError, r"config.block_q .* = 8\], got 16"),
+        (lambda b: {"config": _cfg(block_q=0)}, ValueError, "config.block_q"),
+        (lambda b: {"config": _cfg(block_m=24)}, ValueError, "config.block_m .* got 24"),
+        (lambda b: {"config": _cfg(block_n=48)}, ValueError, "config.block_n .* got 48"),
+        (lambda b: {"config": _cfg(num_splits=3)}, ValueError, "config.num_splits .* got 3"),
+        (lambda b: {"config": _cfg(num_warps=64)}, ValueError, r"config.num_warps .* 32\]"),
+        (lambda b: {"config": _cfg(num_stages=0)}, ValueError, "config.num_stages .* got 0"),
+        (lambda b: {"config": _cfg(prefetch=1)}, TypeError, "config.prefetch must be a bool"),
+        (lambda b: {"config": _cfg(), "num_splits": 4}, ValueError, "num_splits 4 conflicts"),
     ],
 )
 @pytest.mark.parametrize("unmerged", [False, True], ids=["merged", "unmerged"])
