@@ -623,9 +623,11 @@ def test_gpu_cache_over_2_31_elements():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", [False, True], ids=["loop", "prefetch"])
 @pytest.mark.parametrize("num_splits", [1, 8])
-def test_gpu_graph_replay_with_new_lengths(num_splits):
-    """Capture once with one set of lengths; replay with others that fit the bounds."""
+def test_gpu_graph_replay_with_new_lengths(num_splits, prefetch):
+    """Capture once with one set of lengths; replay with others that fit the bounds
+    (prefetch: the masked key tiles' loads run ahead, over a loop of any length)."""
     max_tokens, max_reqs, max_q, hq, hkv, d, bs = 96, 16, 8, 32, 8, 128, 16
     max_blocks, num_blocks = 256, 4096
     dev = "cuda"
@@ -657,19 +659,16 @@ def test_gpu_graph_replay_with_new_lengths(num_splits):
             q_buf, k_cache, v_cache, qsl_buf, seq_buf, bt_buf, total, max(q_lens), max(seq)
         )
 
+    cfg = choose_launch_config(num_tokens=max_tokens, num_reqs=max_reqs, max_query_len=max_q,
+                               num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                               num_splits=num_splits)  # fmt: skip
+    cfg = replace(cfg, prefetch=prefetch)
+
     def step():
         paged_attention(
-            q_buf,
-            k_cache,
-            v_cache,
-            qsl_buf,
-            seq_buf,
-            bt_buf,
-            d**-0.5,
-            out=out_buf,
-            max_query_len=max_q,
-            num_splits=num_splits,
-        )
+            q_buf, k_cache, v_cache, qsl_buf, seq_buf, bt_buf, d**-0.5, out=out_buf,
+            max_query_len=max_q, config=cfg,
+        )  # fmt: skip
 
     fill(max_reqs)
     step()  # compile and warm up outside the capture
