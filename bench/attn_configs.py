@@ -12,10 +12,11 @@ attn_configs.md (per shape: the chosen configuration's µs and the fastest six).
 
     python -m bench.attn_configs [--out results] [--bound 1024]
         [--shapes smollm2:1:256:1,llama68m:64:256:1] [--tiles 32,64,128]
-        [--splits 1,2,4,8,16,32] [--warps 2,4] [--stages 2,3] [--prefetch 0,1]
+        [--splits 1,2,4,8,16,32] [--warps 2,4] [--stages 2,3] [--prefetch 0,1,2]
 
-`--prefetch 0,1` also times each configuration with its masked key tiles' loads run
-ahead in registers (AttentionLaunchConfig.prefetch; keys end in "p").
+`--prefetch 0,1,2` also times each configuration with its masked key tiles' loads run
+one or two tiles ahead in registers (AttentionLaunchConfig.prefetch; keys end in "p1" /
+"p2").
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def sweep(shape, bound: int, grid) -> dict:
         if splits > max(1, bound // tile):
             continue
         cfg = pa.AttentionLaunchConfig(chosen.block_m, chosen.block_q, tile, splits, warps, stages,
-                                       prefetch=bool(ahead))  # fmt: skip
+                                       prefetch=ahead)  # fmt: skip
         out = torch.full_like(b.q, float("nan"))
         try:
             call(cfg, out)
@@ -101,7 +102,7 @@ def sweep(shape, bound: int, grid) -> dict:
         except Exception as e:  # a tile that does not compile or fit: say so, go on
             print(f"{shape} {cfg}: {type(e).__name__}: {e}"[:300], flush=True)
             continue
-        times[f"{tile}/{splits}/{warps}/{stages}{'p' if ahead else ''}"] = (us, err)
+        times[f"{tile}/{splits}/{warps}/{stages}{f'p{ahead}' if ahead else ''}"] = (us, err)
     key = f"{chosen.block_n}/{chosen.num_splits}/{chosen.num_warps}/{chosen.num_stages}"
     return {"chosen": key, "times": times}
 
@@ -115,13 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--splits", default="1,2,4,8,16,32")
     ap.add_argument("--warps", default="2,4")
     ap.add_argument("--stages", default="2,3")
-    ap.add_argument("--prefetch", default="0", help="0, 1 or 0,1 (see above)")
+    ap.add_argument("--prefetch", default="0", help="tiles ahead: 0, 1, 2 or a list (see above)")
     args = ap.parse_args(argv)
     shapes = parse_shapes(args.shapes)
     axes = ("tiles", "splits", "warps", "stages")
     prefetch = [v for v in args.prefetch.split(",") if v]
-    if not prefetch or set(prefetch) - {"0", "1"}:
-        raise SystemExit(f"--prefetch must be 0, 1 or 0,1, got {args.prefetch!r}")
+    if not prefetch or set(prefetch) - {"0", "1", "2"}:
+        raise SystemExit(f"--prefetch must list 0, 1 or 2, got {args.prefetch!r}")
     prefetch = [int(v) for v in prefetch]
     grid = list(itertools.product(*(_ints(getattr(args, n), n) for n in axes), prefetch))
     if args.bound < max(ctx for _, _, ctx, _ in shapes):

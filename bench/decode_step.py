@@ -121,7 +121,7 @@ def _forced_attention(choose, what: tuple):
             if cfg.block_m > 32:
                 return cfg
             return replace(cfg, block_n=n, num_splits=s, num_warps=w, num_stages=st,
-                           prefetch=bool(ahead and ahead[0]))  # fmt: skip
+                           prefetch=ahead[0] if ahead else 0)  # fmt: skip
         return replace(choose(**kw), num_stages=value)
 
     return forced
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also fused with attention's pipeline at these depths")  # fmt: skip
     ap.add_argument("--attn", default="",
                     help="also fused with attention's key tile / splits / warps / stages "
-                    "[/ 1: prefetch] forced, e.g. 128/1/4/3,128/1/4/2/1")  # fmt: skip
+                    "[/ tiles prefetched: 1 or 2] forced, e.g. 128/1/4/3,128/1/4/2/2")  # fmt: skip
     ap.add_argument("--rows-tiles", default="",
                     help="also fused with the rows kernel's ROWS_TILE set: layout/columns/warps "
                     "items, e.g. whole/8/4,whole/2/1")  # fmt: skip

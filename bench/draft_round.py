@@ -561,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     ap.add_argument(
         "--attn", default="",
-        help="attention's key tile / splits / warps / stages [/ 1: prefetch] forced for every "
+        help="attention's key tile / splits / warps / stages [/ tiles prefetched] forced for every "
         "launch of the run, the SmolLM2 step's too (an experiment), e.g. 128/1/4/2/1",
     )  # fmt: skip
     ap.add_argument(

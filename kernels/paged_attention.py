@@ -212,41 +212,61 @@ def _attend_tile(
 
 
 @triton.jit
+def _tile_kv_pair(k_head, v_head, kv0, ids, offs_d, d_mask, stride_kb, stride_kt, stride_vb,
+                  stride_vt, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  EVEN_D: tl.constexpr):  # fmt: skip
+    """The masked key tile at kv0's keys and values, from its _tile_ids."""
+    blk, ok, nv = ids
+    k = _tile_kv(k_head, kv0, blk, ok, nv, offs_d, d_mask, stride_kb, stride_kt, BLOCK_SIZE,
+                 BLOCK_N, True, EVEN_D, True)  # fmt: skip
+    v = _tile_kv(v_head, kv0, blk, ok, nv, offs_d, d_mask, stride_vb, stride_vt, BLOCK_SIZE,
+                 BLOCK_N, True, EVEN_D, False)  # fmt: skip
+    return k, v
+
+
+@triton.jit
 def _attend_prefetched(
     q, m_i, l_i, acc, kv_lo, kv_hi, row_lo, row_hi, bt_row, num_blocks, k_head, v_head,
     offs_d, d_mask, scale, qk_scale, softcap, stride_kb, stride_kt, stride_vb, stride_vt,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     LO_MASK: tl.constexpr, LO_TILE: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, AHEAD: tl.constexpr,
 ):  # fmt: skip
     """The masked key tiles [kv_lo, kv_hi) as _attend_tile takes them, one after another
     with the same arithmetic (the same bits), but with the loads run ahead in registers:
-    a tile's keys and values are requested before the tile before it is attended, and
-    its block ids one tile earlier still, so a serial run of tiles waits for one memory
-    round trip instead of two a tile. No compiler pipelining (its shared-memory stages
-    put the indirect K / V loads only one tile ahead, behind a wait for all of them).
-    Loads past kv_hi are masked off (no memory traffic)."""
-    blk, ok, nv = _tile_ids(bt_row, kv_lo, kv_hi, num_blocks, BLOCK_SIZE, BLOCK_N, True)
-    k = _tile_kv(k_head, kv_lo, blk, ok, nv, offs_d, d_mask, stride_kb, stride_kt, BLOCK_SIZE,
-                 BLOCK_N, True, EVEN_D, True)  # fmt: skip
-    v = _tile_kv(v_head, kv_lo, blk, ok, nv, offs_d, d_mask, stride_vb, stride_vt, BLOCK_SIZE,
-                 BLOCK_N, True, EVEN_D, False)  # fmt: skip
-    blk, ok, nv = _tile_ids(bt_row, kv_lo + BLOCK_N, kv_hi, num_blocks, BLOCK_SIZE, BLOCK_N, True)
+    the keys and values of the tile AHEAD (1 or 2) tiles on are requested before a tile
+    is attended, and the block ids of the one after them, so in a long run a round trip
+    serves AHEAD tiles (the compiler's shared-memory stages put the indirect K / V loads
+    only one tile ahead, behind a wait for all of them; its pipelining is off here). The
+    first tiles' block ids load together. Loads past kv_hi are masked off (no memory
+    traffic). AHEAD 2 holds three tiles of K and V in registers."""
+    ids = _tile_ids(bt_row, kv_lo, kv_hi, num_blocks, BLOCK_SIZE, BLOCK_N, True)
+    if AHEAD == 2:
+        ids1 = _tile_ids(bt_row, kv_lo + BLOCK_N, kv_hi, num_blocks, BLOCK_SIZE, BLOCK_N, True)
+    far_ids = _tile_ids(bt_row, kv_lo + AHEAD * BLOCK_N, kv_hi, num_blocks, BLOCK_SIZE, BLOCK_N,
+                        True)  # fmt: skip
+    k, v = _tile_kv_pair(k_head, v_head, kv_lo, ids, offs_d, d_mask, stride_kb, stride_kt,
+                         stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N, EVEN_D)  # fmt: skip
+    if AHEAD == 2:
+        k1, v1 = _tile_kv_pair(k_head, v_head, kv_lo + BLOCK_N, ids1, offs_d, d_mask, stride_kb,
+                               stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N,
+                               EVEN_D)  # fmt: skip
     for kv0 in tl.range(kv_lo, kv_hi, BLOCK_N, num_stages=1):
-        nxt = kv0 + BLOCK_N
-        k_next = _tile_kv(k_head, nxt, blk, ok, nv, offs_d, d_mask, stride_kb, stride_kt,
-                          BLOCK_SIZE, BLOCK_N, True, EVEN_D, True)  # fmt: skip
-        v_next = _tile_kv(v_head, nxt, blk, ok, nv, offs_d, d_mask, stride_vb, stride_vt,
-                          BLOCK_SIZE, BLOCK_N, True, EVEN_D, False)  # fmt: skip
-        blk, ok, nv = _tile_ids(bt_row, nxt + BLOCK_N, kv_hi, num_blocks, BLOCK_SIZE, BLOCK_N,
-                                True)  # fmt: skip
+        far = kv0 + AHEAD * BLOCK_N
+        k_far, v_far = _tile_kv_pair(k_head, v_head, far, far_ids, offs_d, d_mask, stride_kb,
+                                     stride_kt, stride_vb, stride_vt, BLOCK_SIZE, BLOCK_N,
+                                     EVEN_D)  # fmt: skip
+        far_ids = _tile_ids(bt_row, far + BLOCK_N, kv_hi, num_blocks, BLOCK_SIZE, BLOCK_N, True)
         m_new, l_i, p, alpha = _tile_scores(q, k, m_i, l_i, kv0, row_lo, row_hi, scale,
                                             qk_scale, softcap, BLOCK_N, USE_SOFTCAP, True,
                                             LO_MASK, LO_TILE, DOT_PRECISION)  # fmt: skip
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-        k = k_next
-        v = v_next
+        if AHEAD == 2:
+            k, v = k1, v1
+            k1, v1 = k_far, v_far
+        else:
+            k, v = k_far, v_far
     return m_i, l_i, acc
 
 
@@ -311,7 +331,7 @@ def _paged_attention_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     GDC: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 0,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -420,7 +440,7 @@ def _paged_attention_kernel(
             q, m_i, l_i, acc, full_end, kv_hi, row_lo, row_hi, bt_row, num_blocks, k_head,
             v_head, offs_d, d_mask, scale, qk_scale, softcap, stride_kb, stride_kt, stride_vb,
             stride_vt, BLOCK_SIZE, BLOCK_N, USE_SOFTCAP, USE_WINDOW,
-            NUM_SPLITS > 1 and not USE_WINDOW, HEAD_DIM == HEAD_DIM_P, DOT_PRECISION,
+            NUM_SPLITS > 1 and not USE_WINDOW, HEAD_DIM == HEAD_DIM_P, DOT_PRECISION, PREFETCH,
         )  # fmt: skip
     else:
         for kv0 in range(full_end, kv_hi, BLOCK_N):
@@ -544,9 +564,9 @@ class AttentionLaunchConfig:
     num_splits: int
     num_warps: int
     num_stages: int
-    # Masked key tiles with their loads run ahead in registers (_attend_prefetched)
-    # instead of the compiler's pipeline: the same bits.
-    prefetch: bool = False
+    # Masked key tiles with their loads run 1 or 2 tiles ahead in registers
+    # (_attend_prefetched) instead of the compiler's pipeline (0): the same bits.
+    prefetch: int = 0
 
 
 @cache
@@ -802,7 +822,7 @@ def paged_attention_unmerged(
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         GDC=pdl,
-        PREFETCH=cfg.prefetch,
+        PREFETCH=int(cfg.prefetch),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch_pdl,

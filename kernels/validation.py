@@ -278,9 +278,9 @@ def check_slot_mapping(slot_mapping: torch.Tensor, *, num_tokens: int, num_slots
 
 def check_launch_config(config, qpk: int) -> None:
     """An explicit AttentionLaunchConfig for heads with qpk query heads a KV head: its
-    tiles must be powers of two the kernel can lay out and its query tile must hold
+    tiles must be powers of two the kernel can lay out, its query tile must hold
     block_q tokens of qpk heads in block_m rows (a larger block_q would leave tokens of
-    every tile unwritten)."""
+    every tile unwritten), and prefetch runs 0, 1 or 2 tiles ahead."""
     from .paged_attention import AttentionLaunchConfig
 
     if not isinstance(config, AttentionLaunchConfig):
@@ -303,8 +303,11 @@ def check_launch_config(config, qpk: int) -> None:
     v = config.num_stages
     if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 8:
         raise ValueError(f"config.num_stages must be an int in [1, 8], got {v!r}")
-    if not isinstance(config.prefetch, bool):
-        raise TypeError(f"config.prefetch must be a bool, got {type(config.prefetch).__name__}")
+    v = config.prefetch
+    if not isinstance(v, int):
+        raise TypeError(f"config.prefetch must be an int (or bool), got {type(v).__name__}")
+    if v not in (0, 1, 2):
+        raise ValueError(f"config.prefetch must be 0, 1 or 2 (tiles ahead), got {v!r}")
 
 
 def check_paged_attention_args(

@@ -205,11 +205,12 @@ def decode_path_compiles() -> list[tuple[str, object]]:
     table = torch.arange(t * 2, dtype=torch.int32).view(t, 2) % blocks
     pa.paged_attention(q, kc, vc, qsl, seq, table, 0.125, max_query_len=1, max_seq_len=24,
                        num_splits=2, pdl=True)  # fmt: skip
-    # the masked key tiles with their loads run ahead in registers (config.prefetch)
-    label[0] = "decode prefetch"
-    ahead = pa.AttentionLaunchConfig(16, 5, 64, 2, 4, 2, prefetch=True)
-    pa.paged_attention(q, kc, vc, qsl, seq, table, 0.125, max_query_len=1, max_seq_len=24,
-                       config=ahead, pdl=True)  # fmt: skip
+    # the masked key tiles with their loads run one or two tiles ahead (config.prefetch)
+    for ahead in (1, 2):
+        label[0] = f"decode prefetch {ahead}"
+        cfg = pa.AttentionLaunchConfig(16, 5, 64, 2, 4, 2, prefetch=ahead)
+        pa.paged_attention(q, kc, vc, qsl, seq, table, 0.125, max_query_len=1, max_seq_len=24,
+                           config=cfg, pdl=True)  # fmt: skip
     # one token: the JIT makes an integer argument equal to 1 a constant (stop 48: the
     # split merge called .to() on it and failed to compile on the GPU only)
     label[0] = "decode one token"

@@ -18,7 +18,7 @@ from bench import attn_configs
         (["--shapes", "smollm2:0:256:1"], ["--shapes"]),
         (["--tiles", "64,x"], ["--tiles"]),
         (["--stages", "0"], ["--stages"]),
-        (["--prefetch", "2"], ["--prefetch", "'2'"]),
+        (["--prefetch", "3"], ["--prefetch", "'3'"]),
         (["--prefetch", "x,1"], ["--prefetch"]),
         (["--bound", "128", "--shapes", "smollm2:1:256:1"], ["--bound 128"]),
     ],

@@ -246,10 +246,11 @@ PREFETCH_CASES = {
 }  # fmt: skip
 
 
+@pytest.mark.parametrize("ahead", [1, 2])
 @pytest.mark.parametrize("case", list(PREFETCH_CASES))
-def test_prefetched_tiles_equal_the_loop_bitwise(device, case):
-    """AttentionLaunchConfig.prefetch (the loads of the masked key tiles run ahead in
-    registers) gives the same bits as the loop that loads each tile itself, over
+def test_prefetched_tiles_equal_the_loop_bitwise(device, case, ahead):
+    """AttentionLaunchConfig.prefetch (the loads of the masked key tiles run one or two
+    tiles ahead in registers) gives the same bits as the loop that loads each tile itself, over
     several tiles a program: decode with and without splits, verification, a window,
     a softcap, a padded head dim, and a prefill tile whose full tiles come first."""
     q_lens, ctx, heads, d, dtype, bm, bn, splits, window, cap = PREFETCH_CASES[case]
@@ -259,9 +260,9 @@ def test_prefetched_tiles_equal_the_loop_bitwise(device, case):
     qpk = heads[0] // heads[1]
     cfg = AttentionLaunchConfig(bm, max(1, bm // qpk), bn, splits, 4, 2)
     plain = run_and_check(b, dtype, sliding_window=window, softcap=cap, config=cfg)
-    ahead = run_and_check(b, dtype, sliding_window=window, softcap=cap,
-                          config=replace(cfg, prefetch=True))  # fmt: skip
-    assert torch.equal(ahead, plain)
+    got = run_and_check(b, dtype, sliding_window=window, softcap=cap,
+                        config=replace(cfg, prefetch=ahead))  # fmt: skip
+    assert torch.equal(got, plain)
 
 
 @pytest.mark.gpu
@@ -280,8 +281,9 @@ def test_gpu_prefetched_tiles_equal_the_loop_bitwise(heads, head_dim, block_n, s
     bm = max(16, triton.next_power_of_2(4 * qpk))
     cfg = AttentionLaunchConfig(bm, bm // qpk, block_n, splits, 8 if block_n > 128 else 4, 2)
     plain = run_and_check(b, torch.bfloat16, config=cfg)
-    ahead = run_and_check(b, torch.bfloat16, config=replace(cfg, prefetch=True))
-    assert torch.equal(ahead, plain)
+    for ahead in (1, 2):
+        got = run_and_check(b, torch.bfloat16, config=replace(cfg, prefetch=ahead))
+        assert torch.equal(got, plain), ahead
 
 
 def test_fp32_on_strided_cache_view(device):
@@ -483,7 +485,8 @@ def _call(b, fn=paged_attention, **over):
         (lambda b: {"config": _cfg(num_splits=3)}, ValueError, "config.num_splits .* got 3"),
         (lambda b: {"config": _cfg(num_warps=64)}, ValueError, r"config.num_warps .* 32\]"),
         (lambda b: {"config": _cfg(num_stages=0)}, ValueError, "config.num_stages .* got 0"),
-        (lambda b: {"config": _cfg(prefetch=1)}, TypeError, "config.prefetch must be a bool"),
+        (lambda b: {"config": _cfg(prefetch=3)}, ValueError, "config.prefetch must be 0, 1 or 2"),
+        (lambda b: {"config": _cfg(prefetch="2")}, TypeError, "config.prefetch must be an int"),
         (lambda b: {"config": _cfg(), "num_splits": 4}, ValueError, "num_splits 4 conflicts"),
     ],
 )
@@ -623,7 +626,7 @@ def test_gpu_cache_over_2_31_elements():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefetch", [False, True], ids=["loop", "prefetch"])
+@pytest.mark.parametrize("prefetch", [0, 1, 2], ids=["loop", "ahead1", "ahead2"])
 @pytest.mark.parametrize("num_splits", [1, 8])
 def test_gpu_graph_replay_with_new_lengths(num_splits, prefetch):
     """Capture once with one set of lengths; replay with others that fit the bounds
