@@ -1738,6 +1738,15 @@ def choose_rejection_config(
         # against 45. H200 (stop 49): the resample launch 25.3 -> 22.7 µs (top-p 0.9),
         # 23.8 -> 21.0 (no filter).
         block_r, sub_r = min(_p2(vocab), 4096), min(_p2(vocab), 1024)
+        # The one-row cut: 512-column chunks, 16 bracket slots a lane. Triton 3.6 spills
+        # the bracket launch at 126 registers: 65 / 58 spill stores / loads with 2048-
+        # column chunks, 32 / 32 with these, and the narrowing launch 10 / 10 -> 0 / 0
+        # (offline sm_90). H100, B 64, K 5, V 49152, top-p 0.9: 127.06 -> 122.41 µs
+        # (stop 52) and 127.09 -> 121.6 (stop 55, another H100); 512 columns with 8
+        # slots took 139.9 (bench/NOTES.md).
+        block_t, lanes_f = min(_p2(vocab), 512), 16
+    else:
+        lanes_f = RejectionConfig.lanes_f
     return RejectionConfig(
         block_v=block_v,
         rows_p=rows_p,
@@ -1758,6 +1767,7 @@ def choose_rejection_config(
         row_g=not INTERPRET and rows >= 16,
         cap_f=2048 if wide else 0,
         sample_f=2048,
+        lanes_f=lanes_f,
     )
 
 
