@@ -1726,6 +1726,7 @@ def choose_rejection_config(
     warps_g = None if INTERPRET else (8 if block_g >= 16384 else 4)
     rows_p = max(1, min(tile // block_v, _p2(rows)))
     sub_v = warps_v = None
+    lanes_f = RejectionConfig.lanes_f  # the field's default; the one-row cut's below
     if wide:
         # The partials take the all-greedy launch's tiles: one row a program, its block
         # read sub_g columns at a time into per-lane values reduced once (stop 47,
@@ -1745,8 +1746,6 @@ def choose_rejection_config(
         # (stop 52) and 127.09 -> 121.6 (stop 55, another H100); 512 columns with 8
         # slots took 139.9 (bench/NOTES.md).
         block_t, lanes_f = min(_p2(vocab), 512), 16
-    else:
-        lanes_f = RejectionConfig.lanes_f
     return RejectionConfig(
         block_v=block_v,
         rows_p=rows_p,
