@@ -399,7 +399,7 @@ def count_launches(rows: list[dict], args, ks: list[int], room: int, replays: in
                     bench.reset()
                     with torch.no_grad():
                         per = profile_graph(bench.round_graph(k, MODE_NAMES[mode_name]), replays)
-                    busy = sum(t for _, t in per.values())
+                    busy = sum(v[1] for v in per.values())
                     name = f"{case} {lm_head} b{batch} K{k} {mode_name}"
                     kernels[name] = per
                     head = f"### {name}: round {row['round_us']:.1f} µs (events), kernels"
