@@ -197,13 +197,16 @@ def _draft_prepare_kernel(
             hs = hid_addr.to(hidden_ptr.dtype)
             h_row = r.to(tl.int64) * tl.load(src_ptr + 9)
             s1, s2 = tl.load(src_ptr + 10), tl.load(src_ptr + 11)
+            # Rows j < src_w as one [BLOCK_W, BLOCK_H] tile a chunk, so every load of a
+            # chunk is in flight at once (row by row, each row's loads queued behind the
+            # store before them: one dependent round trip a row).
             hh = tl.arange(0, BLOCK_H)
-            for jj in range(0, src_w):
-                dst = hidden_ptr + (r.to(tl.int64) * W + jj) * hidden
-                for h0 in range(0, hidden, BLOCK_H):
-                    m = h0 + hh < hidden
-                    x = tl.load(hs + h_row + jj * s1 + (h0 + hh).to(tl.int64) * s2, mask=m)
-                    tl.store(dst + h0 + hh, x, mask=m)
+            src_rows = hs + h_row + j.to(tl.int64)[:, None] * s1
+            dst_rows = hidden_ptr + (r.to(tl.int64) * W + j)[:, None] * hidden
+            for h0 in range(0, hidden, BLOCK_H):
+                m = (j < src_w)[:, None] & (h0 + hh < hidden)[None, :]
+                x = tl.load(src_rows + (h0 + hh).to(tl.int64)[None, :] * s2, mask=m)
+                tl.store(dst_rows + (h0 + hh)[None, :], x, mask=m)
     ids = tl.minimum(tl.maximum(ids, 0), vocab_size - 1)
     pos = base + j
     dst = start + j
@@ -627,7 +630,9 @@ class DraftRoundKernels:
             _pow2(self.width),
             self._row_block,
             hid is not None,
-            16 if hid is None else min(1024, _pow2(hid.shape[1], 16)),
+            16
+            if hid is None
+            else min(1024, _pow2(hid.shape[1], 16), max(16, 4096 // _pow2(self.width))),
             self._gdc,
         )
         # Each program reduces over all rows (one warp's shuffles while they are few) and
