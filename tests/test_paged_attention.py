@@ -402,14 +402,17 @@ def test_launch_config_depends_only_on_bounds():
         ((32, 8), 128, 64, 1, None, (64, 1, 3)),  # several waves: 64-key tiles
         ((32, 8), 128, 8, 8, None, (128, 4, 3)),  # verification tiles of 32 rows
         ((32, 8), 128, 1, 1, 8192, (128, 32, 3)),
-        ((9, 3), 64, 1, 1, 1024, (64, 8, 2)),  # the bound leaves 4 of 64 splits
+        ((9, 3), 64, 1, 1, 1024, (32, 16, 2)),  # the bound caps the splits: 32-key tiles
+        ((9, 3), 64, 8, 1, 1024, (32, 16, 2)),
+        ((9, 3), 64, 1, 1, 2048, (64, 16, 2)),  # (only at bounds 513-1024, where measured)
+        ((9, 3), 64, 1, 1, 512, (64, 4, 2)),
         ((9, 3), 64, 1, 1, 320, (128, 1, 3)),  # ... or one: no merge launch
         ((9, 3), 64, 16, 1, 1024, (128, 4, 3)),  # ... or half
         ((9, 3), 64, 256, 1, 1024, (64, 1, 2)),
     ],
 )
 def test_launch_config_choice(heads, head_dim, batch, q_len, bound, want):
-    """The measured choice (bench/NOTES.md, stop 43) in each of its regions on 132 SMs:
+    """The measured choice (bench/NOTES.md, stops 43 and 56) in each of its regions on 132 SMs:
     (key tile, splits, pipeline stages)."""
     cfg = choose_launch_config(num_tokens=batch * q_len, num_reqs=batch, max_query_len=q_len,
                                num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
