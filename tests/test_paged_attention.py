@@ -265,6 +265,20 @@ def test_prefetched_tiles_equal_the_loop_bitwise(device, case, ahead):
     assert torch.equal(got, plain)
 
 
+def test_short_bound_decode_takes_32_key_tiles_and_matches_the_reference(device):
+    """One token a request at a length bound of 1024 with SmolLM2's 9 / 3 x 64 heads in
+    fp16: the chosen launch (32-key tiles, 16 splits) against float64, contexts on both
+    sides of the splits' cut (512 keys) and one that fills the bound; NaN-poisoned out."""
+    cfg = choose_launch_config(num_tokens=3, num_reqs=3, max_query_len=1, num_q_heads=9,
+                               num_kv_heads=3, head_dim=64, max_seq_len=1024)  # fmt: skip
+    assert (cfg.block_n, cfg.num_splits) == (32, 16)
+    for ctx in ([300, 511, 1023], [40, 700, 512]):
+        b = make_paged_batch([1, 1, 1], ctx, num_q_heads=9, num_kv_heads=3, head_dim=64,
+                             dtype=torch.float16, device=device)  # fmt: skip
+        b.max_seq_len = 1024  # the descriptor's bound, as a captured graph has it
+        run_and_check(b, torch.float16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "heads, head_dim", [((9, 3), 64), ((32, 8), 128)], ids=["smollm2", "llama"]
@@ -368,7 +382,7 @@ def test_verified_rows_equal_decoded_rows_bitwise(device):
 @pytest.mark.parametrize("q_len", [2, 4])
 def test_gpu_verified_rows_equal_decoded_rows_bitwise(heads, head_dim, q_len):
     """bf16 and the default launch configuration at the main job's length bound (1024),
-    contexts across every change of the split cut (8 splits of 64-key tiles: 512 keys).
+    contexts across every change of the split cut (16 splits of 32-key tiles: 512 keys).
     The widths (k 1 and 3) keep decode's tile, which holds up to 16 / (q heads per KV
     head) tokens; wider verification takes 128-key tiles and is not bit-equal."""
     ctx = [20, 61, 126, 300, 505, 507, 508, 509, 510, 511, 512, 600, 1000]
