@@ -655,8 +655,9 @@ def choose_launch_config(
             bound_cap = _floor_pow2(max(1, max_seq_len // (2 * block_n)))
             short = 512 < max_seq_len <= 1024  # the bounds where it was measured
             if short and bound_cap < num_splits and block_m == 16 and head_dim <= 64:
-                # The bound, not the SMs, limits the splits of single-tile queries of
-                # small heads: 32-key tiles give twice the splits at two tiles a split.
+                # The bound, not the SMs, limits the splits of 16-row query tiles
+                # (decode, short verification) of small heads: 32-key tiles give twice
+                # the splits at two tiles a split.
                 # H100, SmolLM2's step at bound 1024 (bench/NOTES.md, stop 56): 1 row
                 # 366 -> 357 us at context 256, 417 -> 407 at 1000; 8 rows 684 -> 650.
                 block_n = 32
