@@ -653,14 +653,15 @@ def choose_launch_config(
         num_splits = _floor_pow2(max(1, 4 * num_sms_on_device // work))
         if max_seq_len is not None:
             bound_cap = _floor_pow2(max(1, max_seq_len // (2 * block_n)))
-            # The bounds where it was measured: 4 or 8 splits of 64-key tiles
-            short = 512 < max_seq_len < 2048
+            short = 512 < max_seq_len <= 1024  # the bounds where it was measured
             if short and bound_cap < num_splits and block_m == 16 and head_dim <= 64:
                 # The bound, not the SMs, limits the splits of 16-row query tiles
                 # (decode, short verification) of small heads: 32-key tiles give twice
-                # the splits at two tiles a split. H100, SmolLM2's step (bench/NOTES.md,
-                # stops 56-57): bound 1024, context 256, 1 row 367 -> 359 us, 8 rows
-                # 692 -> 657; bound 1064, context 1000, 1 row 417 -> 407.
+                # the splits at two tiles a split.
+                # H100, SmolLM2's step at bound 1024, context 256 (bench/NOTES.md, stops
+                # 56-57): 1 row 367 -> 359 us, 8 rows 692 -> 657. (Forced at bound 1064,
+                # outside this range: 1 row at context 1000 417 -> 407; not yet timed
+                # at 4-8 rows there.)
                 block_n = 32
                 bound_cap = _floor_pow2(max(1, max_seq_len // (2 * block_n)))
             num_splits = min(num_splits, bound_cap)
