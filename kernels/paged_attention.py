@@ -652,9 +652,12 @@ def choose_launch_config(
         # With a known length bound a split keeps at least two key tiles.
         num_splits = _floor_pow2(max(1, 4 * num_sms_on_device // work))
         if max_seq_len is not None:
-            bound_cap = _floor_pow2(max(1, max_seq_len // (2 * block_n)))
+
+            def bound_cap(key_tile: int) -> int:
+                return _floor_pow2(max(1, max_seq_len // (2 * key_tile)))
+
             short = 512 < max_seq_len <= 1024  # the bounds where it was measured
-            if short and bound_cap < num_splits and block_m == 16 and head_dim <= 64:
+            if short and bound_cap(block_n) < num_splits and block_m == 16 and head_dim <= 64:
                 # The bound, not the SMs, limits the splits of 16-row query tiles
                 # (decode, short verification) of small heads: 32-key tiles give twice
                 # the splits at two tiles a split.
@@ -663,8 +666,7 @@ def choose_launch_config(
                 # outside this range: 1 row at context 1000 417 -> 407; not yet timed
                 # at 4-8 rows there.)
                 block_n = 32
-                bound_cap = _floor_pow2(max(1, max_seq_len // (2 * block_n)))
-            num_splits = min(num_splits, bound_cap)
+            num_splits = min(num_splits, bound_cap(block_n))
         num_splits = min(num_splits, MAX_NUM_SPLITS)
     if num_splits >= 16:
         # Short per-program loops: a shallower pipeline leaves room for more programs per
