@@ -254,10 +254,11 @@ def argmax(
 
 
 def paged_attention(
-    q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, *, pdl=False, **kw
-):
-    """pdl: programmatic dependent launch on the Triton backend (the PyTorch path has no
-    launches to chain)."""
+    q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, *, pdl=False,
+    semaphores=None, **kw,
+):  # fmt: skip
+    """pdl, semaphores (the split merge inside the attention launch): Triton backend
+    only (the PyTorch path has no launches to chain or merge)."""
     impl = _impl("paged_attention", q)
     if impl is torch_ops.paged_attention:
         # Same argument checks as the kernel's launcher, nothing launched.
@@ -265,7 +266,8 @@ def paged_attention(
             q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, **kw
         )
         return impl(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, **kw)
-    return impl(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, pdl=pdl, **kw)
+    return impl(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, pdl=pdl,
+                semaphores=semaphores, **kw)  # fmt: skip
 
 
 def paged_attention_unmerged(q, *args, **kw):

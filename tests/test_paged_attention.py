@@ -279,6 +279,96 @@ def test_short_bound_decode_takes_32_key_tiles_and_matches_the_reference(device)
         run_and_check(b, torch.float16)
 
 
+MERGE_CASES = {
+    # q_lens, ctx_lens, heads, head dim, dtype, block_m, key tile, splits, window
+    "decode": ([1, 1, 1], [300, 17, 70], (9, 3), 64, torch.float16, 16, 32, 16, None),
+    "verify": ([4, 2, 4], [90, 1, 200], (4, 2), 16, torch.float32, 16, 16, 4, None),
+    "window": ([3, 1], [150, 64], (4, 1), 32, torch.float16, 16, 32, 8, 40),
+    "prefill": ([37, 5], [0, 60], (2, 2), 32, torch.float32, 32, 16, 2, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MERGE_CASES))
+def test_merge_in_the_kernel_equals_the_combine_launch_bitwise(device, case):
+    """Split launches merged by each query tile's last split (semaphores) against the
+    same launch merged by the combine kernel: the same bits on every row (padded tokens
+    zero), every element written (NaN-poisoned out), the counts back at zero, twice in
+    a row on the same semaphores."""
+    q_lens, ctx, heads, d, dtype, bm, bn, splits, window = MERGE_CASES[case]
+    b = make_paged_batch(q_lens, ctx, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=d,
+                         dtype=dtype, device=device, pad_reqs=1, pad_tokens=3)  # fmt: skip
+    qpk = heads[0] // heads[1]
+    cfg = AttentionLaunchConfig(bm, bm // qpk, bn, splits, 4, 2)
+    num_tokens, num_reqs = b.q.shape[0], b.query_start_loc.numel() - 1
+    need = kernels.merge_semaphores_needed(num_tokens, num_reqs, heads[1], cfg)
+    sems = torch.zeros(need + 5, dtype=torch.int32, device=device)
+    args = (b.q, b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens, b.block_table, d**-0.5)
+    kw = dict(max_query_len=b.max_query_len, max_seq_len=b.max_seq_len, sliding_window=window,
+              config=cfg)  # fmt: skip
+    want = run_and_check(b, dtype, sliding_window=window, config=cfg)
+    for _ in range(2):
+        out = torch.full_like(b.q, float("nan"))
+        paged_attention(*args, out=out, semaphores=sems, **kw)
+        assert torch.equal(out, want)
+        assert not sems.any()
+
+
+def test_merge_semaphores_bad_input_is_refused_before_any_launch(device):
+    b = make_paged_batch([1, 1], [40, 9], num_q_heads=4, num_kv_heads=2, head_dim=16,
+                         device=device)  # fmt: skip
+    cfg = AttentionLaunchConfig(16, 8, 16, 4, 4, 2)
+    need = kernels.merge_semaphores_needed(2, 2, 2, cfg)
+    args = (b.q, b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens, b.block_table, 0.25)
+    bad = [
+        (TypeError, [0] * need, "semaphores must be a torch.Tensor"),
+        (ValueError, torch.zeros(need, dtype=torch.int64, device=device), "int32"),
+        (ValueError, torch.zeros(need, 2, dtype=torch.int32, device=device), "1-D"),
+        (ValueError, torch.zeros(need - 1, dtype=torch.int32, device=device), f"at least {need}"),
+    ]
+    for exc, sems, msg in bad:
+        out = torch.full_like(b.q, 7.0)
+        snap = sems.clone() if isinstance(sems, torch.Tensor) else None
+        with pytest.raises(exc, match=msg) as err:
+            paged_attention(*args, out=out, semaphores=sems, max_seq_len=b.max_seq_len,
+                            config=cfg)  # fmt: skip
+        assert "semaphores" in str(err.value)
+        assert (out == 7.0).all()
+        if snap is not None:
+            assert torch.equal(sems, snap)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "heads, head_dim", [((9, 3), 64), ((32, 8), 128)], ids=["smollm2", "llama"]
+)
+def test_gpu_merge_in_the_kernel_holds_over_many_launches(heads, head_dim):
+    """bf16 on the GPU, where the splits of a tile finish in any order: 200 launches
+    (decode of 64 requests and 4-token verification of 16, 16 splits) on the same
+    semaphores, each merged output bit-equal to the combine launch's, the counts zero
+    after each."""
+    for q_len, n in ((1, 64), (4, 16)):
+        ctx = [random.randint(1, 1000) for _ in range(n)]
+        b = make_paged_batch([q_len] * n, ctx, num_q_heads=heads[0], num_kv_heads=heads[1],
+                             head_dim=head_dim, dtype=torch.bfloat16, device="cuda",
+                             pad_reqs=1, pad_tokens=2)  # fmt: skip
+        qpk = heads[0] // heads[1]
+        bm = max(16, triton.next_power_of_2(q_len * qpk))
+        cfg = AttentionLaunchConfig(bm, bm // qpk, 32, 16, 4, 2)
+        num_tokens, num_reqs = b.q.shape[0], b.query_start_loc.numel() - 1
+        sems = torch.zeros(kernels.merge_semaphores_needed(num_tokens, num_reqs, heads[1], cfg),
+                           dtype=torch.int32, device="cuda")  # fmt: skip
+        args = (b.q, b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens, b.block_table,
+                head_dim**-0.5)  # fmt: skip
+        kw = dict(max_query_len=q_len, max_seq_len=1024, config=cfg)
+        want = run_and_check(b, torch.bfloat16, config=cfg)
+        outs = [torch.full_like(b.q, float("nan")) for _ in range(100)]
+        for out in outs:
+            paged_attention(*args, out=out, semaphores=sems, **kw)
+        bad = [i for i, out in enumerate(outs) if not torch.equal(out, want)]
+        assert not bad, (q_len, bad[:10])
+        assert not sems.any()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "heads, head_dim", [((9, 3), 64), ((32, 8), 128)], ids=["smollm2", "llama"]
