@@ -482,16 +482,49 @@ def _paged_attention_kernel(
             count = sem_ptr + tile * tl.num_programs(1) + kv_head
             if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
                 tl.store(count, 0)
-                merged = _merge_splits(
-                    part_out_ptr, part_lse_ptr, (tok * NUM_Q_HEADS + head)[:, None],
-                    offs_d[None, :], rows[:, None], num_tokens * NUM_Q_HEADS, HEAD_DIM_P,
-                    NUM_SPLITS, PART_MAX, ".cg",
-                )  # fmt: skip
-                o_ptrs = (
-                    out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh
-                    + offs_d[None, :]
-                )  # fmt: skip
-                tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=store_mask)
+                _merge_tail(out_ptr, part_out_ptr, part_lse_ptr, q_start, q_block, q_len,
+                            kv_head, num_tokens, stride_ot, stride_oh, QPK, NUM_Q_HEADS,
+                            HEAD_DIM, HEAD_DIM_P, BLOCK_Q, NUM_SPLITS, PART_MAX)  # fmt: skip
+
+
+@triton.jit
+def _merge_tail(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    q_start,
+    q_block,
+    q_len,
+    kv_head,
+    num_tokens,
+    stride_ot,
+    stride_oh,
+    QPK: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    PART_MAX: tl.constexpr,
+):
+    """The merge by a query tile's last split: one token at a time, its QPK heads as one
+    [QPK, HEAD_DIM_P] tile. Offline sm_90 (SmolLM2's heads, 16 splits, 4 warps): a whole
+    [BLOCK_M, HEAD_DIM_P] tile took 255 registers and spilled 272 bytes (the kernel
+    without the merge: 193); a token at a time, 192 and none."""
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    offs_h = tl.arange(0, triton.next_power_of_2(QPK))
+    head = kv_head * QPK + offs_h
+    ok = offs_h < QPK
+    first = q_block * BLOCK_Q
+    for i in range(first, tl.minimum(first + BLOCK_Q, q_len)):
+        tok = (q_start + i).to(tl.int64)
+        merged = _merge_splits(
+            part_out_ptr, part_lse_ptr, (tok * NUM_Q_HEADS + head)[:, None], offs_d[None, :],
+            ok[:, None], num_tokens * NUM_Q_HEADS, HEAD_DIM_P, NUM_SPLITS, PART_MAX, ".cg",
+        )  # fmt: skip
+        o_ptrs = out_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty),
+                 mask=ok[:, None] & (offs_d < HEAD_DIM)[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -774,10 +807,11 @@ def paged_attention_unmerged(
     given, must agree with it).
 
     semaphores: int32 zeros on q's device, at least merge_semaphores_needed(...) of
-    them. With merge=True a split launch then merges in its own kernel: each query
-    tile's last split to finish merges the partials (the same bits as the combine
-    launch), and leaves the counts at zero again. Launches that share semaphores must
-    not run concurrently (a layer owns its own: specdraft.attention.Attention).
+    them. With merge=True a split launch of short query tiles (block_m <= 16: decode,
+    short verification) then merges in its own kernel: each query tile's last split to
+    finish merges the partials (the same bits as the combine launch), and leaves the
+    counts at zero again. Launches that share semaphores must not run concurrently (a
+    layer owns its own: specdraft.attention.PagedAttention).
     """
     check_paged_attention_args(
         q,
@@ -821,7 +855,9 @@ def paged_attention_unmerged(
     head_dim_p = triton.next_power_of_2(head_dim)
     grid = (cdiv(num_tokens, cfg.block_q) + num_reqs, num_kv_heads, cfg.num_splits)
     _check_semaphores(semaphores, q.device, grid[0] * grid[1])
-    merge_here = merge and cfg.num_splits > 1 and semaphores is not None
+    # Short query tiles only (decode, short verification): the last program merges its
+    # tile's tokens one after another.
+    merge_here = merge and cfg.num_splits > 1 and cfg.block_m <= 16 and semaphores is not None
     if cfg.num_splits > 1:
         part_out = torch.empty(
             (cfg.num_splits, num_tokens, num_q_heads, head_dim_p),

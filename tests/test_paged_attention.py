@@ -284,7 +284,7 @@ MERGE_CASES = {
     "decode": ([1, 1, 1], [300, 17, 70], (9, 3), 64, torch.float16, 16, 32, 16, None),
     "verify": ([4, 2, 4], [90, 1, 200], (4, 2), 16, torch.float32, 16, 16, 4, None),
     "window": ([3, 1], [150, 64], (4, 1), 32, torch.float16, 16, 32, 8, 40),
-    "prefill": ([37, 5], [0, 60], (2, 2), 32, torch.float32, 32, 16, 2, None),
+    "prefill": ([37, 5], [0, 60], (2, 2), 32, torch.float32, 16, 16, 2, None),
 }
 
 
