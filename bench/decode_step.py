@@ -15,16 +15,14 @@ adds columns with the attention split count forced, `--stages` with its pipeline
 `--chain` also times SmolLM2's projections alone (projection_chain.md), `--mma-tiles`
 with tensor-core tile variants; `--merge-in-o` adds the fused path with split attention
 merged by the O projection on its loads (specdraft.layers.MERGE_IN_O_PROJ) instead of a
-merge launch, `--merge-in-attn` merged by the attention launch itself
-(specdraft.attention.MERGE_IN_ATTENTION); `--rows-tiles` with the rows kernel's tile set
-(kernels.fused_linear's ROWS_TILE).
+merge launch; `--rows-tiles` with the rows kernel's tile set (kernels.fused_linear's
+ROWS_TILE).
 
 Launches per step come from the profiler, after every timing.
 
     python -m bench.decode_step [--out results] [--rows 1,2,4,8,32] [--ctx 256]
         [--max-model-len 1024] [--rpp 1,2,4] [--splits 1,8,16] [--stages 2,3]
-        [--attn 256/1/8/2] [--chain] [--merge-in-o] [--merge-in-attn]
-        [--rows-tiles whole/8/4,whole/2/1]
+        [--attn 256/1/8/2] [--chain] [--merge-in-o] [--rows-tiles whole/8/4,whole/2/1]
 """
 
 from __future__ import annotations
@@ -245,9 +243,6 @@ def main(argv: list[str] | None = None) -> int:
                     "items, e.g. whole/8/4,whole/2/1")  # fmt: skip
     ap.add_argument("--merge-in-o", action="store_true",
                     help="also fused with the O projection merging split attention")  # fmt: skip
-    ap.add_argument("--merge-in-attn", action="store_true",
-                    help="also fused with split attention merged by each query tile's last "
-                    "split in the attention launch (attention.MERGE_IN_ATTENTION)")  # fmt: skip
     ap.add_argument("--chain", action="store_true",
                     help="also SmolLM2's projections alone (projection_chain.md)")  # fmt: skip
     ap.add_argument("--mma-tiles", default="",
@@ -266,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         save_results,
         time_graph_us,
     )
-    from specdraft import attention, kernels, layers, ops
+    from specdraft import kernels, layers, ops
 
     fl = importlib.import_module("specdraft.kernels.fused_linear")
     fm = importlib.import_module("specdraft.kernels.fused_mma")
@@ -279,7 +274,6 @@ def main(argv: list[str] | None = None) -> int:
     # rows kernel's K bound, split attention merged in the O projection, the rows
     # kernel's ROWS_TILE); None: the library's choice
     lib, merge_o, tile0 = fl.ROWS_MAX_K, layers.MERGE_IN_O_PROJ, fl.ROWS_TILE
-    merge_a = attention.MERGE_IN_ATTENTION
     modes = [("unfused", False, None, None, lib, merge_o, tile0),
              ("fused", True, None, None, lib, merge_o, tile0)]  # fmt: skip
     if args.wide:
@@ -297,16 +291,13 @@ def main(argv: list[str] | None = None) -> int:
               for t in rows_tiles_arg(args.rows_tiles)]  # fmt: skip
     if args.merge_in_o:
         modes.append(("fused_merge_o", True, None, None, lib, True, tile0))
-    if args.merge_in_attn:
-        modes.append(("fused_merge_attn", True, None, None, lib, "attn", tile0))
     saved = (ops._fused_decode, ops._fused_rows, fl.ROWS_PER_PROGRAM, pa.choose_launch_config)
     rows_out, steps, target = [], [], None
 
     def use(fused: bool, rpp, splits, max_k, merge: bool, tile, rows: int) -> None:
         fl.ROWS_MAX_K = max_k
         fl.ROWS_TILE = tile
-        layers.MERGE_IN_O_PROJ = merge is True
-        attention.MERGE_IN_ATTENTION = merge == "attn"
+        layers.MERGE_IN_O_PROJ = merge
         ops.set_fused_decode(fused)
         ops._fused_rows = rows if fused else saved[1]
         fl.ROWS_PER_PROGRAM = rpp if rpp is not None else saved[2]
@@ -345,7 +336,6 @@ def main(argv: list[str] | None = None) -> int:
         ops.set_fused_decode(saved[0])
         ops._fused_rows, fl.ROWS_PER_PROGRAM, pa.choose_launch_config = saved[1:]
         fl.ROWS_MAX_K, layers.MERGE_IN_O_PROJ, fl.ROWS_TILE = lib, merge_o, tile0
-        attention.MERGE_IN_ATTENTION = merge_a
     cols = [("model", "model"), ("rows", "rows"), ("floor_us", "weight floor µs")]
     for mode, *_ in modes:
         cols += [(f"{mode}_us", f"{mode} µs"), (f"{mode}_x_floor", "x floor"),

@@ -107,7 +107,7 @@ def _rows_x_merged(x_ptr, rr, nn, M, sp_out_ptr, sp_lse_ptr, qsl_ptr, num_reqs,
     ok = (r < M) & (hh < NQH)
     merged = _merge_splits(sp_out_ptr, sp_lse_ptr, (r * NQH + hh).to(tl.int64),
                            tl.arange(0, HD)[None, None, :], ok, M * NQH, HD, NSPLIT,
-                           PART_MAX, "")  # fmt: skip
+                           PART_MAX)  # fmt: skip
     merged = tl.where(ok & (r < _load_qsl(qsl_ptr, num_reqs, M)), merged, 0.0)
     merged = merged.to(x_ptr.dtype.element_ty).to(tl.float32)
     return tl.reshape(merged, [1, ROWS, KH, KL]) + (nn * 0).to(tl.float32)

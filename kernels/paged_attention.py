@@ -294,7 +294,6 @@ def _paged_attention_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    sem_ptr,
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -333,8 +332,6 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     GDC: tl.constexpr = False,
     PREFETCH: tl.constexpr = 0,
-    MERGE: tl.constexpr = False,
-    PART_MAX: tl.constexpr = 1e30,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -355,10 +352,9 @@ def _paged_attention_kernel(
     head = kv_head * QPK + offs_m % QPK
 
     if req == num_reqs:
-        # Past every request: rows of padded tokens get zeros (invariant 2), from the
-        # first split's program when the splits merge here; else the combine kernel
-        # writes them.
-        if (NUM_SPLITS == 1) | (MERGE & (split == 0)):
+        # Past every request: rows of padded tokens get zeros (invariant 2). With splits
+        # the combine kernel writes them instead.
+        if NUM_SPLITS == 1:
             if GDC:
                 tl.extra.cuda.gdc_wait()
                 tl.extra.cuda.gdc_launch_dependents()
@@ -472,65 +468,11 @@ def _paged_attention_kernel(
         )
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(part_lse_ptr + row, lse, mask=rows)
-        if MERGE:
-            # The tile's last split to finish merges every split's partials (no combine
-            # launch). Its count: one int32 per (query tile, KV head), zero between
-            # launches (the last program puts it back). The barrier orders every
-            # thread's partial stores before the release of the count; the acquire
-            # makes the other programs' partials visible, read past L1.
-            tl.debug_barrier()
-            count = sem_ptr + tile * tl.num_programs(1) + kv_head
-            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-                tl.store(count, 0)
-                _merge_tail(out_ptr, part_out_ptr, part_lse_ptr, q_start, q_block, q_len,
-                            kv_head, num_tokens, stride_ot, stride_oh, QPK, NUM_Q_HEADS,
-                            HEAD_DIM, HEAD_DIM_P, BLOCK_Q, NUM_SPLITS, PART_MAX)  # fmt: skip
-
-
-@triton.jit
-def _merge_tail(
-    out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    q_start,
-    q_block,
-    q_len,
-    kv_head,
-    num_tokens,
-    stride_ot,
-    stride_oh,
-    QPK: tl.constexpr,
-    NUM_Q_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_P: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    PART_MAX: tl.constexpr,
-):
-    """The merge by a query tile's last split: one token at a time, its QPK heads as one
-    [QPK, HEAD_DIM_P] tile. Offline sm_90 (SmolLM2's heads, 16 splits, 4 warps): a whole
-    [BLOCK_M, HEAD_DIM_P] tile took 255 registers and spilled 272 bytes (the kernel
-    without the merge: 193); a token at a time, 192 and none."""
-    offs_d = tl.arange(0, HEAD_DIM_P)
-    offs_h = tl.arange(0, triton.next_power_of_2(QPK))
-    head = kv_head * QPK + offs_h
-    ok = offs_h < QPK
-    first = q_block * BLOCK_Q
-    for i in range(first, tl.minimum(first + BLOCK_Q, q_len)):
-        tok = (q_start + i).to(tl.int64)
-        merged = _merge_splits(
-            part_out_ptr, part_lse_ptr, (tok * NUM_Q_HEADS + head)[:, None], offs_d[None, :],
-            ok[:, None], num_tokens * NUM_Q_HEADS, HEAD_DIM_P, NUM_SPLITS, PART_MAX, ".cg",
-        )  # fmt: skip
-        o_ptrs = out_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty),
-                 mask=ok[:, None] & (offs_d < HEAD_DIM)[None, :])  # fmt: skip
 
 
 @triton.jit
 def _merge_splits(part_out_ptr, part_lse_ptr, row, d, ok, split_rows, HEAD_DIM_P: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, PART_MAX: tl.constexpr,
-                  CACHE: tl.constexpr):  # fmt: skip
+                  NUM_SPLITS: tl.constexpr, PART_MAX: tl.constexpr):  # fmt: skip
     """The merged attention output (float32) at partial rows `row` (token * NUM_Q_HEADS +
     head, the first split's) and dims `d`, where `ok`; split s's rows lie split_rows
     further on. The splits are summed one after another in split order: the combine
@@ -542,29 +484,24 @@ def _merge_splits(part_out_ptr, part_lse_ptr, row, d, ok, split_rows, HEAD_DIM_P
     before its first entry, or skipped by a decreasing one) holds whatever the allocator
     left: NaN / +inf lse count as empty splits, and partials count only for splits that
     count, zeroed where NaN and clamped to +-PART_MAX, so the merged value is
-    finite (garbage, but finite). CACHE: the loads' cache modifier (".cg", past L1, for
-    partials that other programs of the same launch wrote)."""
+    finite (garbage, but finite)."""
     lse_max = tl.full(row.shape, float("-inf"), tl.float32)
     for s in tl.static_range(NUM_SPLITS):
-        lse = tl.load(
-            part_lse_ptr + s * split_rows + row, mask=ok, other=float("-inf"), cache_modifier=CACHE
-        )
+        lse = tl.load(part_lse_ptr + s * split_rows + row, mask=ok, other=float("-inf"))
         lse = tl.where((lse == lse) & (lse < float("inf")), lse, float("-inf"))
         lse_max = tl.maximum(lse_max, lse)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     num = tl.zeros(d.shape, tl.float32) + tl.zeros(row.shape, tl.float32)
     den = tl.zeros(row.shape, tl.float32)
     for s in tl.static_range(NUM_SPLITS):
-        lse = tl.load(
-            part_lse_ptr + s * split_rows + row, mask=ok, other=float("-inf"), cache_modifier=CACHE
-        )
+        lse = tl.load(part_lse_ptr + s * split_rows + row, mask=ok, other=float("-inf"))
         lse = tl.where((lse == lse) & (lse < float("inf")), lse, float("-inf"))
         w = tl.exp2(lse - lse_max)
         # Loaded whatever w is, then selected: a load masked by w waited for the lse
         # loads, one more L2 round trip in the chain (the buffer holds every split's
         # rows, so the read stays inside it).
         part = tl.load(part_out_ptr + (s * split_rows + row) * HEAD_DIM_P + d, mask=ok,
-                       other=0.0, cache_modifier=CACHE)  # fmt: skip
+                       other=0.0)  # fmt: skip
         part = tl.where((w > 0.0) & (part == part), part, 0.0)
         part = tl.minimum(tl.maximum(part, -PART_MAX), PART_MAX)
         num += w * part
@@ -612,7 +549,7 @@ def _combine_splits_kernel(
     # Python int (it specializes integer arguments equal to 1)
     merged = _merge_splits(part_out_ptr, part_lse_ptr, row, offs_d, row >= 0,
                            (tok * 0 + num_tokens) * NUM_Q_HEADS, HEAD_DIM_P, NUM_SPLITS,
-                           PART_MAX, "")  # fmt: skip
+                           PART_MAX)  # fmt: skip
     tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
@@ -772,7 +709,6 @@ def paged_attention_unmerged(
     config: AttentionLaunchConfig | None = None,
     pdl: bool = False,
     merge: bool = False,
-    semaphores: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, AttentionSplits | None]:
     """Causal attention of a ragged batch of queries over a paged K/V cache: (out, None)
     when the launch does not split its keys, else (out, its AttentionSplits), out then
@@ -805,13 +741,6 @@ def paged_attention_unmerged(
     config: the launch's tiles, splits, warps and stages instead of choose_launch_config's
     (checked: powers of two, block_q * q heads a KV head <= block_m; num_splits, if also
     given, must agree with it).
-
-    semaphores: int32 zeros on q's device, at least merge_semaphores_needed(...) of
-    them. With merge=True a split launch of short query tiles (block_m <= 16: decode,
-    short verification) then merges in its own kernel: each query tile's last split to
-    finish merges the partials (the same bits as the combine launch), and leaves the
-    counts at zero again. Launches that share semaphores must not run concurrently (a
-    layer owns its own: specdraft.attention.PagedAttention).
     """
     check_paged_attention_args(
         q,
@@ -853,11 +782,6 @@ def paged_attention_unmerged(
     )
     qpk = num_q_heads // num_kv_heads
     head_dim_p = triton.next_power_of_2(head_dim)
-    grid = (cdiv(num_tokens, cfg.block_q) + num_reqs, num_kv_heads, cfg.num_splits)
-    _check_semaphores(semaphores, q.device, grid[0] * grid[1])
-    # Short query tiles only (decode, short verification): the last program merges its
-    # tile's tokens one after another.
-    merge_here = merge and cfg.num_splits > 1 and cfg.block_m <= 16 and semaphores is not None
     if cfg.num_splits > 1:
         part_out = torch.empty(
             (cfg.num_splits, num_tokens, num_q_heads, head_dim_p),
@@ -869,12 +793,12 @@ def paged_attention_unmerged(
         )
     else:
         part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
+    grid = (cdiv(num_tokens, cfg.block_q) + num_reqs, num_kv_heads, cfg.num_splits)
     pdl, launch_pdl = pdl_launch(pdl)
     _paged_attention_kernel[grid](
         out,
         part_out,
         part_lse,
-        semaphores if merge_here else out,
         q,
         k_cache,
         v_cache,
@@ -913,8 +837,6 @@ def paged_attention_unmerged(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         GDC=pdl,
         PREFETCH=int(cfg.prefetch),
-        MERGE=merge_here,
-        PART_MAX=65504.0 if out.dtype == torch.float16 else 1e30,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch_pdl,
@@ -922,37 +844,9 @@ def paged_attention_unmerged(
     if cfg.num_splits == 1:
         return out, None
     splits = AttentionSplits(out, part_out, part_lse, query_start_loc, num_reqs, cfg.num_splits)
-    if merge and not merge_here:
+    if merge:
         combine_splits(splits, pdl=pdl)
     return out, splits
-
-
-def merge_semaphores_needed(
-    num_tokens: int, num_reqs: int, num_kv_heads: int, config: AttentionLaunchConfig
-) -> int:
-    """How many semaphores a launch with these bounds and this config needs: one per
-    (query tile, KV head) of its grid."""
-    return (cdiv(num_tokens, config.block_q) + num_reqs) * num_kv_heads
-
-
-def _check_semaphores(semaphores: torch.Tensor | None, device: torch.device, need: int) -> None:
-    if semaphores is None:
-        return
-    if not isinstance(semaphores, torch.Tensor):
-        kind = type(semaphores).__name__
-        raise TypeError(f"semaphores must be a torch.Tensor or None, got {kind}")
-    if semaphores.dtype != torch.int32 or semaphores.dim() != 1 or not semaphores.is_contiguous():
-        raise ValueError(
-            f"semaphores must be a contiguous 1-D int32 tensor, got {semaphores.dtype} "
-            f"with shape {tuple(semaphores.shape)}"
-        )
-    if semaphores.device != device:
-        raise ValueError(f"semaphores is on {semaphores.device}, expected q's device {device}")
-    if semaphores.numel() < need:
-        raise ValueError(
-            f"semaphores holds {semaphores.numel()} counts, this launch needs at least {need} "
-            "(one per query tile and KV head: merge_semaphores_needed)"
-        )
 
 
 # paged_attention takes paged_attention_unmerged's arguments but merge (the guard's
@@ -1007,11 +901,7 @@ def combine_splits(splits: AttentionSplits, *, pdl: bool = False) -> torch.Tenso
         NUM_SPLITS=splits.num_splits,
         PART_MAX=splits.part_max,
         GDC=pdl,
-        # A thread an element: each thread sums its element over the splits in a
-        # dependent chain, so one warp over 64 dims ran that chain twice (offline sm_90,
-        # 16 splits of 64 dims: 408 instructions on 1 warp, 304 on 2). The same order of
-        # the sum, the same bits, at any warp count.
-        num_warps=max(1, min(8, head_dim_p // 32)),
+        num_warps=1 if head_dim_p <= 128 else 2,
         **launch_pdl,
     )
     return out

@@ -12,12 +12,6 @@ from specdraft.ops import paged_attention, paged_attention_unmerged, store_kv
 
 from .attn_metadata import AttentionMetadata
 
-# True: a split launch's last program a query tile merges the splits (semaphores the
-# layer owns) instead of a combine launch after it. Off until it pays on a GPU
-# (bench/NOTES.md, stop 58; bench.decode_step --merge-launch times both). Read when a
-# call is made or a graph captured.
-MERGE_IN_ATTENTION = False
-
 
 def _shape_error(name: str, t: torch.Tensor, expected: str) -> ValueError:
     return ValueError(f"{name} has shape {tuple(t.shape)}, expected {expected}")
@@ -76,9 +70,6 @@ class PagedAttention(torch.nn.Module):
         self.scale = float(scale)
         self.sliding_window = sliding_window
         self.softcap = None if softcap is None else float(softcap)
-        # The merge's counts (kernels.paged_attention's semaphores), zero between calls;
-        # every one allocated stays alive, as graphs captured with it hold its address.
-        self._semaphores: list[torch.Tensor] = []
 
     def forward(
         self,
@@ -106,25 +97,8 @@ class PagedAttention(torch.nn.Module):
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention(
             q, k_cache, v_cache, *self._metadata(meta), self.scale, out=out, pdl=pdl,
-            semaphores=self._merge_semaphores(q, meta), **self._options(meta),
+            **self._options(meta),
         )  # fmt: skip
-
-    def _merge_semaphores(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-        """Counts for a merge inside the attention launch: one per (query tile, KV
-        head), at most (num_tokens + num_reqs) x num_kv_heads for any launch config.
-        Allocated outside graph capture only (a capture that needs more, which the warm-up
-        before each capture rules out, merges in a combine launch instead)."""
-        if not MERGE_IN_ATTENTION:
-            return None
-        need = (meta.num_tokens + meta.num_reqs) * self.num_kv_heads
-        have = self._semaphores[-1] if self._semaphores else None
-        if have is not None and have.device == q.device and have.numel() >= need:
-            return have
-        if q.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None
-        grown = need if have is None else max(need, 2 * have.numel())
-        self._semaphores.append(torch.zeros(grown, dtype=torch.int32, device=q.device))
-        return self._semaphores[-1]
 
     def forward_unmerged(
         self,

@@ -254,11 +254,10 @@ def argmax(
 
 
 def paged_attention(
-    q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, *, pdl=False,
-    semaphores=None, **kw,
-):  # fmt: skip
-    """pdl, semaphores (the split merge inside the attention launch): Triton backend
-    only (the PyTorch path has no launches to chain or merge)."""
+    q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, *, pdl=False, **kw
+):
+    """pdl: programmatic dependent launch on the Triton backend (the PyTorch path has no
+    launches to chain)."""
     impl = _impl("paged_attention", q)
     if impl is torch_ops.paged_attention:
         # Same argument checks as the kernel's launcher, nothing launched.
@@ -266,8 +265,7 @@ def paged_attention(
             q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, **kw
         )
         return impl(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, **kw)
-    return impl(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, pdl=pdl,
-                semaphores=semaphores, **kw)  # fmt: skip
+    return impl(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, pdl=pdl, **kw)
 
 
 def paged_attention_unmerged(q, *args, **kw):

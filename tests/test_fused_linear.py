@@ -761,24 +761,6 @@ def test_fused_linear_bad_x_splits(device):
     assert bool((y == 7.0).all()) and bool(out.isnan().all())
 
 
-def _four_splits_counting_merges(monkeypatch) -> list[int]:
-    """Attention launches forced to 4 splits (as the GPU takes at long contexts); the
-    list each combine launch appends its row count to."""
-    import importlib
-
-    pa = importlib.import_module("specdraft.kernels.paged_attention")
-    choose = pa.choose_launch_config
-    monkeypatch.setattr(pa, "choose_launch_config", lambda **kw: choose(**{**kw, "num_splits": 4}))
-    combines, real = [], pa.combine_splits
-
-    def spy(splits, **kw):
-        combines.append(splits.out.shape[0])
-        return real(splits, **kw)
-
-    monkeypatch.setattr(pa, "combine_splits", spy)
-    return combines
-
-
 @pytest.mark.interpreter
 def test_merge_in_o_projection_matches_the_merge_launch(monkeypatch):
     """layers.MERGE_IN_O_PROJ: the fused decode steps of a model with split attention
@@ -786,12 +768,24 @@ def test_merge_in_o_projection_matches_the_merge_launch(monkeypatch):
     aux states,
     bit for bit, with the O projection merging the partials and with the merge launch;
     the merge launch runs only in the latter."""
-    from specdraft import attention, layers
+    import importlib
 
-    monkeypatch.setattr(attention, "MERGE_IN_ATTENTION", False)  # the merge as its own launch
-    combines = _four_splits_counting_merges(monkeypatch)
+    from specdraft import layers
+
+    pa = importlib.import_module("specdraft.kernels.paged_attention")
+
+    choose = pa.choose_launch_config
+    monkeypatch.setattr(pa, "choose_launch_config", lambda **kw: choose(**{**kw, "num_splits": 4}))
     cfg = tiny_config("llama", num_layers=2)
     model = random_causal_lm(cfg, dtype=torch.float32, device="cpu", seed=3)
+    combines = []
+    real = pa.combine_splits
+
+    def spy(splits, **kw):
+        combines.append(splits.out.shape[0])
+        return real(splits, **kw)
+
+    monkeypatch.setattr(pa, "combine_splits", spy)
     monkeypatch.setattr(layers, "MERGE_IN_O_PROJ", False)
     with torch.no_grad():
         plain = _model_logits(model, cfg, "cpu", True)
@@ -803,31 +797,6 @@ def test_merge_in_o_projection_matches_the_merge_launch(monkeypatch):
     # unfused prefill merges by launch either way)
     assert launches - (len(combines) - launches) == 3 * 2, combines
     for a, b in zip(plain, merged):
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-@pytest.mark.interpreter
-def test_merge_in_attention_matches_the_merge_launch(monkeypatch):
-    """attention.MERGE_IN_ATTENTION: a model's steps with split attention (4 splits),
-    fused decode and the unfused prefill, give the same hidden states, logits and aux
-    states, bit for bit, with each query tile's last split merging in the attention
-    launch and with the combine launch; no combine launch runs in the former, and every
-    layer's counts are back at zero after each step."""
-    from specdraft import attention
-
-    combines = _four_splits_counting_merges(monkeypatch)
-    cfg = tiny_config("llama", num_layers=2)
-    model = random_causal_lm(cfg, dtype=torch.float32, device="cpu", seed=5)
-    got = {}
-    for merge_here in (False, True):
-        monkeypatch.setattr(attention, "MERGE_IN_ATTENTION", merge_here)
-        combines.clear()
-        with torch.no_grad():
-            got[merge_here] = _model_logits(model, cfg, "cpu", True)
-        assert bool(combines) != merge_here, combines
-    layers = [m for m in model.modules() if isinstance(m, attention.PagedAttention)]
-    assert layers and all(m._semaphores and not m._semaphores[-1].any() for m in layers)
-    for a, b in zip(got[False], got[True]):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
