@@ -656,15 +656,14 @@ def choose_launch_config(
             def bound_cap(key_tile: int) -> int:
                 return _floor_pow2(max(1, max_seq_len // (2 * key_tile)))
 
-            short = 512 < max_seq_len <= 1024  # the bounds where it was measured
+            short = 512 < max_seq_len < 2048  # 8 splits of 64-key tiles, or fewer
             if short and bound_cap(block_n) < num_splits and block_m == 16 and head_dim <= 64:
                 # The bound, not the SMs, limits the splits of 16-row query tiles
                 # (decode, short verification) of small heads: 32-key tiles give twice
-                # the splits at two tiles a split.
-                # H100, SmolLM2's step at bound 1024, context 256 (bench/NOTES.md, stops
-                # 56-57): 1 row 367 -> 359 us, 8 rows 692 -> 657. (Forced at bound 1064,
-                # outside this range: 1 row at context 1000 417 -> 407; not yet timed
-                # at 4-8 rows there.)
+                # the splits at two tiles a split. H100 (bench/NOTES.md, stops 56-58),
+                # SmolLM2's step at 1 / 4 / 8 rows: bound 1024, context 256, 367 -> 359,
+                # 517 -> 513, 692 -> 657 us; bound 1064, context 1000, 418 -> 408,
+                # 600 -> 567, 763 -> 722.
                 block_n = 32
             num_splits = min(num_splits, bound_cap(block_n))
         num_splits = min(num_splits, MAX_NUM_SPLITS)

@@ -265,17 +265,21 @@ def test_prefetched_tiles_equal_the_loop_bitwise(device, case, ahead):
     assert torch.equal(got, plain)
 
 
-def test_short_bound_decode_takes_32_key_tiles_and_matches_the_reference(device):
-    """One token a request at a length bound of 1024 with SmolLM2's 9 / 3 x 64 heads in
-    fp16: the chosen launch (32-key tiles, 16 splits) against float64, contexts on both
-    sides of the splits' cut (512 keys) and one that fills the bound; NaN-poisoned out."""
+@pytest.mark.parametrize(
+    "bound, contexts",
+    [(1024, ([300, 511, 1023], [40, 700, 512])), (1536, ([95, 1535, 1025], [600, 97, 1024]))],
+)
+def test_short_bound_decode_takes_32_key_tiles_and_matches_the_reference(device, bound, contexts):
+    """One token a request at length bounds of 1024 and 1536 with SmolLM2's 9 / 3 x 64
+    heads in fp16: the chosen launch (32-key tiles, 16 splits) against float64, contexts
+    on both sides of the splits' cuts and one that fills the bound; NaN-poisoned out."""
     cfg = choose_launch_config(num_tokens=3, num_reqs=3, max_query_len=1, num_q_heads=9,
-                               num_kv_heads=3, head_dim=64, max_seq_len=1024)  # fmt: skip
+                               num_kv_heads=3, head_dim=64, max_seq_len=bound)  # fmt: skip
     assert (cfg.block_n, cfg.num_splits) == (32, 16)
-    for ctx in ([300, 511, 1023], [40, 700, 512]):
+    for ctx in contexts:
         b = make_paged_batch([1, 1, 1], ctx, num_q_heads=9, num_kv_heads=3, head_dim=64,
                              dtype=torch.float16, device=device)  # fmt: skip
-        b.max_seq_len = 1024  # the descriptor's bound, as a captured graph has it
+        b.max_seq_len = bound  # the descriptor's bound, as a captured graph has it
         run_and_check(b, torch.float16)
 
 
@@ -418,7 +422,10 @@ def test_launch_config_depends_only_on_bounds():
         ((32, 8), 128, 1, 1, 8192, (128, 32, 3)),
         ((9, 3), 64, 1, 1, 1024, (32, 16, 2)),  # the bound caps the splits: 32-key tiles
         ((9, 3), 64, 8, 1, 1024, (32, 16, 2)),
-        ((9, 3), 64, 1, 1, 2048, (64, 16, 2)),  # (only at bounds 513-1024, where measured)
+        ((9, 3), 64, 1, 1, 1064, (32, 16, 2)),  # (at bounds 513-2047: 8 splits of 64 keys
+        ((9, 3), 64, 8, 1, 2047, (32, 16, 2)),  # or fewer without the rule)
+        ((9, 3), 64, 1, 1, 2048, (64, 16, 2)),
+        ((12, 12), 64, 8, 1, 1064, (128, 4, 3)),  # a grid of about one wave: 128-key tiles
         ((9, 3), 64, 1, 1, 512, (64, 4, 2)),
         ((9, 3), 64, 1, 1, 320, (128, 1, 3)),  # ... or one: no merge launch
         ((9, 3), 64, 16, 1, 1024, (128, 4, 3)),  # ... or half
