@@ -433,7 +433,7 @@ def test_launch_config_depends_only_on_bounds():
     ],
 )
 def test_launch_config_choice(heads, head_dim, batch, q_len, bound, want):
-    """The measured choice (bench/NOTES.md, stops 43 and 56) in each of its regions on 132 SMs:
+    """The measured choice (bench/NOTES.md, stops 43, 56 and 58) in each of its regions on 132 SMs:
     (key tile, splits, pipeline stages)."""
     cfg = choose_launch_config(num_tokens=batch * q_len, num_reqs=batch, max_query_len=q_len,
                                num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
