@@ -12,6 +12,9 @@ for every row count timed up to fused_linear's 64 (tensor-core kernels past 8 ro
 library takes it up to each model's kernels.max_fused_rows: 4 to 8, or 32). `--splits`
 adds columns with the attention split count forced, `--stages` with its pipeline depth,
 `--attn` with its key tile, splits, warps and stages;
+`--alias-layers` adds the fused step with every decoder layer's weights aliasing layer
+0's (layers_aliased: one layer's weights, L2-resident, where the step reads 30 layers' from
+DRAM), which says how much of the step its weight reads are;
 `--chain` also times SmolLM2's projections alone (projection_chain.md), `--mma-tiles`
 with tensor-core tile variants; `--merge-in-o` adds the fused path with split attention
 merged by the O projection on its loads (specdraft.layers.MERGE_IN_O_PROJ) instead of a
@@ -23,6 +26,7 @@ Launches per step come from the profiler, after every timing.
     python -m bench.decode_step [--out results] [--rows 1,2,4,8,32] [--ctx 256]
         [--max-model-len 1024] [--rpp 1,2,4] [--splits 1,8,16] [--stages 2,3]
         [--attn 256/1/8/2] [--chain] [--merge-in-o] [--rows-tiles whole/8/4,whole/2/1]
+        [--alias-layers]
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -72,6 +77,36 @@ def _step(model, cfg, rows: int, ctx: int, eagle: bool, max_len: int):
         hid = torch.randn(rows, cfg.hidden_size, device=DEVICE, dtype=model.dtype)
         return lambda: model(meta.input_ids, hid, meta, runner.cache)
     return lambda: model(meta.input_ids, meta, runner.cache)
+
+
+@contextmanager
+def layers_aliased(model):
+    """Inside, every decoder layer's parameters are layer 0's tensors (the same storage),
+    so a step reads one layer's weights 30 times, from L2 after the first, instead of 30
+    layers' from DRAM; on exit each parameter holds its own tensor again. Timing the
+    step both ways shows how much of it the weight reads are (stop 59: ~1.5 µs of
+    SmolLM2's 359 at one row on an H100)."""
+    layers = model.layers
+    own = [[(p, p.data) for p in layer.parameters()] for layer in layers]
+    first = [p.data for p in layers[0].parameters()]
+    try:
+        for params in own[1:]:
+            if len(params) != len(first):
+                raise ValueError("layers_aliased needs layers with the same parameters")
+            for (_, mine), src in zip(params, first):
+                if mine.shape != src.shape or mine.dtype != src.dtype:
+                    raise ValueError(
+                        f"layer parameter {tuple(mine.shape)} {mine.dtype} differs from "
+                        f"layer 0's {tuple(src.shape)} {src.dtype}"
+                    )
+        for params in own[1:]:
+            for (p, _), src in zip(params, first):
+                p.data = src
+        yield model
+    finally:
+        for params in own:
+            for p, mine in params:
+                p.data = mine
 
 
 def _weight_bytes(model, rows: int) -> int:
@@ -241,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows-tiles", default="",
                     help="also fused with the rows kernel's ROWS_TILE set: layout/columns/warps "
                     "items, e.g. whole/8/4,whole/2/1")  # fmt: skip
+    ap.add_argument("--alias-layers", action="store_true",
+                    help="also fused with every layer aliasing layer 0's weights")  # fmt: skip
     ap.add_argument("--merge-in-o", action="store_true",
                     help="also fused with the O projection merging split attention")  # fmt: skip
     ap.add_argument("--chain", action="store_true",
@@ -324,6 +361,10 @@ def main(argv: list[str] | None = None) -> int:
                     row[f"{mode}_x_floor"] = row[f"{mode}_us"] / floor
                     steps.append((row, mode, (fused, rpp, splits, max_k, merge, tile, rows),
                                   step))  # fmt: skip
+                if args.alias_layers and rows <= fm.MMA_MAX_ROWS:
+                    use(True, None, None, lib, merge_o, tile0, rows)
+                    with torch.inference_mode(), layers_aliased(model):
+                        row["fused_l2_us"] = time_graph_us([step], min_launches=20)
                 fused_us = row["fused_us"]
                 row["fused_over_unfused"] = fused_us and fused_us / row["unfused_us"]
                 rows_out.append(row)
@@ -340,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     for mode, *_ in modes:
         cols += [(f"{mode}_us", f"{mode} µs"), (f"{mode}_x_floor", "x floor"),
                  (f"{mode}_launches", "launches")]  # fmt: skip
+    if args.alias_layers:
+        cols.append(("fused_l2_us", "fused, layers aliased (weights in L2) µs"))
     cols.append(("fused_over_unfused", "fused / unfused"))
     head = (
         f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; read "
