@@ -15,6 +15,9 @@ before (a real dependency), each phase its own K/V cache (a layer's). µs a phas
 - `empty`: a launch of one program a query head that only waits (the PDL boundary);
 - `library`: kernels.paged_attention as the decode step runs it (its split launch and
   the combine launch);
+- `split + merge, float32 products`: the library's two launches, each in the one-launch
+  kernel's style (`_split_kernel`, 16 key ranges a head, then `_merge_kernel`): whether a
+  difference is the launch count or the library's tensor-core tile code;
 - `one launch`: `_one_launch_kernel`, one program a query head over all of the
   request's keys with float32 products on the CUDA cores (no tensor cores, no split, no
   merge), 256-key chunks under an online softmax, its K/V and block table loaded after
@@ -100,6 +103,57 @@ def _one_launch_kernel(q_ptr, k_ptr, v_ptr, table_ptr, seq_ptr, o_ptr, scale,
 
 
 @triton.jit
+def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, seq_ptr, part_ptr, lse_ptr, scale,
+                  NUM_KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+                  BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLITS: tl.constexpr,
+                  GDC: tl.constexpr):  # fmt: skip
+    """Split s of query head h (program (h, s)): the same float32 products over keys
+    [s * c, (s + 1) * c), c = cdiv(seq_len, SPLITS) <= BLOCK, normalised, into part [SPLITS,
+    H, D] and its log-sum-exp into lse [SPLITS, H] (-inf for no keys)."""
+    h = tl.program_id(0)
+    sp = tl.program_id(1)
+    g = h // GROUP
+    d = tl.arange(0, D)
+    keys = tl.arange(0, BLOCK)
+    seq_len = tl.load(seq_ptr)
+    per = tl.cdiv(seq_len, SPLITS)
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    end = tl.minimum(seq_len, (sp + 1) * per)
+    k, v, live = _chunk(k_ptr, v_ptr, table_ptr, end, sp * per, g, keys, d, NUM_KV, D,
+                        BLOCK_SIZE)  # fmt: skip
+    q = tl.load(q_ptr + h * D + d).to(tl.float32) * scale
+    s = tl.where(live, tl.sum(k.to(tl.float32) * q[None, :], axis=1), float("-inf"))
+    m = tl.max(s, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    p = tl.exp(s - m_safe)
+    l_sum = tl.sum(p, axis=0)
+    o = tl.sum(p[:, None] * v.to(tl.float32), axis=0) / tl.where(l_sum > 0, l_sum, 1.0)
+    heads = tl.num_programs(0)
+    tl.store(part_ptr + (sp * heads + h) * D + d, o)
+    lse = m_safe + tl.log(tl.where(l_sum > 0, l_sum, 1.0))  # no log(0) on empty splits
+    tl.store(lse_ptr + sp * heads + h, tl.where(l_sum > 0, lse, float("-inf")))
+
+
+@triton.jit
+def _merge_kernel(part_ptr, lse_ptr, o_ptr, H, D: tl.constexpr, SPLITS: tl.constexpr,
+                  GDC: tl.constexpr):  # fmt: skip
+    """o[h] from the SPLITS partials of head h (program h)."""
+    h = tl.program_id(0)
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    sp = tl.arange(0, SPLITS)
+    d = tl.arange(0, D)
+    lse = tl.load(lse_ptr + sp * H + h)
+    part = tl.load(part_ptr + (sp[:, None] * H + h) * D + d[None, :])
+    w = tl.exp(lse - tl.max(lse, axis=0))
+    o = tl.sum(w[:, None] * part, axis=0) / tl.sum(w, axis=0)
+    tl.store(o_ptr + h * D + d, o.to(o_ptr.dtype.element_ty))
+
+
+@triton.jit
 def _wait_kernel(q_ptr, o_ptr, D: tl.constexpr, GDC: tl.constexpr):
     """A phase that only waits for the one before and lets the next start: o = q."""
     h = tl.program_id(0)
@@ -130,6 +184,29 @@ def one_launch(
     return out
 
 
+def split_merge(
+    q, k_cache, v_cache, block_table, seq_lens, scale: float, out, *, splits: int,
+    bound: int, pdl: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """The same attention as two launches: _split_kernel over `splits` key ranges of a
+    request up to `bound` keys long (powers of two), then _merge_kernel, into out [H, D]."""
+    from specdraft.kernels.launch import pdl_launch
+
+    heads, dim = q.shape
+    num_kv = k_cache.shape[2]
+    if heads % num_kv or splits & (splits - 1) or dim & (dim - 1):
+        raise ValueError(f"heads {heads} / KV heads {num_kv}, splits {splits}, head_dim {dim}")
+    block = max(16, triton.next_power_of_2(triton.cdiv(bound, splits)))
+    part = torch.empty(splits, heads, dim, device=q.device, dtype=torch.float32)
+    lse = torch.empty(splits, heads, device=q.device, dtype=torch.float32)
+    gdc, options = pdl_launch(pdl)
+    _split_kernel[(heads, splits)](q, k_cache, v_cache, block_table, seq_lens, part, lse, scale,
+                                   num_kv, heads // num_kv, dim, block, k_cache.shape[1],
+                                   splits, gdc, num_warps=4, **options)  # fmt: skip
+    _merge_kernel[(heads,)](part, lse, out, heads, dim, splits, gdc, num_warps=1, **options)
+    return out
+
+
 def reference(q, k_cache, v_cache, block_table, seq_len: int, scale: float) -> torch.Tensor:
     """float64 attention of q [H, D] over the request's first seq_len keys."""
     heads, dim = q.shape
@@ -150,7 +227,7 @@ def _bf16_steps(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _chains(ctx: int, heads: int, num_kv: int, dim: int, n: int, bound: int, gen):
-    """The four chains of n phases at ctx keys, the phases' outputs ([n, H, D]: phase
+    """The five chains of n phases at ctx keys, the phases' outputs ([n, H, D]: phase
     i's output is phase i + 1's query) and the float64 reference of the first phase."""
     from specdraft import kernels
     from specdraft.kernels.launch import pdl_launch
@@ -190,7 +267,13 @@ def _chains(ctx: int, heads: int, num_kv: int, dim: int, n: int, bound: int, gen
         for i in range(n):
             _wait_kernel[(heads,)](buf[i], buf[i + 1], dim, gdc, **options)
 
-    variants = {"empty": empty, "library": library, "one launch": ones(False),
+    def splits16():
+        for i in range(n):
+            split_merge(buf[i], kc[i], vc[i], table[0], seq, scale, buf[i + 1], splits=16,
+                        bound=bound, pdl=True)  # fmt: skip
+
+    variants = {"empty": empty, "library": library, "split + merge, float32 products":
+                splits16, "one launch": ones(False),
                 "one launch, K/V before the wait": ones(True)}  # fmt: skip
     return variants, buf[1:], want
 

@@ -1,4 +1,4 @@
-"""bench.attn_phase: its one-launch attention against the float64 reference (CPU:
+"""bench.attn_phase: its one-launch and split attention against the float64 reference (CPU:
 interpreter; GPU: bf16 at SmolLM2's heads), and its command line off the GPU."""
 
 from __future__ import annotations
@@ -26,11 +26,14 @@ def _case(device, dtype, heads, num_kv, dim, ctx, seed, spare_blocks=3):
     return q, kc, vc, table, seq
 
 
-def _check(device, dtype, heads, num_kv, dim, ctx, block, preload, seed, tol):
+def _check(device, dtype, heads, num_kv, dim, ctx, block, preload, seed, tol, splits=0):
     q, kc, vc, table, seq = _case(device, dtype, heads, num_kv, dim, ctx, seed)
     scale = 1.0 / math.sqrt(dim)
     out = torch.full_like(q, float("nan"))
-    attn_phase.one_launch(q, kc, vc, table, seq, scale, out, block=block, preload=preload)
+    if splits:  # block: the length bound
+        attn_phase.split_merge(q, kc, vc, table, seq, scale, out, splits=splits, bound=block)
+    else:
+        attn_phase.one_launch(q, kc, vc, table, seq, scale, out, block=block, preload=preload)
     want = attn_phase.reference(q, kc, vc, table, ctx, scale)
     assert not out.isnan().any()  # every element written
     err = (out.double() - want).abs().max().item()
@@ -57,6 +60,14 @@ def test_one_launch_at_float16_on_the_interpreter():
     _check("cpu", torch.float16, 6, 2, 16, 33, 16, True, seed=5, tol=4e-3)
 
 
+@pytest.mark.parametrize("ctx", [1, 3, 40, 64])
+def test_split_merge_matches_float64_on_the_interpreter(ctx):
+    if HAS_CUDA:
+        pytest.skip("the interpreter's case; the GPU case is below")
+    # bound 64 over 4 splits: 1 and 3 keys leave splits empty, 64 fills every one.
+    _check("cpu", torch.float32, 4, 2, 16, ctx, 64, False, seed=ctx, tol=1e-5, splits=4)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("ctx", [1, 255, 256, 1000])
 def test_gpu_one_launch_bf16_within_its_own_rounding(ctx):
@@ -69,6 +80,9 @@ def test_gpu_one_launch_bf16_within_its_own_rounding(ctx):
         attn_phase.one_launch(q, kc, vc, table, seq, scale, out, preload=preload, pdl=True)
         want = attn_phase.reference(q, kc, vc, table, ctx, scale)
         assert attn_phase._bf16_steps(out, want) <= 4.0
+    out = torch.full_like(q, float("nan"))
+    attn_phase.split_merge(q, kc, vc, table, seq, scale, out, splits=16, bound=1024, pdl=True)
+    assert attn_phase._bf16_steps(out, want) <= 4.0
 
 
 def test_bad_shapes_are_refused():
@@ -78,6 +92,8 @@ def test_bad_shapes_are_refused():
         args = {"q": q, "block": 16, **bad}
         with pytest.raises(ValueError, match="block|heads"):
             attn_phase.one_launch(args["q"], kc, vc, table, seq, 0.25, out, block=args["block"])
+    with pytest.raises(ValueError, match="splits 3"):
+        attn_phase.split_merge(q, kc, vc, table, seq, 0.25, out, splits=3, bound=64)
 
 
 @pytest.mark.parametrize(
