@@ -208,16 +208,15 @@ def split_merge(
 
 
 def reference(q, k_cache, v_cache, block_table, seq_len: int, scale: float) -> torch.Tensor:
-    """float64 attention of q [H, D] over the request's first seq_len keys."""
-    heads, dim = q.shape
-    num_kv = k_cache.shape[2]
-    pos = torch.arange(seq_len, device=q.device)
-    rows = block_table[pos // k_cache.shape[1]].long() * k_cache.shape[1] + pos % k_cache.shape[1]
-    k = k_cache.reshape(-1, num_kv, dim)[rows].double()  # [L, Hkv, D]
-    v = v_cache.reshape(-1, num_kv, dim)[rows].double()
-    g = torch.arange(heads, device=q.device) // (heads // num_kv)
-    s = torch.einsum("hd,lhd->hl", q.double(), k[:, g]) * scale
-    return torch.einsum("hl,lhd->hd", torch.softmax(s, dim=-1), v[:, g])
+    """float64 attention of one query token q [H, D] over a request's first seq_len keys
+    (block_table: its row): tests/reference.py's paged_attention_ref for that one token."""
+    from tests.reference import paged_attention_ref
+
+    dev = q.device
+    qsl = torch.tensor([0, 1], device=dev, dtype=torch.int32)
+    lens = torch.tensor([seq_len], device=dev, dtype=torch.int32)
+    return paged_attention_ref(q[None], k_cache, v_cache, qsl, lens, block_table[None],
+                               scale)[0]  # fmt: skip
 
 
 def _bf16_steps(got: torch.Tensor, want: torch.Tensor) -> float:
