@@ -45,6 +45,7 @@ import triton.language as tl
 # _check_tensor and validate_kv_cache from here (re-exported: `name as name`), and
 # specdraft.kernels exports check_paged_attention_args from here.
 from .launch import pdl_launch
+from .token_attention import token_attention
 from .validation import MAX_NUM_SPLITS, check_paged_attention_args
 from .validation import _check_tensor as _check_tensor
 from .validation import validate_kv_cache as validate_kv_cache
@@ -567,6 +568,10 @@ class AttentionLaunchConfig:
     # Masked key tiles with their loads run 1 or 2 tiles ahead in registers
     # (_attend_prefetched) instead of the compiler's pipeline (0): the same bits.
     prefetch: int = 0
+    # kernels/token_attention.py instead: one program a (token, query head, key chunk),
+    # block_n keys a chunk, num_splits chunks over the length bound, num_warps; the
+    # other fields unused.
+    per_token: bool = False
 
 
 @cache
@@ -601,6 +606,14 @@ def choose_launch_config(
     makes the launch graph-safe."""
     qpk = num_q_heads // num_kv_heads
     max_query_len = max(1, min(max_query_len, num_tokens))
+    if num_splits is None:
+        token = per_token_config(num_reqs=num_reqs, max_query_len=max_query_len,
+                                 num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                                 head_dim=head_dim, max_seq_len=max_seq_len,
+                                 num_sms_on_device=num_sms_on_device,
+                                 element_size=element_size)  # fmt: skip
+        if token is not None:
+            return token
     rows = max_query_len * qpk
     cap = 64 if head_dim > 128 else 128
     block_m = max(16, triton.next_power_of_2(qpk), min(cap, triton.next_power_of_2(rows)))
@@ -673,6 +686,49 @@ def choose_launch_config(
         # splits 3 stages stay ahead (batch 32, context 32768: 1010 against 1026 us).
         num_stages = 2
     return AttentionLaunchConfig(block_m, block_q, block_n, num_splits, num_warps, num_stages)
+
+
+# Where the token programs (kernels/token_attention.py) take a launch: queries of up to
+# TOKEN_MAX_QUERY tokens a request, when a program for every (request, query head, key
+# chunk of the length bound) fits one wave (a program holds its chunk in registers: one
+# an SM), times TOKEN_WAVES. The rule reads no token count, so a batch's decode and its
+# verification take the same launch (the same bits). H100, SmolLM2's step (bound 1024,
+# 4 chunks of 256 keys; bench/NOTES.md, stop 60): 1 row, context 256 / 1000, 359 -> 351
+# / 410 -> 390 µs; 8 rows (288 programs, three waves) 652 -> 604 / 722 -> 900.
+TOKEN_MAX_QUERY = 8
+TOKEN_WAVES = 1
+
+
+def token_chunk(head_dim: int, element_size: int = 2) -> int:
+    """Keys a token program holds in registers (K and V of [chunk, head_dim] at 8 warps:
+    64 registers a thread for 16-bit caches)."""
+    per = triton.next_power_of_2(head_dim) * max(1, element_size // 2)
+    return max(16, min(512, 16384 // per))
+
+
+def per_token_config(
+    *,
+    num_reqs: int,
+    max_query_len: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_seq_len: int | None,
+    num_sms_on_device: int = 132,
+    element_size: int = 2,
+) -> AttentionLaunchConfig | None:
+    """The token programs' launch for these bounds, or None where the tiled kernel takes
+    it (see TOKEN_MAX_*; no length bound: the tiled kernel)."""
+    if max_seq_len is None or max_query_len > TOKEN_MAX_QUERY:
+        return None
+    chunk = token_chunk(head_dim, element_size)
+    splits = max(1, cdiv(max_seq_len, chunk))
+    if num_reqs * num_q_heads * splits > TOKEN_WAVES * num_sms_on_device:
+        return None
+    qpk = num_q_heads // num_kv_heads
+    warps = 8 if chunk * triton.next_power_of_2(head_dim) <= 16384 else 16
+    return AttentionLaunchConfig(max(16, triton.next_power_of_2(qpk)), 1, chunk, splits, warps, 1,
+                                 per_token=True)  # fmt: skip
 
 
 def cdiv(a: int, b: int) -> int:
@@ -779,6 +835,13 @@ def paged_attention_unmerged(
         num_splits=num_splits,
         element_size=q.element_size(),
     )
+    if cfg.per_token:
+        token_attention(
+            out, q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale,
+            chunk=cfg.block_n, num_splits=cfg.num_splits, num_warps=cfg.num_warps,
+            sliding_window=sliding_window, softcap=softcap, pdl=pdl,
+        )  # fmt: skip
+        return out, None
     qpk = num_q_heads // num_kv_heads
     head_dim_p = triton.next_power_of_2(head_dim)
     if cfg.num_splits > 1:

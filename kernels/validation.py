@@ -287,12 +287,23 @@ def check_launch_config(config, qpk: int) -> None:
         raise TypeError(
             f"config must be an AttentionLaunchConfig or None, got {type(config).__name__}"
         )
+    if not isinstance(config.per_token, bool):
+        kind = type(config.per_token).__name__
+        raise TypeError(f"config.per_token must be a bool, got {kind}")
     limits = (("block_m", 16, 256), ("block_n", 16, 1024), ("num_splits", 1, MAX_NUM_SPLITS),
               ("num_warps", 1, 32))  # fmt: skip
     for name, lo, hi in limits:
         v = getattr(config, name)
-        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi or v & (v - 1):
-            raise ValueError(f"config.{name} must be a power of two in [{lo}, {hi}], got {v!r}")
+        # The token programs' chunk count is any count (their grid's third axis).
+        pow2 = not (config.per_token and name == "num_splits")
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, int)
+            or not lo <= v <= hi
+            or (pow2 and v & (v - 1))
+        ):
+            what = "a power of two" if pow2 else "an int"
+            raise ValueError(f"config.{name} must be {what} in [{lo}, {hi}], got {v!r}")
     most = config.block_m // qpk
     v = config.block_q
     if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= most:

@@ -98,6 +98,7 @@ def decode_path_compiles() -> list[tuple[str, object]]:
     rot = importlib.import_module("kernels.rotary")
     emb = importlib.import_module("kernels.embedding")
     li = importlib.import_module("kernels.linear_int8")
+    ta = importlib.import_module("kernels.token_attention")
 
     got: list[tuple[str, object]] = []
     label = [""]
@@ -115,8 +116,8 @@ def decode_path_compiles() -> list[tuple[str, object]]:
 
     for jit in (fl._fused_rows_kernel, fl._fused_linear_kernel, fl._fused_qkv_rope_kernel,
                 fm._mma_linear_kernel, fm._mma_qkv_rope_kernel, rot._rotary_store_kv_kernel,
-                pa._paged_attention_kernel, pa._combine_splits_kernel,
-                emb._embed_fc_kernel, li._linear_int8_kernel):  # fmt: skip
+                pa._paged_attention_kernel, pa._combine_splits_kernel, emb._embed_fc_kernel,
+                li._linear_int8_kernel, ta._token_attention_kernel):  # fmt: skip
         compile_only(jit)
     bf = torch.bfloat16
     h, f, hq, hkv, d = 576, 1536, 9, 3, 64
@@ -216,6 +217,17 @@ def decode_path_compiles() -> list[tuple[str, object]]:
     label[0] = "decode one token"
     pa.paged_attention(q[:1], kc, vc, qsl[:2], seq[:1], table[:1], 0.125, max_query_len=1,
                        max_seq_len=24, num_splits=2, pdl=True)  # fmt: skip
+    # the token programs (kernels/token_attention.py), one and several tokens, with a
+    # window and a softcap, over one chunk and over several
+    for m, bound, window, cap in ((1, 24, None, None), (4, 24, None, None), (1, 1024, 8, 5.0),
+                                  (2, 1024, None, None)):  # fmt: skip
+        label[0] = f"decode token programs M {m} bound {bound}"
+        cfg = pa.choose_launch_config(num_tokens=m, num_reqs=m, max_query_len=1, num_q_heads=hq,
+                                      num_kv_heads=hkv, head_dim=d, max_seq_len=bound)  # fmt: skip
+        assert cfg.per_token, cfg
+        pa.paged_attention(q[:m], kc, vc, qsl[: m + 1], seq[:m], table[:m], 0.125,
+                           max_query_len=1, max_seq_len=bound, sliding_window=window,
+                           softcap=cap, config=cfg, pdl=True)  # fmt: skip
     # the O projection merging split attention's partials on its loads (x_splits), 8 splits
     for m in (1, 4):
         label[0] = f"decode M {m} o merging splits"
