@@ -19,6 +19,10 @@ One kernel serves every query shape. Programs tile the batch along three axes:
   the same key tile width: a verification of up to BLOCK_M / QPK tokens in decode's
   BLOCK_M).
 
+Short queries of small batches at short length bounds take another kernel instead:
+kernels/token_attention.py (choose_launch_config's per_token), one program a (token,
+query head, key chunk) that loads its keys before the PDL wait.
+
 All lengths are read on the device, so one captured CUDA graph is valid for every
 batch whose num_tokens / num_reqs / max_query_len fit the launch it was captured with.
 
@@ -600,7 +604,8 @@ def choose_launch_config(
     num_splits: int | None = None,
     element_size: int = 2,
 ) -> AttentionLaunchConfig:
-    """Pick tile sizes and the split count from descriptor-level bounds.
+    """Pick tile sizes and the split count from descriptor-level bounds, or the token
+    programs (per_token_config) where they take the launch and num_splits is not given.
 
     Every input here is fixed by a batch descriptor (or by the model), which is what
     makes the launch graph-safe."""
@@ -766,9 +771,10 @@ def paged_attention_unmerged(
     merge: bool = False,
 ) -> tuple[torch.Tensor, AttentionSplits | None]:
     """Causal attention of a ragged batch of queries over a paged K/V cache: (out, None)
-    when the launch does not split its keys, else (out, its AttentionSplits), out then
-    written only with merge=True (the combine launch), else left to the caller
-    (combine_splits, or a consumer that merges on its loads).
+    when the launch does not split its keys or merges them itself (the token programs,
+    config.per_token), else (out, its AttentionSplits), out then written only with
+    merge=True (the combine launch), else left to the caller (combine_splits, or a
+    consumer that merges on its loads).
 
     q: [num_tokens, num_q_heads, head_dim]; k_cache, v_cache:
     [num_blocks, block_size, num_kv_heads, head_dim]; query_start_loc: int32

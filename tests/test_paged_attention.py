@@ -74,6 +74,16 @@ def run_and_check(
     return out
 
 
+@pytest.fixture
+def tiled_rule(monkeypatch):
+    """choose_launch_config without its token programs (tests/test_token_attention.py
+    has theirs): the tiled kernel's own choice."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("specdraft.kernels.paged_attention"),
+                        "TOKEN_WAVES", 0)  # fmt: skip
+
+
 def random_lens(n: int, q_choices: list[int], ctx_max: int, rng: random.Random):
     return [rng.choice(q_choices) for _ in range(n)], [rng.randint(0, ctx_max) for _ in range(n)]
 
@@ -269,7 +279,9 @@ def test_prefetched_tiles_equal_the_loop_bitwise(device, case, ahead):
     "bound, contexts",
     [(1024, ([300, 511, 1023], [40, 700, 512])), (1536, ([95, 1535, 1025], [600, 97, 1024]))],
 )
-def test_short_bound_decode_takes_32_key_tiles_and_matches_the_reference(device, bound, contexts):
+def test_short_bound_decode_takes_32_key_tiles_and_matches_the_reference(
+    device, bound, contexts, tiled_rule
+):
     """One token a request at length bounds of 1024 and 1536 with SmolLM2's 9 / 3 x 64
     heads in fp16: the chosen launch (32-key tiles, 16 splits) against float64, contexts
     on both sides of the splits' cuts and one that fills the bound; NaN-poisoned out."""
@@ -397,7 +409,7 @@ def test_gpu_verified_rows_equal_decoded_rows_bitwise(heads, head_dim, q_len):
 # ---- launch configuration is a function of descriptor bounds only ------------------
 
 
-def test_launch_config_depends_only_on_bounds():
+def test_launch_config_depends_only_on_bounds(tiled_rule):
     kw = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, num_sms_on_device=132)
     decode = choose_launch_config(num_tokens=64, num_reqs=64, max_query_len=1, **kw)
     assert decode.block_m == 16 and decode.block_q == 4
@@ -432,7 +444,7 @@ def test_launch_config_depends_only_on_bounds():
         ((9, 3), 64, 256, 1, 1024, (64, 1, 2)),
     ],
 )
-def test_launch_config_choice(heads, head_dim, batch, q_len, bound, want):
+def test_launch_config_choice(heads, head_dim, batch, q_len, bound, want, tiled_rule):
     """The measured choice (bench/NOTES.md, stops 43, 56 and 58) in each of its regions on 132 SMs:
     (key tile, splits, pipeline stages)."""
     cfg = choose_launch_config(num_tokens=batch * q_len, num_reqs=batch, max_query_len=q_len,

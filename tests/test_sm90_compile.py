@@ -64,6 +64,9 @@ def test_decode_path_compiles_for_sm90_with_pdl():
     assert {"_rotary_store_kv_kernel", "_paged_attention_kernel", "_combine_splits_kernel"} <= set(
         names
     ), names
+    # the token programs: one and four tokens over one chunk, one and two over several
+    # (with a window and a softcap)
+    assert names.count("_token_attention_kernel") == 4, out[-4000:]
     ahead = re.findall(r"^ok   decode prefetch [12] _paged_attention_kernel", proc.stdout, re.M)
     assert len(ahead) == 2, out[-4000:]
     assert all(w == "True" for _, w in lines), lines
