@@ -698,8 +698,9 @@ def choose_launch_config(
 # chunk of the length bound) fits one wave (a program holds its chunk in registers: one
 # an SM), times TOKEN_WAVES. The rule reads no token count, so a batch's decode and its
 # verification take the same launch (the same bits). H100, SmolLM2's step (bound 1024,
-# 4 chunks of 256 keys; bench/NOTES.md, stop 60): 1 row, context 256 / 1000, 359 -> 351
-# / 410 -> 390 µs; 8 rows (288 programs, three waves) 652 -> 604 / 722 -> 900.
+# 4 chunks of 256 keys; bench/NOTES.md, stop 60): 1 row, context 256 / 1000, 356-358 ->
+# 338-340 / 409-411 -> 378-379 µs; a first version at 8 rows (288 programs, three
+# waves): 652 -> 604 / 722 -> 900, so the rule keeps it to one wave.
 TOKEN_MAX_QUERY = 8
 TOKEN_WAVES = 1
 

@@ -11,7 +11,8 @@ the CUDA cores (a [chunk, head_dim] tile against one query vector), with no tens
 tile to fill and no separate merge launch.
 
 Programs tile the launch along three axes:
-- axis 0, query tokens (a binary search over query_start_loc finds the request);
+- axis 0, query tokens (request t first, a decode batch's layout, whose loads go out
+  together; a binary search over query_start_loc where that guess misses);
 - axis 1, query heads (a KV head's chunk is loaded by each of its query heads, from L2
   after the first);
 - axis 2, key chunks of CHUNK keys at fixed boundaries [s * CHUNK, (s + 1) * CHUNK),
@@ -40,8 +41,6 @@ import triton
 import triton.language as tl
 
 from .launch import pdl_launch
-
-_LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -269,7 +268,9 @@ def _token_attention_kernel(
 class _Tickets:
     """Zeroed int32 tickets, one buffer per (device, stream) that grows: each launch's
     last program leaves its tickets at zero, so a buffer is zeroed once, when it is
-    made. Buffers that were replaced stay alive (a captured graph may hold them)."""
+    made. Buffers that were replaced stay alive (a captured graph may hold them).
+    Launches on one stream never overlap their tickets (each takes them after its PDL
+    wait); graphs captured on one stream must not be replayed concurrently on two."""
 
     def __init__(self):
         self._live: dict[tuple, torch.Tensor] = {}
