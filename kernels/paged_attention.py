@@ -724,12 +724,13 @@ def per_token_config(
     element_size: int = 2,
 ) -> AttentionLaunchConfig | None:
     """The token programs' launch for these bounds, or None where the tiled kernel takes
-    it (see TOKEN_MAX_*; no length bound: the tiled kernel)."""
+    it (TOKEN_MAX_QUERY, TOKEN_WAVES; no length bound, or more than MAX_NUM_SPLITS
+    chunks: the tiled kernel)."""
     if max_seq_len is None or max_query_len > TOKEN_MAX_QUERY:
         return None
     chunk = token_chunk(head_dim, element_size)
     splits = max(1, cdiv(max_seq_len, chunk))
-    if num_reqs * num_q_heads * splits > TOKEN_WAVES * num_sms_on_device:
+    if splits > MAX_NUM_SPLITS or num_reqs * num_q_heads * splits > TOKEN_WAVES * num_sms_on_device:
         return None
     qpk = num_q_heads // num_kv_heads
     warps = 8 if chunk * triton.next_power_of_2(head_dim) <= 16384 else 16

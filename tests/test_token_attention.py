@@ -141,6 +141,11 @@ def test_launch_rule():
     assert not choose_launch_config(num_tokens=1, num_reqs=1, max_query_len=1, **kw).per_token
     assert not choose_launch_config(num_tokens=1, num_reqs=1, max_query_len=1, max_seq_len=1024,
                                     num_splits=4, **kw).per_token  # fmt: skip
+    one_head = dict(num_q_heads=1, num_kv_heads=1, head_dim=64, num_sms_on_device=132)
+    assert choose_launch_config(num_tokens=1, num_reqs=1, max_query_len=1, max_seq_len=64 * 256,
+                                **one_head).per_token  # 64 chunks  # fmt: skip
+    assert not choose_launch_config(num_tokens=1, num_reqs=1, max_query_len=1,
+                                    max_seq_len=64 * 256 + 1, **one_head).per_token  # fmt: skip
     llama = choose_launch_config(num_tokens=1, num_reqs=1, max_query_len=1, max_seq_len=512,
                                  num_q_heads=32, num_kv_heads=8, head_dim=128)  # fmt: skip
     assert llama.per_token and (llama.block_n, llama.num_splits) == (128, 4)
