@@ -48,6 +48,9 @@ import triton.language as tl
 # The argument checks live with the others in validation.py. The other launchers import
 # _check_tensor and validate_kv_cache from here (re-exported: `name as name`), and
 # specdraft.kernels exports check_paged_attention_args from here.
+# _load_qsl is re-exported for kernels/fused_linear.py.
+from .attention_common import _load_qsl as _load_qsl
+from .attention_common import _softcapped
 from .launch import pdl_launch
 from .token_attention import token_attention
 from .validation import MAX_NUM_SPLITS, check_paged_attention_args
@@ -55,13 +58,6 @@ from .validation import _check_tensor as _check_tensor
 from .validation import validate_kv_cache as validate_kv_cache
 
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _load_qsl(qsl_ptr, i, num_tokens):
-    """query_start_loc[i] clamped into [0, num_tokens]: a start past q's rows (or
-    negative) can neither index q nor place a write outside `out`."""
-    return tl.minimum(tl.maximum(tl.load(qsl_ptr + i), 0), num_tokens)
 
 
 @triton.jit
@@ -143,9 +139,7 @@ def _tile_scores(q, k, m_i, l_i, kv0, row_lo, row_hi, scale, qk_scale, softcap,
     guarantees it), so no mask is built."""
     s = tl.dot(q, k, input_precision=DOT_PRECISION)
     if USE_SOFTCAP:
-        # softcap * tanh(x / softcap), tanh through exp; saturates to +-1, never NaN.
-        x = s * (scale / softcap)
-        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * 1.4426950408889634
+        s = _softcapped(s, scale, softcap)
     else:
         s = s * qk_scale
     if MASK:

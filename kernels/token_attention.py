@@ -40,13 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention_common import _load_qsl, _softcapped
 from .launch import pdl_launch
-
-
-@triton.jit
-def _qsl(qsl_ptr, i, num_tokens):
-    """query_start_loc[i] clamped into [0, num_tokens]."""
-    return tl.minimum(tl.maximum(tl.load(qsl_ptr + i), 0), num_tokens)
 
 
 @triton.jit
@@ -74,14 +69,6 @@ def _load_into(tile, head_ptr, rows, ok, offs_d, d_mask):
     writes the registers that hold `tile`)."""
     return tl.load(head_ptr + rows[:, None] + offs_d[None, :], mask=ok[:, None] & d_mask[None, :],
                    other=tile)  # fmt: skip
-
-
-@triton.jit
-def _softcapped(s, scale, softcap):
-    """softcap * tanh(s * scale / softcap) in log2 units, tanh through exp (saturates to
-    +-1, never NaN)."""
-    x = s * (scale / softcap)
-    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * 1.4426950408889634
 
 
 @triton.jit
@@ -134,7 +121,7 @@ def _token_attention_kernel(
     # binary search where the guess misses.
     guess = tl.minimum(t, tl.maximum(num_reqs - 1, 0))
     g_ok = guess < num_reqs
-    q_start = _qsl(qsl_ptr, guess, num_tokens)
+    q_start = _load_qsl(qsl_ptr, guess, num_tokens)
     q_end = tl.load(qsl_ptr + guess + 1, mask=g_ok, other=0)
     seq_len = tl.load(seq_lens_ptr + guess, mask=g_ok, other=0)
     in_req = g_ok & (q_start <= t) & (t < q_end)
@@ -143,12 +130,12 @@ def _token_attention_kernel(
         hi_r = num_reqs
         while lo_r < hi_r:
             mid = (lo_r + hi_r + 1) // 2
-            go_right = _qsl(qsl_ptr, mid, num_tokens) <= t
+            go_right = _load_qsl(qsl_ptr, mid, num_tokens) <= t
             lo_r = tl.where(go_right, mid, lo_r)
             hi_r = tl.where(go_right, hi_r, mid - 1)
         in_req = lo_r < num_reqs
         found = tl.maximum(tl.minimum(lo_r, num_reqs - 1), 0)
-        q_start = _qsl(qsl_ptr, found, num_tokens)
+        q_start = _load_qsl(qsl_ptr, found, num_tokens)
         q_end = tl.load(qsl_ptr + found + 1, mask=in_req, other=0)
         seq_len = tl.load(seq_lens_ptr + found, mask=in_req, other=0)
         guess = found
@@ -236,33 +223,36 @@ def _token_attention_kernel(
         m_i, l_i, acc = _online(s, v, m_i, l_i, acc)
     # l_i >= 1: the largest score counts exp2(0).
     o = acc / l_i
-    if n_parts == 1:
+    if NUM_SPLITS == 1:
+        # One chunk a token: no partials, no tickets (the launcher passes none).
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d_mask)
-        return
-    # Partials [NUM_SPLITS, num_tokens, NUM_Q_HEADS, HEAD_DIM_P] and their lse.
-    row = (split * num_tokens + t).to(tl.int64) * NUM_Q_HEADS + head
-    tl.store(part_out_ptr + row * HEAD_DIM_P + offs_d, o)
-    tl.store(part_lse_ptr + row, m_i + tl.log2(l_i))
-    # Every thread's stores before the release of the ticket; the acquire makes the
-    # other chunks' partials visible to the last one, which reads them past L1.
-    tl.debug_barrier()
-    ticket = ticket_ptr + t.to(tl.int64) * NUM_Q_HEADS + head
-    if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == n_parts - 1:
-        tl.store(ticket, 0)
-        m_all = tl.full([], float("-inf"), tl.float32)
-        den = tl.zeros([], tl.float32)
-        num = tl.zeros([HEAD_DIM_P], tl.float32)
-        for sp in range(first_prog, last_prog + 1):
-            r = (sp * num_tokens + t).to(tl.int64) * NUM_Q_HEADS + head
-            lse = tl.load(part_lse_ptr + r, cache_modifier=".cg")
-            part = tl.load(part_out_ptr + r * HEAD_DIM_P + offs_d, cache_modifier=".cg")
-            m_new = tl.maximum(m_all, lse)
-            alpha = tl.exp2(m_all - m_new)
-            w = tl.exp2(lse - m_new)
-            num = num * alpha + w * part
-            den = den * alpha + w
-            m_all = m_new
-        tl.store(o_ptrs, (num / den).to(out_ptr.dtype.element_ty), mask=d_mask)
+    elif n_parts == 1:
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d_mask)
+    else:
+        # Partials [NUM_SPLITS, num_tokens, NUM_Q_HEADS, HEAD_DIM_P] and their lse.
+        row = (split * num_tokens + t).to(tl.int64) * NUM_Q_HEADS + head
+        tl.store(part_out_ptr + row * HEAD_DIM_P + offs_d, o)
+        tl.store(part_lse_ptr + row, m_i + tl.log2(l_i))
+        # Every thread's stores before the release of the ticket; the acquire makes the
+        # other chunks' partials visible to the last one, which reads them past L1.
+        tl.debug_barrier()
+        ticket = ticket_ptr + t.to(tl.int64) * NUM_Q_HEADS + head
+        if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == n_parts - 1:
+            tl.store(ticket, 0)
+            m_all = tl.full([], float("-inf"), tl.float32)
+            den = tl.zeros([], tl.float32)
+            num = tl.zeros([HEAD_DIM_P], tl.float32)
+            for sp in range(first_prog, last_prog + 1):
+                r = (sp * num_tokens + t).to(tl.int64) * NUM_Q_HEADS + head
+                lse = tl.load(part_lse_ptr + r, cache_modifier=".cg")
+                part = tl.load(part_out_ptr + r * HEAD_DIM_P + offs_d, cache_modifier=".cg")
+                m_new = tl.maximum(m_all, lse)
+                alpha = tl.exp2(m_all - m_new)
+                w = tl.exp2(lse - m_new)
+                num = num * alpha + w * part
+                den = den * alpha + w
+                m_all = m_new
+            tl.store(o_ptrs, (num / den).to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 class _Tickets:
@@ -312,11 +302,14 @@ def token_attention(
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
     head_dim_p = triton.next_power_of_2(head_dim)
-    part_out = torch.empty((num_splits, num_tokens, num_q_heads, head_dim_p),
-                           dtype=torch.float32, device=q.device)  # fmt: skip
-    part_lse = torch.empty((num_splits, num_tokens, num_q_heads), dtype=torch.float32,
-                           device=q.device)  # fmt: skip
-    tickets = TICKETS.get(q.device, num_tokens * num_q_heads)
+    if num_splits > 1:
+        part_out = torch.empty((num_splits, num_tokens, num_q_heads, head_dim_p),
+                               dtype=torch.float32, device=q.device)  # fmt: skip
+        part_lse = torch.empty((num_splits, num_tokens, num_q_heads), dtype=torch.float32,
+                               device=q.device)  # fmt: skip
+        tickets = TICKETS.get(q.device, num_tokens * num_q_heads)
+    else:
+        part_out = part_lse = tickets = out  # unused by the kernel with NUM_SPLITS == 1
     gdc, launch_pdl = pdl_launch(pdl)
     _token_attention_kernel[(num_tokens, num_q_heads, num_splits)](
         out, part_out, part_lse, tickets, q, k_cache, v_cache, query_start_loc, seq_lens,

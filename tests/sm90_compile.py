@@ -206,6 +206,9 @@ def decode_path_compiles() -> list[tuple[str, object]]:
     table = torch.arange(t * 2, dtype=torch.int32).view(t, 2) % blocks
     pa.paged_attention(q, kc, vc, qsl, seq, table, 0.125, max_query_len=1, max_seq_len=24,
                        num_splits=2, pdl=True)  # fmt: skip
+    label[0] = "decode softcap window"
+    pa.paged_attention(q, kc, vc, qsl, seq, table, 0.125, max_query_len=1, max_seq_len=24,
+                       num_splits=2, sliding_window=8, softcap=5.0, pdl=True)  # fmt: skip
     # the masked key tiles with their loads run one or two tiles ahead (config.prefetch)
     for ahead in (1, 2):
         label[0] = f"decode prefetch {ahead}"

@@ -49,10 +49,11 @@ def test_token_programs_match_the_reference(device, dtype, q_choices, window, so
     assert _tickets_zero()
 
 
-def test_head_dim_not_a_power_of_two(device):
+@pytest.mark.parametrize("splits", [1, 2])
+def test_head_dim_not_a_power_of_two(device, splits):
     b = make_paged_batch([1, 2], [20, 33], num_q_heads=4, num_kv_heads=2, head_dim=40,
                          device=device, generator=torch.Generator().manual_seed(3))  # fmt: skip
-    run_and_check(b, torch.float32, config=_cfg(splits=2))
+    run_and_check(b, torch.float32, config=_cfg(splits=splits))
 
 
 def test_tokens_no_request_covers_get_zeros(device):
