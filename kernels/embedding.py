@@ -30,6 +30,7 @@ from .fused_linear import (
     _rows_tile,
     _rows_w,
 )
+from .guard import INTERPRET
 from .launch import CachedLaunch, pdl_launch, specialization_key
 from .paged_attention import _check_tensor
 
@@ -96,6 +97,80 @@ def embed_concat(
     warps = 4 if max(e, h) >= 512 else 1
     dev = table.device.index
     _LAUNCH(specialization_key(args) + (dev,), (n,), args, {"num_warps": warps})
+    return out
+
+
+# The decode step's embedding gather as a Triton launch with programmatic dependent
+# launch, where torch's (index_select) has none: the gather starts while the kernel
+# before it finishes, and the first layer's launch loads its weights while the gather
+# runs. H100, SmolLM2's step under a graph, context 256 (bench/NOTES.md, stop 61): 1 row
+# 339.0 -> 338.1 µs, 4 rows 512.0 -> 509.9.
+@triton.jit
+def _embedding_kernel(ids_ptr, table_ptr, out_ptr, n, n_vocab, E, stride_t, stride_o,
+                      ROWS: tl.constexpr, BLOCK_E: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
+    if GDC:  # the ids may be the kernel just before's output (resolve_fed_ids)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    t = (tl.program_id(0) * ROWS + tl.arange(0, ROWS))[:, None].to(tl.int64)
+    live = t < n
+    tok = tl.load(ids_ptr + t, mask=live, other=0).to(tl.int64)
+    tok = tl.minimum(tl.maximum(tok, 0), n_vocab - 1)
+    ce = tl.arange(0, BLOCK_E)[None, :]
+    ok = live & (ce < E)
+    e = tl.load(table_ptr + tok * stride_t + ce, mask=ok)
+    tl.store(out_ptr + t * stride_o + ce, e.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+_EMBEDDING = CachedLaunch(_embedding_kernel)
+
+
+def check_embedding_args(
+    ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None = None
+) -> None:
+    """embedding's argument checks (nothing launched)."""
+    _check_tensor("ids", ids, 1, (torch.int32, torch.int64))
+    _check_tensor("table", table, 2, _DTYPES)
+    if table.shape[0] == 0:
+        raise ValueError("table has no rows")
+    if table.stride(1) != 1:
+        raise ValueError(f"table needs contiguous rows, has strides {table.stride()}")
+    devices = {ids.device, table.device}
+    if out is not None:
+        _check_tensor("out", out, 2, (table.dtype,))
+        if tuple(out.shape) != (ids.shape[0], table.shape[1]):
+            raise ValueError(
+                f"out has shape {tuple(out.shape)}, expected [{ids.shape[0]}, {table.shape[1]}]"
+            )
+        if out.stride(1) != 1:
+            raise ValueError(f"out needs contiguous rows, has strides {out.stride()}")
+        devices.add(out.device)
+    if len(devices) != 1:
+        raise ValueError(f"ids, table and out must share a device, got {devices}")
+
+
+def embedding(
+    ids: torch.Tensor, table: torch.Tensor, *, out: torch.Tensor | None = None, pdl: bool = False
+) -> torch.Tensor:
+    """[num_tokens, E] = table[ids] (F.embedding) in one launch, with programmatic
+    dependent launch when pdl=True (see kernels.pdl_supported). ids int32 / int64 are the
+    caller's to check against the table (the models do, before anything runs); an id
+    outside it is clamped into it, so no read leaves the table."""
+    check_embedding_args(ids, table, out)
+    n, e = ids.shape[0], table.shape[1]
+    if out is None:
+        out = torch.empty(n, e, dtype=table.dtype, device=table.device)
+    if n == 0 or e == 0:
+        return out
+    # one row a program (a decode step's few rows: latency); the interpreter pays per
+    # program, so there all rows in one
+    rows = min(64, triton.next_power_of_2(n)) if INTERPRET else 1
+    gdc, options = pdl_launch(pdl)
+    block = triton.next_power_of_2(e)
+    args = (ids, table, out, n, table.shape[0], e, table.stride(0), out.stride(0), rows, block,
+            gdc)  # fmt: skip
+    warps = 4 if block >= 512 else 1
+    _EMBEDDING(specialization_key(args) + (table.device.index,), (triton.cdiv(n, rows),), args,
+               {"num_warps": warps, **options})  # fmt: skip
     return out
 
 

@@ -175,6 +175,10 @@ def rotary_store_kv(
     store_kv(k_rot, v, k_cache, v_cache, slot_mapping)
 
 
+def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    return F.embedding(ids, table)
+
+
 def embed_concat(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     return torch.cat([F.embedding(ids, table), hidden], dim=-1)
 

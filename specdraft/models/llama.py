@@ -142,11 +142,16 @@ class LlamaForCausalLM(nn.Module):
             if not 0 <= i < cfg.num_layers:
                 raise ValueError(f"aux_layers holds {i}, outside [0, {cfg.num_layers})")
         aux: list[torch.Tensor | None] = [None] * len(aux_at)
-        hidden = self.embed_tokens(input_ids)
         # A few rows take the fused decode path: one residual stream (`hidden`, the
-        # embedding's fresh output) updated in place, so `residual` stays None.
-        fused = ops.fused_decode(hidden, self.fused_rows())
-        pdl = fused and kernels.pdl_supported(hidden.device)
+        # embedding's fresh output, gathered by a PDL launch) updated in place, so
+        # `residual` stays None.
+        table = self.embed_tokens.weight
+        fused = ops.fused_decode(table, self.fused_rows(), rows=input_ids.shape[0])
+        pdl = fused and kernels.pdl_supported(table.device)
+        if fused:
+            hidden = ops.embedding(input_ids, table, pdl=pdl)
+        else:
+            hidden = self.embed_tokens(input_ids)
         residual = None
         for i, layer in enumerate(self.layers):
             for j, at in enumerate(aux_at):
