@@ -695,8 +695,18 @@ def choose_launch_config(
 # 4 chunks of 256 keys; bench/NOTES.md, stop 60): 1 row, context 256 / 1000, 356-358 ->
 # 338-340 / 409-411 -> 378-379 µs; a first version at 8 rows (288 programs, three
 # waves): 652 -> 604 / 722 -> 900, so the rule keeps it to one wave.
+#
+# TOKEN_WALK: where the bound's chunks do not fit that wave, fewer programs a (request,
+# head), the last one walking the chunks past them (loaded after the PDL wait), at most
+# TOKEN_WALK chunks in all. It pays at short contexts and costs at long ones, and the
+# launch is fixed before the lengths are known, so it stays off (1: a program a chunk).
+# H100, SmolLM2's step, one process, bound 1024 (stop 61), tiled kernel -> walking:
+# 4 rows (3 programs, walk 2) context 256 501 -> 445 µs, context 1000 561 -> 589; 8 rows
+# (1 program, walk 4) 643 -> 584 / 716 -> 868; 4 rows at bound 2048, context 200 (walk
+# 6) 515 -> 442.
 TOKEN_MAX_QUERY = 8
 TOKEN_WAVES = 1
+TOKEN_WALK = 1
 
 
 def token_chunk(head_dim: int, element_size: int = 2) -> int:
@@ -723,8 +733,12 @@ def per_token_config(
     if max_seq_len is None or max_query_len > TOKEN_MAX_QUERY:
         return None
     chunk = token_chunk(head_dim, element_size)
-    splits = max(1, cdiv(max_seq_len, chunk))
-    if splits > MAX_NUM_SPLITS or num_reqs * num_q_heads * splits > TOKEN_WAVES * num_sms_on_device:
+    need = max(1, cdiv(max_seq_len, chunk))
+    # programs a (request, head) that fit the waves; the last one walks the chunks past
+    # them, at most TOKEN_WALK in all
+    room = TOKEN_WAVES * num_sms_on_device // max(1, num_reqs * num_q_heads)
+    splits = min(need, room)
+    if need > MAX_NUM_SPLITS or splits < 1 or need - splits + 1 > TOKEN_WALK:
         return None
     qpk = num_q_heads // num_kv_heads
     warps = 8 if chunk * triton.next_power_of_2(head_dim) <= 16384 else 16

@@ -152,6 +152,28 @@ def test_launch_rule():
     assert llama.per_token and (llama.block_n, llama.num_splits) == (128, 4)
 
 
+def test_launch_rule_with_a_walk(monkeypatch):
+    """TOKEN_WALK > 1: past one wave, as many programs a (request, head) as the wave
+    holds, the last one walking the rest of the bound's chunks, at most TOKEN_WALK."""
+    import importlib
+
+    pa = importlib.import_module("specdraft.kernels.paged_attention")
+    kw = dict(num_q_heads=9, num_kv_heads=3, head_dim=64, num_sms_on_device=132,
+              max_query_len=1, max_seq_len=1024)  # fmt: skip
+    assert not choose_launch_config(num_tokens=4, num_reqs=4, **kw).per_token  # the default
+    monkeypatch.setattr(pa, "TOKEN_WALK", 2)
+    four = choose_launch_config(num_tokens=4, num_reqs=4, **kw)  # 132 // 36 = 3 programs
+    assert four.per_token and four.num_splits == 3, four
+    assert not choose_launch_config(num_tokens=8, num_reqs=8, **kw).per_token  # walk 4
+    one = choose_launch_config(num_tokens=1, num_reqs=1, **kw)
+    assert one.per_token and one.num_splits == 4  # one wave holds every chunk: no walk
+    monkeypatch.setattr(pa, "TOKEN_WALK", 4)
+    eight = choose_launch_config(num_tokens=8, num_reqs=8, **kw)
+    assert eight.per_token and eight.num_splits == 1, eight
+    # more (request, head) pairs than SMs: the tiled kernel, whatever the walk
+    assert not choose_launch_config(num_tokens=16, num_reqs=16, **kw).per_token
+
+
 def test_bad_per_token_config_refused(device):
     b = make_paged_batch([1], [5], num_q_heads=4, num_kv_heads=2, head_dim=32, device=device)
     out = torch.full_like(b.q, 3.0)
