@@ -256,26 +256,35 @@ def _token_attention_kernel(
 
 
 class _Tickets:
-    """Zeroed int32 tickets, one buffer per (device, stream) that grows: each launch's
-    last program leaves its tickets at zero, so a buffer is zeroed once, when it is
-    made. Buffers that were replaced stay alive (a captured graph may hold them).
-    Launches on one stream never overlap their tickets (each takes them after its PDL
-    wait); graphs captured on one stream must not be replayed concurrently on two."""
+    """Zeroed int32 tickets, one buffer per device that grows: each launch's last program
+    leaves its tickets at zero, so a buffer is zeroed once, when it is made, and that
+    zeroing must run then. Made outside a capture (an eager launch: the capture
+    managers' warm-up runs each step eagerly before capturing it), the buffer is shared
+    by every later launch, captured ones included. Made inside a capture, its zeroing is
+    a node of that graph and runs only when the graph replays, so the buffer stays that
+    launch's own (the graph zeroes it first on each replay) and is never handed to
+    another launch: handing it on let a graph replayed before the capturing one read
+    whatever the memory held (stop 61's GPU suite: graph replay against eager). Buffers
+    that were replaced stay alive (a captured graph may hold them). Token launches of
+    one device take tickets after their PDL wait, so launches on one stream never share
+    them; launches on two streams of a device must not run at once."""
 
     def __init__(self):
         self._live: dict[tuple, torch.Tensor] = {}
         self._old: list[torch.Tensor] = []
 
     def get(self, device: torch.device, need: int) -> torch.Tensor:
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-        key = (device.type, device.index, stream)
+        key = (device.type, device.index)
         buf = self._live.get(key)
-        if buf is None or buf.numel() < need:
-            if buf is not None:
-                self._old.append(buf)
-            buf = torch.zeros(max(need, 4096), dtype=torch.int32, device=device)
-            self._live[key] = buf
-        return buf
+        if buf is not None and buf.numel() >= need:
+            return buf
+        fresh = torch.zeros(max(need, 4096), dtype=torch.int32, device=device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return fresh  # zeroed by the graph itself, at each replay: this launch's own
+        if buf is not None:
+            self._old.append(buf)
+        self._live[key] = fresh
+        return fresh
 
 
 TICKETS = _Tickets()

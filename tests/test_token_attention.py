@@ -267,3 +267,41 @@ def test_gpu_graph_replay_with_new_lengths():
         torch.cuda.synchronize()
         assert torch.equal(out, eager), lens
         assert _tickets_zero()
+
+
+@pytest.mark.gpu
+def test_gpu_tickets_made_inside_a_capture_stay_that_graphs_own(monkeypatch):
+    """A token launch captured before any eager one on the device: its tickets are made
+    inside the capture, zeroed by that graph when it replays, so they are never handed
+    to another launch (a second graph replayed first would read unzeroed memory: stop
+    61's GPU suite). Both graphs, replayed in either order, equal the eager launch bit
+    for bit; the eager launch then makes the shared, zeroed buffer."""
+    import importlib
+
+    ta = importlib.import_module("specdraft.kernels.token_attention")
+    fresh = ta._Tickets()
+    monkeypatch.setattr(ta, "TICKETS", fresh)
+    dev, hq, hkv, d, bs, width = "cuda", 9, 3, 64, 16, 96
+    k_cache = torch.randn(256, bs, hkv, d, device=dev, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(2, hq, d, device=dev, dtype=torch.bfloat16)
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32, device=dev)
+    seq = torch.tensor([700, 300], dtype=torch.int32, device=dev)  # 3 and 2 chunks: merges
+    table = torch.randperm(256, device=dev)[: 2 * width].view(2, width).to(torch.int32)
+    outs = [torch.full_like(q, float("nan")) for _ in range(2)]
+    graphs = [torch.cuda.CUDAGraph() for _ in range(2)]
+    for graph, out in zip(graphs, outs):
+        with torch.cuda.graph(graph):
+            paged_attention(q, k_cache, v_cache, qsl, seq, table, d**-0.5, out=out,
+                            max_query_len=1, max_seq_len=1024)  # fmt: skip
+    assert not fresh._live, "a buffer made inside a capture must not be shared"
+    for order in ((1, 0), (0, 1)):
+        for i in order:
+            outs[i].fill_(float("nan"))
+            graphs[i].replay()
+    eager = paged_attention(q, k_cache, v_cache, qsl, seq, table, d**-0.5, max_query_len=1,
+                            max_seq_len=1024)  # fmt: skip
+    torch.cuda.synchronize()
+    assert len(fresh._live) == 1 and int(next(iter(fresh._live.values())).abs().sum()) == 0
+    for out in outs:
+        assert torch.equal(out, eager)
