@@ -8,12 +8,12 @@ from .commit import check_commit_args, commit_step, commit_step_torch
 from .embedding import (
     check_embed_concat_args,
     check_embed_fc_args,
-    check_embedding_args,
+    check_embed_rows_args,
     check_resolve_fed_ids_args,
     embed_concat,
     embed_fc,
     embed_fc_supported,
-    embedding,
+    embed_rows,
     resolve_fed_ids,
 )
 from .fused_linear import (
@@ -81,7 +81,7 @@ argmax_rows = runnable(argmax_rows)
 commit_step = runnable(commit_step)
 embed_concat = runnable(embed_concat)
 embed_fc = runnable(embed_fc)
-embedding = runnable(embedding)
+embed_rows = runnable(embed_rows)
 resolve_fed_ids = runnable(resolve_fed_ids)
 linear_small_m = runnable(linear_small_m)
 linear_int8 = runnable(linear_int8)
@@ -122,7 +122,7 @@ __all__ = [
     "check_linear_small_m_args",
     "check_paged_attention_args",
     "check_rejection_args",
-    "check_embedding_args",
+    "check_embed_rows_args",
     "check_resolve_fed_ids_args",
     "check_rms_norm_args",
     "check_rotary_args",
@@ -159,7 +159,7 @@ __all__ = [
     "quantize_rows_int8",
     "resolve_act_int8",
     "rejection_sample",
-    "embedding",
+    "embed_rows",
     "resolve_fed_ids",
     "rms_norm",
     "rotary_store_kv",

@@ -107,7 +107,7 @@ def embed_concat(
 # same process (bench/NOTES.md, stop 61): -1.1 µs at 1 row, -3 at 4, -1.7 to -4.4 at 8,
 # the logits bit-equal.
 @triton.jit
-def _embedding_kernel(ids_ptr, table_ptr, out_ptr, n, n_vocab, E, stride_t, stride_o,
+def _embed_rows_kernel(ids_ptr, table_ptr, out_ptr, n, n_vocab, E, stride_t, stride_o,
                       ROWS: tl.constexpr, BLOCK_E: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
     if GDC:  # the ids may be the kernel just before's output (resolve_fed_ids)
         tl.extra.cuda.gdc_wait()
@@ -122,13 +122,13 @@ def _embedding_kernel(ids_ptr, table_ptr, out_ptr, n, n_vocab, E, stride_t, stri
     tl.store(out_ptr + t * stride_o + ce, e.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-_EMBEDDING = CachedLaunch(_embedding_kernel)
+_EMBED_ROWS = CachedLaunch(_embed_rows_kernel)
 
 
-def check_embedding_args(
+def check_embed_rows_args(
     ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None = None
 ) -> None:
-    """embedding's argument checks (nothing launched)."""
+    """embed_rows's argument checks (nothing launched)."""
     _check_tensor("ids", ids, 1, (torch.int32, torch.int64))
     _check_tensor("table", table, 2, _DTYPES)
     if table.shape[0] == 0:
@@ -149,14 +149,14 @@ def check_embedding_args(
         raise ValueError(f"ids, table and out must share a device, got {devices}")
 
 
-def embedding(
+def embed_rows(
     ids: torch.Tensor, table: torch.Tensor, *, out: torch.Tensor | None = None, pdl: bool = False
 ) -> torch.Tensor:
     """[num_tokens, E] = table[ids] (F.embedding) in one launch, with programmatic
     dependent launch when pdl=True (see kernels.pdl_supported). ids int32 / int64 are the
     caller's to check against the table (the models do, before anything runs); an id
     outside it is clamped into it, so no read leaves the table."""
-    check_embedding_args(ids, table, out)
+    check_embed_rows_args(ids, table, out)
     n, e = ids.shape[0], table.shape[1]
     if out is None:
         out = torch.empty(n, e, dtype=table.dtype, device=table.device)
@@ -170,7 +170,7 @@ def embedding(
     args = (ids, table, out, n, table.shape[0], e, table.stride(0), out.stride(0), rows, block,
             gdc)  # fmt: skip
     warps = 4 if block >= 512 else 1
-    _EMBEDDING(specialization_key(args) + (table.device.index,), (triton.cdiv(n, rows),), args,
+    _EMBED_ROWS(specialization_key(args) + (table.device.index,), (triton.cdiv(n, rows),), args,
                {"num_warps": warps, **options})  # fmt: skip
     return out
 

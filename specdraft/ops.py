@@ -180,13 +180,13 @@ def linear_residual_(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tens
     return residual.addmm_(x, weight.t())
 
 
-def embedding(ids: torch.Tensor, table: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+def embed_rows(ids: torch.Tensor, table: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
     """[num_tokens, E] = table[ids]: one launch with programmatic dependent launch
     (pdl=True) on the Triton backend (the fused decode path's gather), F.embedding on
     the PyTorch one."""
-    impl = _impl("embedding", table)
-    if impl is torch_ops.embedding:
-        kernels.check_embedding_args(ids, table)
+    impl = _impl("embed_rows", table)
+    if impl is torch_ops.embed_rows:
+        kernels.check_embed_rows_args(ids, table)
         return impl(ids, table)
     return impl(ids, table, pdl=pdl)
 

@@ -175,7 +175,7 @@ def rotary_store_kv(
     store_kv(k_rot, v, k_cache, v_cache, slot_mapping)
 
 
-def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+def embed_rows(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return F.embedding(ids, table)
 
 

@@ -117,7 +117,7 @@ def decode_path_compiles() -> list[tuple[str, object]]:
     for jit in (fl._fused_rows_kernel, fl._fused_linear_kernel, fl._fused_qkv_rope_kernel,
                 fm._mma_linear_kernel, fm._mma_qkv_rope_kernel, rot._rotary_store_kv_kernel,
                 pa._paged_attention_kernel, pa._combine_splits_kernel, emb._embed_fc_kernel,
-                emb._embedding_kernel, li._linear_int8_kernel,
+                emb._embed_rows_kernel, li._linear_int8_kernel,
                 ta._token_attention_kernel):  # fmt: skip
         compile_only(jit)
     bf = torch.bfloat16
@@ -157,7 +157,7 @@ def decode_path_compiles() -> list[tuple[str, object]]:
     fl.ROWS_PER_PROGRAM = None
     for m in (1, 4):  # the step's embedding gather
         label[0] = f"decode M {m} embedding"
-        emb.embedding(torch.arange(m), torch.randn(100, h).to(bf), pdl=True)
+        emb.embed_rows(torch.arange(m), torch.randn(100, h).to(bf), pdl=True)
     for m in (1, 4, 8):  # EAGLE-1's fc over [embed(token); hidden[rows]]
         label[0] = f"decode M {m} embed fc"
         emb.embed_fc(torch.arange(m), torch.randn(100, h).to(bf), torch.randn(m + 1, h).to(bf),

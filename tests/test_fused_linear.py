@@ -403,7 +403,7 @@ def test_fused_decode_path_matches_unfused_model():
     """Same hidden states, logits and EAGLE-3 aux states (fp32, interpreter); the
     planted check: with the path forced the fused forward really ran."""
     calls = []
-    real = kernels.fused_linear, kernels.fused_qkv_rope, kernels.embedding
+    real = kernels.fused_linear, kernels.fused_qkv_rope, kernels.embed_rows
 
     def spy(i):
         def call(*a, **kw):
@@ -412,13 +412,13 @@ def test_fused_decode_path_matches_unfused_model():
 
         return call
 
-    kernels.fused_linear, kernels.fused_qkv_rope, kernels.embedding = spy(0), spy(1), spy(2)
+    kernels.fused_linear, kernels.fused_qkv_rope, kernels.embed_rows = spy(0), spy(1), spy(2)
     try:
         _compare_fused("cpu", torch.float32, 1e-4)
     finally:
-        kernels.fused_linear, kernels.fused_qkv_rope, kernels.embedding = real
+        kernels.fused_linear, kernels.fused_qkv_rope, kernels.embed_rows = real
     # 3 steps x 2 layers: QKV + rotary + store in one launch, then 3 projections; the
-    # embedding gather a step (kernels.embedding: the unfused path gathers with torch)
+    # embedding gather a step (kernels.embed_rows: the unfused path gathers with torch)
     assert calls.count(1) == 3 * 2 and calls.count(0) == 3 * 2 * 3, calls
     assert calls.count(2) == 3, calls
 

@@ -11,7 +11,7 @@ from specdraft.kernels import (
     argmax_rows,
     embed_concat,
     embed_fc,
-    embedding,
+    embed_rows,
     fused_linear,
     linear_small_m,
     resolve_fed_ids,
@@ -183,7 +183,7 @@ def test_embed_concat_bad_inputs(device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n, e", [(1, 8), (5, 40), (3, 576), (70, 24)])
-def test_embedding_is_the_table_gather(device, dtype, n, e):
+def test_embed_rows_is_the_table_gather(device, dtype, n, e):
     """Fresh rows; the output poisoned first; bit-equal to F.embedding for int64 and
     int32 ids, and to ops' PyTorch backend; 70 rows span two programs under the
     interpreter; ids outside the table read its nearest row (the models check ids
@@ -193,19 +193,19 @@ def test_embedding_is_the_table_gather(device, dtype, n, e):
     table = torch.randn(50, e, device=device).to(dtype)
     ids = torch.randint(0, 50, (n,), device=device)
     out = torch.full((n, e), float("nan"), device=device, dtype=dtype)
-    got = embedding(ids, table, out=out)
+    got = embed_rows(ids, table, out=out)
     assert got is out
     want = torch.nn.functional.embedding(ids, table)
     assert torch.equal(got, want)
-    assert torch.equal(embedding(ids.int(), table), want)
+    assert torch.equal(embed_rows(ids.int(), table), want)
     with ops.use_backend("torch"):
-        assert torch.equal(ops.embedding(ids, table), want)
+        assert torch.equal(ops.embed_rows(ids, table), want)
     edge = torch.tensor([-3, 50, 7], device=device)
-    assert torch.equal(embedding(edge, table), table[[0, 49, 7]])
-    assert embedding(ids[:0], table).shape == (0, e)
+    assert torch.equal(embed_rows(edge, table), table[[0, 49, 7]])
+    assert embed_rows(ids[:0], table).shape == (0, e)
 
 
-def test_embedding_bad_inputs(device):
+def test_embed_rows_bad_inputs(device):
     """A TypeError / ValueError naming the argument; out untouched (both backends
     refuse alike)."""
     from specdraft import ops
@@ -226,15 +226,15 @@ def test_embedding_bad_inputs(device):
         args = dict(ids=ids, table=table, out=out)
         args.update(kw)
         with pytest.raises(exc, match=name):
-            embedding(args["ids"], args["table"], out=args["out"])
+            embed_rows(args["ids"], args["table"], out=args["out"])
         assert bool((out == -7.0).all())
         if "out" not in kw:
             with ops.use_backend("torch"), pytest.raises(exc, match=name):
-                ops.embedding(args["ids"], args["table"])
+                ops.embed_rows(args["ids"], args["table"])
 
 
 @pytest.mark.gpu
-def test_gpu_embedding_with_pdl_under_a_graph():
+def test_gpu_embed_rows_with_pdl_under_a_graph():
     """bf16, PDL on where the GPU has it: eager and graph replay (fresh ids copied in
     before each replay) bit-equal to the gather, every row written."""
     from specdraft import kernels
@@ -243,12 +243,12 @@ def test_gpu_embedding_with_pdl_under_a_graph():
     table = torch.randn(49152, 576, device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(0, 49152, (4,), device="cuda")
     out = torch.full((4, 576), float("nan"), device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(embedding(ids, table, out=out, pdl=pdl), table[ids])
+    assert torch.equal(embed_rows(ids, table, out=out, pdl=pdl), table[ids])
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        embedding(ids, table, out=out, pdl=pdl)
+        embed_rows(ids, table, out=out, pdl=pdl)
     torch.cuda.current_stream().wait_stream(stream)
     for seed in range(3):
         ids.copy_(torch.randint(0, 49152, (4,), generator=torch.Generator().manual_seed(seed)))

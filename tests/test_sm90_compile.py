@@ -49,7 +49,7 @@ def test_decode_path_compiles_for_sm90_with_pdl():
     assert names.count("_fused_rows_kernel") == 10 + 2, out[-4000:]
     assert names.count("_fused_linear_kernel") == 4, out[-4000:]
     assert names.count("_fused_qkv_rope_kernel") == 2, out[-4000:]
-    assert names.count("_embedding_kernel") == 2, out[-4000:]
+    assert names.count("_embed_rows_kernel") == 2, out[-4000:]
     # the int8 lm_head: 5 shapes, then its greedy argmax partials at 1 / 8 / 64 rows ...
     # (and with act_int8 at 1 / 8 / 64 rows: int8 activations as well)
     assert names.count("_linear_int8_kernel") == 8 + 3, out[-4000:]

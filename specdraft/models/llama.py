@@ -149,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
         fused = ops.fused_decode(table, self.fused_rows(), rows=input_ids.shape[0])
         pdl = fused and kernels.pdl_supported(table.device)
         if fused:
-            hidden = ops.embedding(input_ids, table, pdl=pdl)
+            hidden = ops.embed_rows(input_ids, table, pdl=pdl)
         else:
             hidden = self.embed_tokens(input_ids)
         residual = None
