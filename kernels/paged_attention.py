@@ -57,8 +57,6 @@ from .validation import MAX_NUM_SPLITS, check_paged_attention_args
 from .validation import _check_tensor as _check_tensor
 from .validation import validate_kv_cache as validate_kv_cache
 
-_LOG2E = 1.4426950408889634
-
 
 @triton.jit
 def _find_request(qsl_ptr, tile, num_reqs, num_tokens, BLOCK_Q: tl.constexpr):

@@ -58,17 +58,11 @@ def _chunk_rows(bt_row, c0, lo, hi, num_blocks, stride_b, stride_t, BLOCK_SIZE: 
 
 
 @triton.jit
-def _load_rows(head_ptr, rows, ok, offs_d, d_mask):
+def _load_rows(head_ptr, rows, ok, offs_d, d_mask, other):
+    """The rows where `ok` loaded, `other` elsewhere (0.0, or a tile to keep: the load
+    then writes the registers that hold it, no second tile)."""
     return tl.load(head_ptr + rows[:, None] + offs_d[None, :], mask=ok[:, None] & d_mask[None, :],
-                   other=0.0)  # fmt: skip
-
-
-@triton.jit
-def _load_into(tile, head_ptr, rows, ok, offs_d, d_mask):
-    """`tile` with its rows where `ok` loaded, the rest kept (no second tile: the load
-    writes the registers that hold `tile`)."""
-    return tl.load(head_ptr + rows[:, None] + offs_d[None, :], mask=ok[:, None] & d_mask[None, :],
-                   other=tile)  # fmt: skip
+                   other=other)  # fmt: skip
 
 
 @triton.jit
@@ -184,8 +178,8 @@ def _token_attention_kernel(
     rows, ok, want = _chunk_rows(bt_row, c0, mine_lo, mine_hi, num_blocks, stride_kb,
                                  stride_kt, BLOCK_SIZE, CHUNK)  # fmt: skip
     early = ok & (c0 + tl.arange(0, CHUNK) < ctx_len)
-    k = _load_rows(k_head, rows, early, offs_d, d_mask)
-    v = _load_rows(v_head, rows, early, offs_d, d_mask)
+    k = _load_rows(k_head, rows, early, offs_d, d_mask, 0.0)
+    v = _load_rows(v_head, rows, early, offs_d, d_mask, 0.0)
     own_blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=own, other=-1)
     own_ok = own & (own_blk >= 0) & (own_blk < num_blocks)
     own_row = tl.where(own_ok, own_blk, 0).to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_kt
@@ -199,8 +193,8 @@ def _token_attention_kernel(
     v_own = tl.load(v_head + own_row + offs_d, mask=own_mask, other=0.0).to(tl.float32)
     if ctx_len < tl.minimum(mine_hi, c0 + CHUNK):
         late = ok & ~early
-        k = _load_into(k, k_head, rows, late, offs_d, d_mask)
-        v = _load_into(v, v_head, rows, late, offs_d, d_mask)
+        k = _load_rows(k_head, rows, late, offs_d, d_mask, k)
+        v = _load_rows(v_head, rows, late, offs_d, d_mask, v)
     qk_scale = scale * 1.4426950408889634
     s = _scores(q, k, want, scale, qk_scale, softcap, USE_SOFTCAP)
     if USE_SOFTCAP:
@@ -217,8 +211,8 @@ def _token_attention_kernel(
     for c in range(c0 + CHUNK, mine_hi, CHUNK):
         rows, ok, want = _chunk_rows(bt_row, c, mine_lo, mine_hi, num_blocks, stride_kb,
                                      stride_kt, BLOCK_SIZE, CHUNK)  # fmt: skip
-        k = _load_rows(k_head, rows, ok, offs_d, d_mask)
-        v = _load_rows(v_head, rows, ok, offs_d, d_mask)
+        k = _load_rows(k_head, rows, ok, offs_d, d_mask, 0.0)
+        v = _load_rows(v_head, rows, ok, offs_d, d_mask, 0.0)
         s = _scores(q, k, want, scale, qk_scale, softcap, USE_SOFTCAP)
         m_i, l_i, acc = _online(s, v, m_i, l_i, acc)
     # l_i >= 1: the largest score counts exp2(0).
