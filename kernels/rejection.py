@@ -206,7 +206,7 @@ def _partials_kernel(
     at the end (as the all-greedy launch does): a first loop keeps each lane's largest
     value and its first index; a second reads the block again (from L1 / L2) for the
     sums relative to the block's max. A reduction a value per block, not per SUB slice:
-    at SUB = BLOCK_V the loops run once."""
+    at SUB = BLOCK_V the block is read once, into registers both reductions use."""
     _gdc_enter(GDC)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     blk = tl.program_id(1)
@@ -216,15 +216,23 @@ def _partials_kernel(
     req = rows // K1
     g = tl.load(greedy_ptr + req, mask=rmask, other=1) != 0
     t = tl.where(g, 1.0, tl.load(temp_ptr + req, mask=rmask, other=1.0))
-    best = tl.full([ROWS, SUB], float("-inf"), tl.float32)
-    where = tl.zeros([ROWS, SUB], tl.int32) + (lo + lane)[None, :]
-    for c in tl.range(0, BLOCK_V, SUB):
-        offs = lo + c + lane
-        mask = rmask[:, None] & (offs < V)[None, :]
-        z = _load_z(logits_ptr, stride_lm, rows, offs, mask, t)
-        up = z > best  # strict: a lane keeps its first index of a tie
-        best = tl.where(up, z, best)
-        where = tl.where(up, offs[None, :], where)
+    if SUB == BLOCK_V:
+        # One slice: the block is read once, into registers both reductions use (the
+        # same values, hence the same bits, as the loops below run once).
+        whole = lo + lane
+        zall = _load_z(logits_ptr, stride_lm, rows, whole, rmask[:, None] & (whole < V)[None, :], t)
+        best = zall
+        where = tl.zeros([ROWS, SUB], tl.int32) + whole[None, :]
+    else:
+        best = tl.full([ROWS, SUB], float("-inf"), tl.float32)
+        where = tl.zeros([ROWS, SUB], tl.int32) + (lo + lane)[None, :]
+        for c in tl.range(0, BLOCK_V, SUB):
+            offs = lo + c + lane
+            mask = rmask[:, None] & (offs < V)[None, :]
+            z = _load_z(logits_ptr, stride_lm, rows, offs, mask, t)
+            up = z > best  # strict: a lane keeps its first index of a tie
+            best = tl.where(up, z, best)
+            where = tl.where(up, offs[None, :], where)
     bmax = tl.max(best, axis=1)
     # The first index holding the max (a block of -inf: its first column, as before)
     barg = tl.min(tl.where(best == bmax[:, None], where, 2147483647), axis=1)
@@ -245,9 +253,12 @@ def _partials_kernel(
     above_sum = tl.zeros([ROWS, SUB], tl.float32)
     above_cnt = tl.zeros([ROWS, SUB], tl.int32)
     for c in tl.range(0, BLOCK_V, SUB):
-        offs = lo + c + lane
-        mask = rmask[:, None] & (offs < V)[None, :]
-        z = _load_z(logits_ptr, stride_lm, rows, offs, mask, t)
+        if SUB == BLOCK_V:
+            z = zall
+        else:
+            offs = lo + c + lane
+            mask = rmask[:, None] & (offs < V)[None, :]
+            z = _load_z(logits_ptr, stride_lm, rows, offs, mask, t)
         ez = tl.exp(z - ref[:, None])
         total += ez
         low = tl.minimum(low, tl.where(z > float("-inf"), z, float("inf")))
