@@ -194,16 +194,10 @@ def _partials_kernel(
     pmax_ptr, parg_ptr, psum_ptr, pmin_ptr, drafts_ptr, stride_db, pabove_ptr, pcnt_ptr,
     num_rows, V, K1, NB,
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr, SCREEN: tl.constexpr,
-    rdone_ptr, rmax_ptr, rthr_ptr, rsum_ptr, state_ptr, q_ptr, stride_qb, stride_qk,
-    topk_ptr, topp_ptr, seed_ptr, pos_ptr,
-    NBP: tl.constexpr, KP: tl.constexpr, ACCEPT_MUL: tl.constexpr, FOLD: tl.constexpr,
     GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Per (row, vocabulary block) of a call with q (all-greedy calls take
     _greedy_kernel): max, first argmax, sum exp(z - max) and the smallest finite value.
-    FOLD (RejectionConfig.fold_init): a row's last program to finish (a ticket per row,
-    as the greedy kernel's per request) also computes its row statistics (_row_stats),
-    the init launch's work, which then does not run.
     SCREEN: also, for row j < K of a request, the mass (as exp(z - max)) and the count of
     the block's values above z at the row's draft token (garbage for other rows, which
     nothing reads).
@@ -286,20 +280,6 @@ def _partials_kernel(
     if SCREEN:
         tl.store(pabove_ptr + out, tl.sum(above_sum, axis=1), mask=rmask)
         tl.store(pcnt_ptr + out, tl.sum(above_cnt, axis=1), mask=rmask)
-    if FOLD:
-        # Every store of the tile before the tickets' release (another thread may take it).
-        tl.debug_barrier()
-        ticket = tl.atomic_add(rdone_ptr + rows, tl.full([ROWS], 1, tl.int32), mask=rmask,
-                               sem="acq_rel")  # fmt: skip
-        last = rmask & (ticket == NB - 1)
-        if tl.max(last.to(tl.int32), axis=0) != 0:
-            tl.store(rdone_ptr + rows, tl.zeros([ROWS], tl.int32), mask=last)
-            _row_stats(
-                rows, last, pmax_ptr, psum_ptr, rmax_ptr, rthr_ptr, rsum_ptr, NB, pabove_ptr,
-                pcnt_ptr, state_ptr, logits_ptr, stride_lm, drafts_ptr, stride_db, q_ptr,
-                stride_qb, stride_qk, greedy_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr,
-                pos_ptr, V, K1, NBP, SCREEN, KP, ACCEPT_MUL,
-            )  # fmt: skip
 
 
 # ------------------------------------------------------------------------ 2. row stats
@@ -399,50 +379,27 @@ def _init_kernel(
     ACCEPT_MUL: tl.constexpr,
     GDC: tl.constexpr = False,
 ):  # fmt: skip
-    """Row statistics (_row_stats) for a tile of ROWS rows."""
+    """Row max and mass (relative to the max) from the block partials; thresholds reset
+    to -inf (kept: every token), which the cut kernel overwrites for filtered rows.
+    SCREEN: each row's screening state too."""
     _gdc_enter(GDC)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    _row_stats(
-        rows, rows < num_rows, pmax_ptr, psum_ptr, rmax_ptr, rthr_ptr, rsum_ptr, NB,
-        pabove_ptr, pcnt_ptr, state_ptr, logits_ptr, stride_lm, drafts_ptr, stride_db, q_ptr,
-        stride_qb, stride_qk, greedy_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, V,
-        K1, NBP, SCREEN, KP, ACCEPT_MUL,
-    )  # fmt: skip
-
-
-@triton.jit
-def _row_stats(
-    rows, rmask, pmax_ptr, psum_ptr, rmax_ptr, rthr_ptr, rsum_ptr, NB,
-    pabove_ptr, pcnt_ptr, state_ptr, logits_ptr, stride_lm, drafts_ptr, stride_db,
-    q_ptr, stride_qb, stride_qk, greedy_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr,
-    V, K1, NBP: tl.constexpr, SCREEN: tl.constexpr, KP: tl.constexpr, ACCEPT_MUL: tl.constexpr,
-):  # fmt: skip
-    """Row max and mass (relative to the max) from the block partials of rows (rmask);
-    thresholds reset to -inf (kept: every token), which the cut kernel overwrites for
-    filtered rows. SCREEN: each row's screening state too."""
+    rmask = rows < num_rows
     blocks = tl.arange(0, NBP)
     pmask = rmask[:, None] & (blocks < NB)[None, :]
     pm = tl.load(pmax_ptr + rows[:, None] * NB + blocks[None, :], mask=pmask, other=float("-inf"))
+    ps = tl.load(psum_ptr + rows[:, None] * NB + blocks[None, :], mask=pmask, other=0.0)
     m = tl.where(rmask, tl.max(pm, axis=1), 0.0)  # finite on rows past the batch
-    # The sums in block order, one block at a time: the same bits whatever the tile (the
-    # init launch's rows or a partials program's one row).
-    tot = tl.zeros(rows.shape, tl.float32)
-    above = tl.zeros(rows.shape, tl.float32)
-    cnt = tl.zeros(rows.shape, tl.int32)
-    for i in range(0, NB):
-        at = rows * NB + i
-        pmi = tl.load(pmax_ptr + at, mask=rmask, other=float("-inf"))
-        scale = tl.where(pmi == float("-inf"), 0.0, tl.exp(pmi - m))
-        tot += tl.load(psum_ptr + at, mask=rmask, other=0.0) * scale
-        if SCREEN:
-            above += tl.load(pabove_ptr + at, mask=rmask, other=0.0) * scale
-            cnt += tl.load(pcnt_ptr + at, mask=rmask, other=0)
+    scale = tl.where(pm == float("-inf"), 0.0, tl.exp(pm - m[:, None]))
+    tot = tl.sum(ps * scale, axis=1)
     tl.store(rmax_ptr + rows, m, mask=rmask)
-    tl.store(rthr_ptr + rows, tl.full(rows.shape, float("-inf"), tl.float32), mask=rmask)
+    tl.store(rthr_ptr + rows, tl.full([ROWS], float("-inf"), tl.float32), mask=rmask)
     tl.store(rsum_ptr + rows, tot, mask=rmask)
     if SCREEN:
+        pa = tl.load(pabove_ptr + rows[:, None] * NB + blocks[None, :], mask=pmask, other=0.0)
+        pc = tl.load(pcnt_ptr + rows[:, None] * NB + blocks[None, :], mask=pmask, other=0)
         state = _screen(
-            rows, rmask, m, tot, above, cnt, logits_ptr,
+            rows, rmask, m, tot, tl.sum(pa * scale, axis=1), tl.sum(pc, axis=1), logits_ptr,
             stride_lm, drafts_ptr, stride_db, q_ptr, stride_qb, stride_qk, greedy_ptr, temp_ptr,
             topk_ptr, topp_ptr, seed_ptr, pos_ptr, V, K1, KP, ACCEPT_MUL,
         )  # fmt: skip
@@ -1689,10 +1646,6 @@ class RejectionConfig:
     # launch at B 64, K 5, stop 25), but each race program then holds the walk too (sm_90:
     # 52 registers against 40, 9 programs an SM against 12). Off until measured.
     walk_in_race: bool = False
-    # The partials' last program of each row (a ticket per row) computes the row's
-    # statistics and screening state: no init launch (stop 61, H100, B 64, K 5, V 49152:
-    # 3.9 µs of a top-p call as its own launch). Off until timed on a GPU.
-    fold_init: bool = False
     # A row with top-k and top-p takes its top-p cut from the top-k cut's one-pass bracket
     # where that bracket held every top-k survivor (the usual case for a small k): no
     # second sample, pass and sort. The same thresholds and masses, bit for bit (CPU
@@ -1862,7 +1815,6 @@ class RejectionWorkspace:
     part_above: torch.Tensor  # [rows, nb] float32: the screen's mass above the draft's value
     part_cnt: torch.Tensor  # [rows, nb] int32: and the count of values above it
     row_state: torch.Tensor  # [rows] int32: the screen's state of each row
-    row_done: torch.Tensor  # [rows] int32: fold_init's tickets, zero between calls
 
     @classmethod
     def allocate(
@@ -1885,7 +1837,6 @@ class RejectionWorkspace:
                         **f32),  # fmt: skip
             torch.zeros(rows if cfg.cap_f else 1, **i32),
             torch.empty(rows, nb, **f32), torch.empty(rows, nb, **i32), torch.empty(rows, **i32),
-            torch.zeros(rows, **i32),
         )  # fmt: skip
 
 
@@ -2127,37 +2078,32 @@ def _plan(
     screen = bool(cfg.screen) and bool(any_filter) and k > 0
     db = draft_tokens.stride(0)
     sub_v = min(cfg.sub_v or cfg.block_v, cfg.block_v)
-    nbp = _p2(nb)
-    # The row statistics' arguments, for the init launch or the partials' fold.
-    stats = (ws.row_max, ws.row_thr, ws.row_sum, ws.row_state, q, *sq, top_k, top_p, seed,
-             positions, nbp, kp, mul_a)  # fmt: skip
-    fold = bool(cfg.fold_init)
     _PARTIALS.add(
         launches,
         (triton.cdiv(rows, cfg.rows_p), triton.cdiv(v, cfg.block_v)),
         (target_logits, lm, greedy, temperature, ws.part_max, ws.part_arg, ws.part_sum,
          ws.part_min, draft_tokens, db, ws.part_above, ws.part_cnt, rows, v, k + 1, nb,
-         cfg.rows_p, cfg.block_v, sub_v, screen, ws.row_done, *stats, fold),
+         cfg.rows_p, cfg.block_v, sub_v, screen),
         # Unless the config says (the sliced GPU tiles do): 8 warps from 4096-element
         # slices, 4 below. Screened or not, a config takes the same warps, so a block's
         # sum is the same bits either way.
         cfg.warps_v or (8 if cfg.rows_p * sub_v >= 4096 else 4),
         pdl,
     )  # fmt: skip
+    nbp = _p2(nb)
     # At most 32 rows a program on the GPU: a row's screen is a few hundred instructions,
     # and few partials a row (wide blocks) must not put the whole batch in one program.
     rows_i = max(1, min((1 << 16) // nbp if INTERPRET else min(2048 // nbp, 32), _p2(rows)))
-    if not fold:
-        _INIT.add(
-            launches,
-            (triton.cdiv(rows, rows_i),),
-            (ws.part_max, ws.part_sum, ws.row_max, ws.row_thr, ws.row_sum, rows, nb,
-             ws.part_above, ws.part_cnt, ws.row_state, target_logits, lm, draft_tokens, db, q,
-             *sq, greedy, temperature, top_k, top_p, seed, positions, v, k + 1, rows_i, nbp,
-             screen, kp, mul_a),
-            4,
-            pdl,
-        )  # fmt: skip
+    _INIT.add(
+        launches,
+        (triton.cdiv(rows, rows_i),),
+        (ws.part_max, ws.part_sum, ws.row_max, ws.row_thr, ws.row_sum, rows, nb,
+         ws.part_above, ws.part_cnt, ws.row_state, target_logits, lm, draft_tokens, db, q, *sq,
+         greedy, temperature, top_k, top_p, seed, positions, v, k + 1, rows_i, nbp, screen, kp,
+         mul_a),
+        4,
+        pdl,
+    )  # fmt: skip
     if any_filter:
         fxs = float(2 ** (62 - (v - 1).bit_length()))  # v * 2^S <= 2^62: int64 sums fit
         fast = cfg.cap_f > 0 and cfg.rows_t == 1
@@ -2184,8 +2130,8 @@ def _plan(
                 cfg.warps_f if fast_only else 8 if cfg.rows_t * cfg.block_t >= 2048 else 4,
                 pdl,
             )  # fmt: skip
-    walk_folded = bool(cfg.walk_in_race)
-    if not walk_folded:
+    fold = bool(cfg.walk_in_race)
+    if not fold:
         _WALK.add(
             launches,
             (triton.cdiv(b, cfg.rows_w),),
@@ -2206,7 +2152,7 @@ def _plan(
          ws.part_arg, ws.walk, ws.race_val, ws.race_idx, ws.done, out_tokens,
          out_tokens.stride(0), out_num_accepted, out_num_emitted, proposed_counts,
          accepted_counts, ws.row_state, b, k, v, nb, nb2, cfg.rows_r, kp, nbp, _p2(nb2),
-         cfg.block_r, sub_r, mul_r, mul_b, walk_folded, mul_a, screen),
+         cfg.block_r, sub_r, mul_r, mul_b, fold, mul_a, screen),
         8 if race_tile >= 2048 else 4 if race_tile >= 512 else 2 if race_tile >= 128 else 1,
         pdl,
     )  # fmt: skip

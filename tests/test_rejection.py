@@ -560,10 +560,6 @@ def _tile_variants(device: str) -> list:
     # the walk inside the race programs (walk_in_race), unscreened and screened
     tiles += [dataclasses.replace(c, walk_in_race=True, screen=s)
               for c, s in ((ROW_TILES, False), (FAST_TILES, True), (BAND_TILES, True))]  # fmt: skip
-    # the row statistics in the partials' last program of each row (fold_init): one row a
-    # partials program, and four (BAND_TILES: a program is last for some of its rows)
-    tiles += [dataclasses.replace(c, fold_init=True, screen=s)
-              for c, s in ((ROW_TILES, True), (FAST_TILES, False), (BAND_TILES, True))]  # fmt: skip
     return tiles
 
 
@@ -607,7 +603,7 @@ def test_tiles_bit_equal_to_one_row_per_program(device, group):
             t.fill_(float("nan"))
         ws.race_idx.fill_(-1)
         batch.run()
-        assert int(ws.done.abs().sum()) == 0 and int(ws.row_done.abs().sum()) == 0, cfg
+        assert int(ws.done.abs().sum()) == 0, cfg
         race = (ws.race_val[sampled.to(device)], ws.race_idx[sampled.to(device)])
         outs.append([t.cpu() for t in (*batch.outs(), ws.row_thr, ws.row_sum, *race)])
     for cfg, out in zip(tiles[1:], outs[1:]):
@@ -714,8 +710,7 @@ def test_screened_equals_unscreened(tiles, device, monkeypatch):
     """Screening is an optimisation only: with it, every output (tokens, counts,
     counters, race winners) is bit for bit the unscreened sampler's, and each row the
     screen sends to its cut gets the same threshold and kept mass. Fewer rows are cut.
-    (Two of the tilings also walk inside the race programs, and the default one takes the
-    row statistics in the partials launch: other optimisations only.)"""
+    (Two of the tilings also walk inside the race programs, another optimisation only.)"""
     monkeypatch.setenv("SPECDRAFT_VALIDATE", "0")  # drafts outside the vocabulary too
     b, k, v = 14, 3, 203
     base = {"default": None, "band": BAND_TILES, "fast": FAST_TILES,
@@ -730,10 +725,7 @@ def test_screened_equals_unscreened(tiles, device, monkeypatch):
         for screen in (False, True):
             # screened, the band and fast tiles also walk inside the race programs
             fold = screen and tiles in ("band", "fast")
-            # and the default tiles, screened, take the row statistics in the partials
-            stats = screen and tiles == "default"
-            batch = Batch(*args, dataclasses.replace(base, screen=screen, walk_in_race=fold,
-                                                     fold_init=stats))  # fmt: skip
+            batch = Batch(*args, dataclasses.replace(base, screen=screen, walk_in_race=fold))
             ws = batch.ws
             for t in (ws.row_thr, ws.row_sum, ws.race_val):
                 t.fill_(float("nan"))
