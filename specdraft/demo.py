@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +87,7 @@ def prepare_job(args: argparse.Namespace) -> Job:
 
     draft_path = _draft_path(args)  # checked before anything is loaded
     _check_k(args.k)
+    _timing_runs(args, "cpu")  # a bad --timing-runs stops here too
     vocab = _draft_vocab(args, draft_path)  # a bad --draft-vocab stops here, before any load
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -151,11 +153,13 @@ def run_generate(args: argparse.Namespace) -> int:
     spec_rows = []
     if args.draft_layers is not None or job.draft_path is not None:
         k, why = choose_k(args, job.batch, job.device, job.draft_path)
+        runs = _timing_runs(args, job.device)
         if k == 0:
             spec_rows = [("speculative", f"off: {why}; --k 3 speculates anyway")]
         else:
             spec_rows = speculate(job, args, k, why, n_tokens / seconds,
-                                  [o.token_ids for o in outputs])  # fmt: skip
+                                  [o.token_ids for o in outputs], runs=runs,
+                                  retime=lambda: n_tokens / time_target(job)[1])  # fmt: skip
     where = torch.cuda.get_device_name() if job.device == "cuda" else "CPU (PyTorch path)"
     rows = [
         ("model", "SmolLM2-135M-Instruct (GGUF Q4_1 -> " + job.dtype_name + ")"),
@@ -197,6 +201,18 @@ def _draft_path(args):
     from .embedded import shipped_draft_path
 
     return shipped_draft_path()
+
+
+def _timing_runs(args, device: str) -> int:
+    """--timing-runs, checked; by default 3 on a GPU (a run of the default prompts takes
+    ~0.1 s there, short enough for clocks and the host to move one run's rate by 10%)
+    and 1 on a CPU."""
+    n = getattr(args, "timing_runs", None)
+    if n is None:
+        return 3 if device == "cuda" else 1
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise SystemExit(f"--timing-runs must be an integer >= 1, got {n!r}")
+    return n
 
 
 def _check_k(k) -> None:
@@ -251,10 +267,14 @@ def choose_k(args, batch: int, device: str, draft_path) -> tuple[int, str]:
 
 
 def speculate(job: Job, args: argparse.Namespace, k: int, why: str, target_tok_s: float,
-              target_out: list[list[int]]) -> list[tuple[str, str]]:  # fmt: skip
+              target_out: list[list[int]], *, runs: int = 1,
+              retime=None) -> list[tuple[str, str]]:  # fmt: skip
     """Speculative decoding on the job's prompts in the same run, with a draft checkpoint
     (the shipped EAGLE head by default) or the target's first N layers, k tokens a step
-    (`why`: where k came from); rows for the table. Each call builds its own drafter."""
+    (`why`: where k came from); rows for the table. Each call builds its own drafter.
+    runs > 1 with retime (a target-only run's tokens/s): speculative and target-only runs
+    alternate, target_tok_s being the first target-only one, and the rates and speedup
+    are medians (the statistics are the last speculative run's)."""
     engine, ids, params, max_new = job.engine, job.ids, job.params, job.max_new
     draft_path = job.draft_path
     from .drafter import Drafter
@@ -296,9 +316,14 @@ def speculate(job: Job, args: argparse.Namespace, k: int, why: str, target_tok_s
     )
     spec = SpeculativeEngine(runner, drafter, k=k, tokenizer=engine.tokenizer)
     spec.generate(ids[:1], params=params, max_new_tokens=2)  # warm-up
-    spec.stats = SpecStats(proposed=[0] * k, accepted=[0] * k)
-    outs, secs = timed_generate(spec, ids, params=params, max_new_tokens=max_new)
-    n = sum(len(o.token_ids) for o in outs)
+    target_rates, spec_rates = [target_tok_s], []
+    for i in range(runs if retime is not None else 1):
+        if i:
+            target_rates.append(retime())
+        spec.stats = SpecStats(proposed=[0] * k, accepted=[0] * k)
+        outs, secs = timed_generate(spec, ids, params=params, max_new_tokens=max_new)
+        n = sum(len(o.token_ids) for o in outs)
+        spec_rates.append(n / secs)
     st = spec.stats
     per_pos = ", ".join(f"{a / p:.2f}" if p else "-" for a, p in zip(st.accepted, st.proposed))
     rows = []
@@ -313,11 +338,20 @@ def speculate(job: Job, args: argparse.Namespace, k: int, why: str, target_tok_s
             for d in diffs:
                 logger.warning("greedy difference: %s", d.line())
         rows.append(("speculative: greedy output identical", summary(diffs, differ)))
+    spec_tok_s, base = statistics.median(spec_rates), statistics.median(target_rates)
+    speedup = f"{spec_tok_s / base:.2f}x"
+    timing = []
+    if len(spec_rates) > 1:
+        pairs = [s / t for s, t in zip(spec_rates, target_rates)]
+        speedup += (f" (medians of {len(pairs)} alternated runs each; one pair"
+                    f" {min(pairs):.2f}-{max(pairs):.2f}x)")  # fmt: skip
+        timing = [("target-only: tokens/s, median", f"{base:.1f}")]
     return rows + [
         ("speculative: draft", what),
-        ("speculative: tokens/s", f"{n / secs:.1f}"),
+        ("speculative: tokens/s", f"{spec_tok_s:.1f}"),
+        *timing,
         ("speculative: acceptance length", f"{st.acceptance_length:.2f}"),
         ("speculative: acceptance per position", per_pos),
-        ("speculative: speedup over target-only", f"{n / secs / target_tok_s:.2f}x"),
+        ("speculative: speedup over target-only", speedup),
         ("speculative: step graphs captured", f"{st.captures} ({st.capture_seconds:.3f} s)"),
     ]

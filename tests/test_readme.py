@@ -128,10 +128,15 @@ def test_generate_command_speculates_with_a_layer_truncated_draft():
         "4",
         "--k",
         "2",
+        "--timing-runs",
+        "2",
         "--quiet",
     )
     assert "greedy output identical  | yes" in proc.stdout, proc.stdout
     assert "acceptance length" in proc.stdout
+    # two target-only and two speculative runs, alternated: medians and the pairs' spread
+    assert "medians of 2 alternated runs each; one pair" in proc.stdout, proc.stdout
+    assert "target-only: tokens/s, median" in proc.stdout
     assert "int8 lm_head" not in proc.stdout  # on by default for the shipped head only
 
 
@@ -188,6 +193,7 @@ def _assert_refused(args, message):
         (["--draft-layers", "-1"], "--draft-layers must be an integer >= 1, got -1"),
         (["--no-draft", "--draft-layers", "2"], "--no-draft and --draft-layers ask for"),
         (["--no-draft", "--draft", "."], "--no-draft and --draft ask for"),
+        (["--timing-runs", "0"], "--timing-runs must be an integer >= 1, got 0"),
     ],
 )
 def test_generate_command_refuses_bad_draft_flags(args, message):
