@@ -159,7 +159,7 @@ def run_generate(args: argparse.Namespace) -> int:
         else:
             spec_rows = speculate(job, args, k, why, n_tokens / seconds,
                                   [o.token_ids for o in outputs], runs=runs,
-                                  retime=lambda: n_tokens / time_target(job)[1])  # fmt: skip
+                                  retime=lambda: _rate(*time_target(job)[:2]))  # fmt: skip
     where = torch.cuda.get_device_name() if job.device == "cuda" else "CPU (PyTorch path)"
     rows = [
         ("model", "SmolLM2-135M-Instruct (GGUF Q4_1 -> " + job.dtype_name + ")"),
@@ -201,6 +201,12 @@ def _draft_path(args):
     from .embedded import shipped_draft_path
 
     return shipped_draft_path()
+
+
+def _rate(outputs, seconds: float) -> float:
+    """Tokens per second of one timed run (its own count: unseeded sampling may stop
+    elsewhere from run to run)."""
+    return sum(len(o.token_ids) for o in outputs) / seconds
 
 
 def _timing_runs(args, device: str) -> int:
