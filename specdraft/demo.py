@@ -87,7 +87,7 @@ def prepare_job(args: argparse.Namespace) -> Job:
 
     draft_path = _draft_path(args)  # checked before anything is loaded
     _check_k(args.k)
-    _timing_runs(args, "cpu")  # a bad --timing-runs stops here too
+    _check_timing_runs(getattr(args, "timing_runs", None))
     vocab = _draft_vocab(args, draft_path)  # a bad --draft-vocab stops here, before any load
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -209,16 +209,18 @@ def _rate(outputs, seconds: float) -> float:
     return sum(len(o.token_ids) for o in outputs) / seconds
 
 
-def _timing_runs(args, device: str) -> int:
-    """--timing-runs, checked; by default 3 on a GPU (a run of the default prompts takes
-    ~0.1 s there, short enough for clocks and the host to move one run's rate by 10%)
-    and 1 on a CPU."""
-    n = getattr(args, "timing_runs", None)
-    if n is None:
-        return 3 if device == "cuda" else 1
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+def _check_timing_runs(n) -> None:
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise SystemExit(f"--timing-runs must be an integer >= 1, got {n!r}")
-    return n
+
+
+def _timing_runs(args, device: str) -> int:
+    """--timing-runs, or by default 3 on a GPU (a run of the default prompts takes ~0.1 s
+    there, short enough for clocks and the host to move one run's rate by 10%) and 1 on
+    a CPU."""
+    n = getattr(args, "timing_runs", None)
+    _check_timing_runs(n)
+    return n if n is not None else 3 if device == "cuda" else 1
 
 
 def _check_k(k) -> None:
