@@ -261,22 +261,13 @@ def _partials_kernel(
             z = _load_z(logits_ptr, stride_lm, rows, offs, mask, t)
         ez = tl.exp(z - ref[:, None])
         total += ez
-        if SUB != BLOCK_V:
-            low = tl.minimum(low, tl.where(z > float("-inf"), z, float("inf")))
+        low = tl.minimum(low, tl.where(z > float("-inf"), z, float("inf")))
         if SCREEN:
             above = z > zd[:, None]
             above_sum += tl.where(above, ez, 0.0)
             above_cnt += above.to(tl.int32)
     tl.store(psum_ptr + out, tl.sum(total, axis=1), mask=rmask)
-    if SUB == BLOCK_V:
-        # One instruction an element where no value is -inf (the usual block); else the
-        # filtered minimum.
-        small = tl.min(zall, axis=1)
-        if tl.min(small, axis=0) == float("-inf"):
-            small = tl.min(tl.where(zall > float("-inf"), zall, float("inf")), axis=1)
-        tl.store(pmin_ptr + out, small, mask=rmask)
-    else:
-        tl.store(pmin_ptr + out, tl.min(low, axis=1), mask=rmask)
+    tl.store(pmin_ptr + out, tl.min(low, axis=1), mask=rmask)
     if SCREEN:
         tl.store(pabove_ptr + out, tl.sum(above_sum, axis=1), mask=rmask)
         tl.store(pcnt_ptr + out, tl.sum(above_cnt, axis=1), mask=rmask)
