@@ -330,8 +330,7 @@ def speculate(job: Job, args: argparse.Namespace, k: int, why: str, target_tok_s
             target_rates.append(retime())
         spec.stats = SpecStats(proposed=[0] * k, accepted=[0] * k)
         outs, secs = timed_generate(spec, ids, params=params, max_new_tokens=max_new)
-        n = sum(len(o.token_ids) for o in outs)
-        spec_rates.append(n / secs)
+        spec_rates.append(_rate(outs, secs))
     st = spec.stats
     per_pos = ", ".join(f"{a / p:.2f}" if p else "-" for a, p in zip(st.accepted, st.proposed))
     rows = []
