@@ -44,6 +44,12 @@ rows take 2-3 passes. A tile's rows search side by side: a pass reads the rows n
 done, and each row's outcome (done, or its next interval) is a masked update, so every
 row takes the steps it would take alone and the thresholds do not depend on the tiling.
 
+Split (RejectionConfig.split_f > 0, off by default): a row with top-p and no top-k
+takes only its sample and bracket in the bracket launch, which lists it; the pass is
+spread over programs of split_f columns (each sums its chunk's mass above the bracket and
+appends the bracket's values at an offset a per-row counter hands out), and a closing
+launch sorts the bracket and finds the cut, or leaves the row to the narrowing launch.
+
 The bracket launch (one row per program; RejectionConfig.cap_f > 0): a strided sample
 of the row (sample_f values), sorted (or binned: hist_f), estimates where the cut lies
 and brackets it with a margin of two binomial standard deviations of the sample's count;
@@ -280,6 +286,9 @@ def _partials_kernel(
 EXACT, SURE_ACCEPT, SURE_REJECT, NO_DRAFT, NOTHING = 0, 1, 2, 3, 4
 _EXACT, _SURE_ACCEPT, _SURE_REJECT = tl.constexpr(EXACT), tl.constexpr(1), tl.constexpr(2)
 _NO_DRAFT, _NOTHING = tl.constexpr(NO_DRAFT), tl.constexpr(NOTHING)
+# A row's todo state between the bracket launch and the narrowing one: its top-p bracket
+# opened for the split pass (RejectionConfig.split_f), not yet closed.
+_SPLIT_OPEN = tl.constexpr(2)
 # Relative margin on the screen's float estimates of masses (sums of exp(z - max) taken
 # per block and rescaled: within ~5e-5 of the exact fixed-point sums, the cut's own exp
 # error bound being 1.5e-5 a term).
@@ -365,15 +374,19 @@ def _init_kernel(
     pmax_ptr, psum_ptr, rmax_ptr, rthr_ptr, rsum_ptr, num_rows, NB,
     pabove_ptr, pcnt_ptr, state_ptr, logits_ptr, stride_lm, drafts_ptr, stride_db,
     q_ptr, stride_qb, stride_qk, greedy_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr,
-    V, K1,
+    V, K1, slist_ptr,
     ROWS: tl.constexpr, NBP: tl.constexpr, SCREEN: tl.constexpr, KP: tl.constexpr,
-    ACCEPT_MUL: tl.constexpr,
+    ACCEPT_MUL: tl.constexpr, SPLIT: tl.constexpr,
     GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Row max and mass (relative to the max) from the block partials; thresholds reset
     to -inf (kept: every token), which the cut kernel overwrites for filtered rows.
-    SCREEN: each row's screening state too."""
+    SCREEN: each row's screening state too. SPLIT: the split cut's list of opened rows
+    emptied (its count, slot 0)."""
     _gdc_enter(GDC)
+    if SPLIT:  # noqa: SIM102 (a constexpr branch, then a device one)
+        if tl.program_id(0) == 0:
+            tl.store(slist_ptr, 0)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rmask = rows < num_rows
     blocks = tl.arange(0, NBP)
@@ -763,6 +776,40 @@ def _hist_bracket(sz, lo, hi, a_hi, m_lo, goal, m, per, MASS: tl.constexpr,
 
 
 @triton.jit
+def _row_sample(base, V, t, m, lo, hi, MASS: tl.constexpr, SAMPLE: tl.constexpr,
+                HIST: tl.constexpr):  # fmt: skip
+    """A row's strided sample of SAMPLE values (sz) and, unless a histogram places the
+    brackets (HIST > 0), its values in [lo, hi] sorted once (s, descending) with the
+    measure each stands for (ws: its mass, or count, times the row values it stands for).
+    """
+    si = tl.arange(0, SAMPLE)
+    sz = _row_z(base + (si.to(tl.int64) * V) // SAMPLE, si < SAMPLE, t)
+    s = sz
+    ws = tl.zeros([SAMPLE], tl.float32)
+    if HIST == 0:
+        per = V / SAMPLE
+        s = tl.sort(tl.where((sz >= lo) & (sz <= hi), sz, float("-inf")), descending=True)
+        if MASS:
+            ws = tl.where(s > float("-inf"), tl.exp(s - m), 0.0) * per
+        else:
+            ws = tl.where(s > float("-inf"), per, 0.0)
+    return sz, s, ws
+
+
+@triton.jit
+def _place_bracket(sz, s, ws, lo, hi, a_hi, m_lo, goal, m, V, MASS: tl.constexpr,
+                   SAMPLE: tl.constexpr, HIST: tl.constexpr):  # fmt: skip
+    """A try's bracket [b_lo, b_hi] in [lo, hi] from _row_sample's sample."""
+    if HIST == 0:
+        b_lo, b_hi = _sorted_bracket(s, ws, tl.arange(0, SAMPLE), lo, hi, a_hi, m_lo, goal,
+                                     SAMPLE)  # fmt: skip
+    else:
+        b_lo, b_hi = _hist_bracket(sz, lo, hi, a_hi, m_lo, goal, m, V / SAMPLE, MASS, SAMPLE,
+                                   HIST)  # fmt: skip
+    return b_lo, b_hi
+
+
+@triton.jit
 def _prefetch_chunk(base, c0, V, BLOCK: tl.constexpr):
     """The 128-byte lines of a row's values [c0, c0 + BLOCK) into L1, a line a lane
     (addresses clamped to the row's last value; GPU only)."""
@@ -807,20 +854,12 @@ def _cut_fast(
     cbase = cand_ptr + row * (CAP + LANES * BLOCK)  # CAP dense values, then lane slots
     lbase = cbase + CAP
     lo = tl.maximum(lo, floor_v)  # survivors only: z >= floor_v
-    si = tl.arange(0, SAMPLE)
     cols = tl.arange(0, BLOCK)
-    sz = _row_z(base + (si.to(tl.int64) * V) // SAMPLE, si < SAMPLE, t)
-    per = V / SAMPLE  # row values one sample value stands for
     if MASS:
         goal = (target_m * (1.0 / FXS)).to(tl.float32)
     else:
         goal = target_c.to(tl.float32)
-    if HIST == 0:  # the sample sorted once, with the measure each value stands for
-        s = tl.sort(tl.where((sz >= lo) & (sz <= hi), sz, float("-inf")), descending=True)
-        if MASS:
-            ws = tl.where(s > float("-inf"), tl.exp(s - m), 0.0) * per
-        else:
-            ws = tl.where(s > float("-inf"), per, 0.0)
+    sz, s, ws = _row_sample(base, V, t, m, lo, hi, MASS, SAMPLE, HIST)
     # Measure above hi and at or above lo, as far as known (exact after a try).
     a_hi = tl.zeros([], tl.float32)
     if MASS:
@@ -837,11 +876,8 @@ def _cut_fast(
     for _ in range(TRIES):
         if ok == 0:
             # 1. The bracket [b_lo, b_hi], from the sample.
-            if HIST == 0:
-                b_lo, b_hi = _sorted_bracket(s, ws, si, lo, hi, a_hi, m_lo, goal, SAMPLE)
-            else:
-                b_lo, b_hi = _hist_bracket(sz, lo, hi, a_hi, m_lo, goal, m, per, MASS, SAMPLE,
-                                           HIST)  # fmt: skip
+            b_lo, b_hi = _place_bracket(sz, s, ws, lo, hi, a_hi, m_lo, goal, m, V, MASS, SAMPLE,
+                                        HIST)  # fmt: skip
             # 2. One pass: the exact measure above b_hi, the bracket compacted.
             above_cv = tl.zeros([BLOCK], tl.int32)
             above_mv = tl.zeros([BLOCK], tl.int64)
@@ -1161,6 +1197,7 @@ def _cut(
 def _cut_kernel(
     logits_ptr, stride_lm, greedy_ptr, temp_ptr, topk_ptr, topp_ptr,
     pmin_ptr, rmax_ptr, rthr_ptr, rsum_ptr, cand_ptr, fast_ptr, todo_ptr, state_ptr,
+    sbr_ptr, sgoal_ptr, sn_ptr, slist_ptr,
     num_rows, V, K1, NB,
     ROWS: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
     NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
@@ -1168,7 +1205,7 @@ def _cut_kernel(
     STAGES: tl.constexpr, FAST_ONLY: tl.constexpr, TODO: tl.constexpr,
     SCREEN: tl.constexpr, KP: tl.constexpr, FUSE_KP: tl.constexpr, SMALL_F: tl.constexpr,
     SAMPLE_K: tl.constexpr, HIST_F: tl.constexpr, PREFETCH_F: tl.constexpr,
-    GDC: tl.constexpr = False,
+    SPLIT: tl.constexpr, GDC: tl.constexpr = False,
 ):  # fmt: skip
     """A tile of ROWS rows per program; a filtered row gets the top-k cut (the k-th
     largest value), then the top-p cut over the top-k survivors, and its threshold and
@@ -1185,6 +1222,7 @@ def _cut_kernel(
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rmask = rows < num_rows
     missed = tl.zeros([ROWS], tl.int32)
+    split = rows < 0  # rows whose top-p bracket the split launches take (SPLIT)
     req = rows // K1
     greedy = tl.load(greedy_ptr + req, mask=rmask, other=1) != 0
     k = tl.load(topk_ptr + req, mask=rmask, other=0)
@@ -1214,6 +1252,29 @@ def _cut_kernel(
         fused = tl.zeros([ROWS], tl.int32)
         thr_pf = thr
         kept_pf = tl.zeros([ROWS], tl.int64)
+        if SPLIT > 0:  # noqa: SIM102 (a constexpr branch, then a device one; ROWS is 1)
+            split = use_p & ~use_k
+            if tl.max(split.to(tl.int32), axis=0) != 0:
+                # The top-p cut's set-up below, for a row without top-k; its first
+                # try's bracket, left to _split_pass_kernel and _split_close_kernel.
+                lo, target = _top_p_bounds(p, kept_f, kept_c, thr, zmin, m, FXS)
+                row = tl.sum(rows, axis=0)
+                m1 = tl.sum(m, axis=0)
+                lo1 = tl.sum(lo, axis=0)
+                tm1 = tl.sum(target, axis=0)
+                sz, s, ws = _row_sample(logits_ptr + row * stride_lm, V, tl.sum(t, axis=0),
+                                        m1, lo1, m1, True, SAMPLE, HIST_F)  # fmt: skip
+                b_lo, b_hi = _place_bracket(
+                    sz, s, ws, lo1, m1, tl.zeros([], tl.float32), tl.sum(total, axis=0),
+                    (tm1 * (1.0 / FXS)).to(tl.float32), m1, V, True, SAMPLE, HIST_F,
+                )  # fmt: skip
+                tl.store(sbr_ptr + row * 4, lo1)
+                tl.store(sbr_ptr + row * 4 + 1, b_lo)
+                tl.store(sbr_ptr + row * 4 + 2, b_hi)
+                tl.store(sgoal_ptr + row, tm1)
+                tl.store(sn_ptr + row, 0)
+                tl.store(slist_ptr + 1 + tl.atomic_add(slist_ptr, 1), row.to(tl.int32))
+            use_p = use_p & ~split
         if tl.max(use_k.to(tl.int32), axis=0) != 0:
             # No floor: thr is -inf here.
             thr_k, kept_ck, kept_m, ok, fused, thr_pf, kept_pf = _cut(
@@ -1242,10 +1303,94 @@ def _cut_kernel(
             missed = missed | (ok == 0).to(tl.int32)
             thr = tl.where(use_p, thr_p, thr)
             kept_f = tl.where(use_p, _fx_f32(kept_m, FXS), kept_f)
-        tl.store(rthr_ptr + rows, thr, mask=live & (missed == 0))
-        tl.store(rsum_ptr + rows, kept_f, mask=live & (missed == 0))
+        tl.store(rthr_ptr + rows, thr, mask=live & (missed == 0) & ~split)
+        tl.store(rsum_ptr + rows, kept_f, mask=live & (missed == 0) & ~split)
     if FAST_ONLY:
-        tl.store(todo_ptr + rows, missed, mask=rmask)
+        tl.store(todo_ptr + rows, tl.where(split, _SPLIT_OPEN, missed), mask=rmask)
+
+
+@triton.jit
+def _split_pass_kernel(
+    logits_ptr, stride_lm, temp_ptr, rmax_ptr, slist_ptr, sbr_ptr, sn_ptr, smass_ptr, fast_ptr,
+    stride_f, V, K1, NSPLIT,
+    CHUNK: tl.constexpr, CAP: tl.constexpr, FXS: tl.constexpr, GDC: tl.constexpr = False,
+):  # fmt: skip
+    """_cut_fast's pass over one CHUNK of each opened row (program (i, chunk) takes the
+    rows i, i + grid, ... of the bracket launch's list): the exact mass above the
+    bracket's top, written per chunk, and the bracket's values appended to the row's
+    scratch at an offset a per-row counter hands out (the first CAP kept; the counter goes
+    on counting). The order they land in does not matter: the closing launch sorts
+    them. Only opened rows get programs, however few they are."""
+    _gdc_enter(GDC)
+    c = tl.program_id(1)
+    for i in range(tl.program_id(0), tl.load(slist_ptr), tl.num_programs(0)):
+        row = tl.load(slist_ptr + 1 + i).to(tl.int64)
+        m = tl.load(rmax_ptr + row)
+        t = tl.load(temp_ptr + row // K1)
+        b_lo = tl.load(sbr_ptr + row * 4 + 1)
+        b_hi = tl.load(sbr_ptr + row * 4 + 2)
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        z = _row_z(logits_ptr + row * stride_lm + offs, offs < V, t)
+        up = z > b_hi  # b_hi >= lo: every such value survives
+        tl.store(smass_ptr + row * NSPLIT + c, tl.sum(tl.where(up, _fx(z, m, FXS), 0), axis=0))
+        inb = (z >= b_lo) & (z <= b_hi)
+        wi = inb.to(tl.int32)
+        n = tl.sum(wi, axis=0)
+        if n > 0:
+            start = tl.atomic_add(sn_ptr + row, n)
+            idx = start + tl.cumsum(wi, axis=0) - 1
+            tl.store(fast_ptr + row * stride_f + idx, z, mask=inb & (idx < CAP))
+
+
+@triton.jit
+def _split_close_kernel(
+    rmax_ptr, rthr_ptr, rsum_ptr, todo_ptr, slist_ptr, sbr_ptr, sgoal_ptr, sn_ptr, smass_ptr,
+    fast_ptr, stride_f, NSPLIT,
+    NSP: tl.constexpr, CAP: tl.constexpr, FXS: tl.constexpr, SMALL: tl.constexpr,
+    GDC: tl.constexpr = False,
+):  # fmt: skip
+    """The opened rows after their split pass (program i takes the rows i, i + grid, ...
+    of the list): _cut_fast's decision after its first try's pass, on the summed chunks.
+    The cut found in the bracket is written (todo 0); a row whose cut lies outside it, or
+    whose bracket overflowed the scratch, is left to the narrowing launch (todo 1), which
+    finds the same cut over the whole row."""
+    _gdc_enter(GDC)
+    for i in range(tl.program_id(0), tl.load(slist_ptr), tl.num_programs(0)):
+        row = tl.load(slist_ptr + 1 + i).to(tl.int64)
+        m = tl.load(rmax_ptr + row)
+        lo = tl.load(sbr_ptr + row * 4)
+        b_lo = tl.load(sbr_ptr + row * 4 + 1)
+        target = tl.load(sgoal_ptr + row)
+        n = tl.load(sn_ptr + row)
+        cs = tl.arange(0, NSP)
+        above_m = tl.sum(tl.load(smass_ptr + row * NSPLIT + cs, mask=cs < NSPLIT, other=0), axis=0)
+        ok = tl.zeros([], tl.int32)
+        thr = m
+        kept_m = tl.zeros([], tl.int64)
+        if (above_m.to(tl.float64) < target) & (n <= CAP):
+            zi = tl.zeros([], tl.int32)
+            zf = tl.zeros([], tl.float32)
+            cbase = fast_ptr + row * stride_f
+            if SMALL > 0:
+                if n <= SMALL:
+                    thr, _, kept_m, ok, _, _, _, _, _ = _bracket_cut(
+                        cbase, n, zi, above_m, zi, target, m, lo, m, b_lo, zf, zi, zi, m,
+                        kept_m, zf, zf, True, FXS, False, SMALL,
+                    )  # fmt: skip
+                else:
+                    thr, _, kept_m, ok, _, _, _, _, _ = _bracket_cut(
+                        cbase, n, zi, above_m, zi, target, m, lo, m, b_lo, zf, zi, zi, m,
+                        kept_m, zf, zf, True, FXS, False, CAP,
+                    )  # fmt: skip
+            else:
+                thr, _, kept_m, ok, _, _, _, _, _ = _bracket_cut(
+                    cbase, n, zi, above_m, zi, target, m, lo, m, b_lo, zf, zi, zi, m, kept_m,
+                    zf, zf, True, FXS, False, CAP,
+                )  # fmt: skip
+        if ok != 0:
+            tl.store(rthr_ptr + row, thr)
+            tl.store(rsum_ptr + row, _fx_f32(kept_m, FXS))
+        tl.store(todo_ptr + row, 1 - ok)
 
 
 # ----------------------------------------------------------------------------- the walk
@@ -1667,13 +1812,24 @@ class RejectionConfig:
     # instructions issue in ~4. A prefetch holds no registers (the launch is at 126 of
     # 128 at 16 warps, where stages_f spills). Off until timed on a GPU (stop 50).
     prefetch_f: int = 0
+    # The top-p cut of a row without top-k split over programs of split_f columns each (0:
+    # off; one-row cut programs only): the bracket launch places the bracket from its
+    # sample and lists the row, _split_pass_kernel's programs sum the mass above it and
+    # gather its values chunk by chunk, and _split_close_kernel sorts them; a miss goes to
+    # the narrowing launch. The same thresholds and masses, bit for bit (CPU tests; GPU at
+    # V 203). H100, B 64, K 5, V 49152, top-p 0.9 (stop 63): 116 µs at split_f 2048 and
+    # rows_s 128 against 122, the cut's launches 18.7 + 18.9 + 13.7 + 1.2 against 55.9 +
+    # 2.7: the two 2048-value sorts (sample, bracket) are most of what is left. Off: one
+    # sample, and not GPU-checked at large vocabularies.
+    split_f: int = 0
+    rows_s: int = 128  # opened rows the split launches take at once (a loop over the rest)
 
     def __post_init__(self) -> None:
-        # Every size is a tile width (tl.arange needs a power of two); tries_f, the stages
-        # and prefetch_f are counts (tries_f 0: no bracket tries, every cut row narrows;
-        # prefetch_f 0: none; a loop takes at least one stage); cap_f, small_f, sample_k
-        # and hist_f may be 0 (off / sample_f).
-        counts = {"tries_f": 0, "prefetch_f": 0, "stages_f": 1, "stages_g": 1}
+        # Every size is a tile width (tl.arange needs a power of two); tries_f, the stages,
+        # prefetch_f and rows_s are counts (tries_f 0: no bracket tries, every cut row
+        # narrows; prefetch_f 0: none; a loop takes at least one stage; rows_s is a grid);
+        # cap_f, small_f, sample_k, hist_f and split_f may be 0 (off / sample_f).
+        counts = {"tries_f": 0, "prefetch_f": 0, "stages_f": 1, "stages_g": 1, "rows_s": 1}
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name in counts:
@@ -1684,7 +1840,7 @@ class RejectionConfig:
                 continue
             if f.type == "bool" or v is None:
                 continue
-            zero = f.name in ("cap_f", "small_f", "sample_k", "hist_f")
+            zero = f.name in ("cap_f", "small_f", "sample_k", "hist_f", "split_f")
             if type(v) is not int or v < 0 or (v == 0 and not zero) or v & (v - 1):
                 raise ValueError(
                     f"RejectionConfig.{f.name} must be a power of two"
@@ -1806,6 +1962,15 @@ class RejectionWorkspace:
     part_above: torch.Tensor  # [rows, nb] float32: the screen's mass above the draft's value
     part_cnt: torch.Tensor  # [rows, nb] int32: and the count of values above it
     row_state: torch.Tensor  # [rows] int32: the screen's state of each row
+    # The split top-p bracket (split_f; one element each when off): per row its lower end,
+    # the bracket's ends and a spare ([rows, 4] float32), its goal in fixed point (float64),
+    # the count of its values (int32), and per chunk the mass above it (int64); the
+    # opened rows ([rows + 1] int32: their count, then the rows).
+    split_b: torch.Tensor
+    split_goal: torch.Tensor
+    split_n: torch.Tensor
+    split_mass: torch.Tensor
+    split_list: torch.Tensor
 
     @classmethod
     def allocate(
@@ -1816,6 +1981,8 @@ class RejectionWorkspace:
         nb, nb2 = -(-vocab // cfg.block_v), -(-vocab // cfg.block_r)
         f32 = {"device": device, "dtype": torch.float32}
         i32 = {"device": device, "dtype": torch.int32}
+        split = cfg.cap_f > 0 and cfg.split_f > 0
+        srows, nsplit = (rows, -(-vocab // cfg.split_f)) if split else (1, 1)
         return cls(
             cfg, vocab,
             torch.empty(rows, nb, **f32), torch.empty(rows, nb, **i32),
@@ -1828,6 +1995,10 @@ class RejectionWorkspace:
                         **f32),  # fmt: skip
             torch.zeros(rows if cfg.cap_f else 1, **i32),
             torch.empty(rows, nb, **f32), torch.empty(rows, nb, **i32), torch.empty(rows, **i32),
+            torch.empty(srows, 4, **f32), torch.empty(srows, device=device, dtype=torch.float64),
+            torch.empty(srows, **i32),
+            torch.empty(srows, nsplit, device=device, dtype=torch.int64),
+            torch.zeros(srows + 1, **i32),
         )  # fmt: skip
 
 
@@ -1955,6 +2126,8 @@ _INIT = _Launcher(_init_kernel)
 _CUT = _Launcher(_cut_kernel)
 _RESAMPLE = _Launcher(_resample_kernel)
 _WALK = _Launcher(_walk_kernel)
+_SPLIT_PASS = _Launcher(_split_pass_kernel)
+_SPLIT_CLOSE = _Launcher(_split_close_kernel)
 _GREEDY = _Launcher(_greedy_kernel)
 
 
@@ -2082,6 +2255,10 @@ def _plan(
         pdl,
     )  # fmt: skip
     nbp = _p2(nb)
+    # The cut's one-row bracket launch, and its top-p pass split over programs (the
+    # workspace has the split's buffers when the config asks for it)
+    fast = cfg.cap_f > 0 and cfg.rows_t == 1
+    split = cfg.split_f if fast and any_filter else 0
     # At most 32 rows a program on the GPU: a row's screen is a few hundred instructions,
     # and few partials a row (wide blocks) must not put the whole batch in one program.
     rows_i = max(1, min((1 << 16) // nbp if INTERPRET else min(2048 // nbp, 32), _p2(rows)))
@@ -2090,14 +2267,13 @@ def _plan(
         (triton.cdiv(rows, rows_i),),
         (ws.part_max, ws.part_sum, ws.row_max, ws.row_thr, ws.row_sum, rows, nb,
          ws.part_above, ws.part_cnt, ws.row_state, target_logits, lm, draft_tokens, db, q, *sq,
-         greedy, temperature, top_k, top_p, seed, positions, v, k + 1, rows_i, nbp, screen, kp,
-         mul_a),
+         greedy, temperature, top_k, top_p, seed, positions, v, k + 1, ws.split_list, rows_i,
+         nbp, screen, kp, mul_a, split > 0),
         4,
         pdl,
     )  # fmt: skip
     if any_filter:
         fxs = float(2 ** (62 - (v - 1).bit_length()))  # v * 2^S <= 2^62: int64 sums fit
-        fast = cfg.cap_f > 0 and cfg.rows_t == 1
         # With the one-pass bracket: its launch, then the narrowing passes for the rows
         # it missed (marked in todo); else the narrowing passes alone. The bracket's
         # options go to the narrowing launch as off (it never takes the bracket), so that
@@ -2110,17 +2286,41 @@ def _plan(
                 launches,
                 (triton.cdiv(rows, cfg.rows_t),),
                 (target_logits, lm, greedy, temperature, top_k, top_p, ws.part_min, ws.row_max,
-                 ws.row_thr, ws.row_sum, ws.cand, ws.cand_fast, ws.todo, ws.row_state, rows, v,
+                 ws.row_thr, ws.row_sum, ws.cand, ws.cand_fast, ws.todo, ws.row_state,
+                 ws.split_b, ws.split_goal, ws.split_n, ws.split_list, rows, v,
                  k + 1, nb, cfg.rows_t, nbp, cfg.block_t, cfg.cap, cfg.nbin, cfg.max_passes,
                  min(cfg.cap, cfg.chunk_t), fxs, cap_f, cfg.sample_f, cfg.tries_f, cfg.lanes_f,
                  cfg.stages_f, fast_only, todo, screen, kp, bracket and bool(cfg.fuse_kp),
                  min(cfg.small_f, cap_f // 2),
                  (cfg.sample_k or cfg.sample_f) if bracket else cfg.sample_f,
                  cfg.hist_f if bracket else 0,
-                 0 if INTERPRET or not bracket else cfg.prefetch_f),
+                 0 if INTERPRET or not bracket else cfg.prefetch_f,
+                 split if bracket else 0),
                 cfg.warps_f if fast_only else 8 if cfg.rows_t * cfg.block_t >= 2048 else 4,
                 pdl,
             )  # fmt: skip
+            if bracket and split:
+                nsplit = ws.split_mass.shape[1]
+                args = (ws.split_list, ws.split_b, ws.split_n, ws.split_mass, ws.cand_fast,
+                        ws.cand_fast.stride(0))  # fmt: skip
+                _SPLIT_PASS.add(
+                    launches,
+                    (min(rows, cfg.rows_s), nsplit),
+                    (target_logits, lm, temperature, ws.row_max, *args, v, k + 1, nsplit,
+                     split, cap_f, fxs),
+                    min(max(split // 512, 4), 16),  # 8 warps at 4096: ~16 values a thread
+                    pdl,
+                )  # fmt: skip
+                _SPLIT_CLOSE.add(
+                    launches,
+                    (min(rows, cfg.rows_s),),
+                    (ws.row_max, ws.row_thr, ws.row_sum, ws.todo, ws.split_list, ws.split_b,
+                     ws.split_goal,
+                     ws.split_n, ws.split_mass, ws.cand_fast, ws.cand_fast.stride(0), nsplit,
+                     _p2(nsplit), cap_f, fxs, min(cfg.small_f, cap_f // 2)),
+                    cfg.warps_f,
+                    pdl,
+                )  # fmt: skip
     fold = bool(cfg.walk_in_race)
     if not fold:
         _WALK.add(

@@ -249,6 +249,14 @@ SAMPLE8_TILES = dataclasses.replace(SORT32_TILES, sample_k=8)
 # the same with 8-value top-k samples and narrow sorts
 HIST16_TILES = dataclasses.replace(FUSED_TILES, hist_f=16)
 HIST_SAMPLE8_TILES = dataclasses.replace(SAMPLE8_TILES, hist_f=16)
+# FUSED_TILES with the top-p bracket of rows without top-k split over programs of 64
+# columns (split_f; four chunks of v = 203, the last one short), sorted in its full or
+# its narrow width, placed by the histogram, and with a 4-value scratch (most brackets
+# overflow it and go to the narrowing launch)
+SPLIT_TILES = dataclasses.replace(FUSED_TILES, split_f=64, rows_s=2)  # programs loop over rows
+SPLIT_VARIANTS = (SPLIT_TILES, dataclasses.replace(SPLIT_TILES, small_f=32, split_f=32),
+                  dataclasses.replace(HIST16_TILES, split_f=128),
+                  dataclasses.replace(FAST_SMALL_TILES, split_f=64))  # fmt: skip
 KINDS = [SP(0.0), SP(1.0), SP(0.7, top_k=5), SP(1.3, top_p=0.8), SP(0.5, top_k=9, top_p=0.6),
          SP(2.0, top_k=1), SP(1.0, top_p=0.05), SP(1.0, top_k=40)]  # fmt: skip
 
@@ -444,10 +452,11 @@ def test_threshold_matches_sampling(v, tiles, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_bracket_placement_resolves_rows_in_one_try(device):
     """The one-pass bracket's placement, from the sorted sample (hist_f 0) or from a
-    histogram of it (hist_f 256): on gaussian rows (two scales, T 1 and 0.7) with top-p
-    0.9, top-k 50 and both, every row's cut is found in the bracket launch (none left
-    to the narrowing launch in ws.todo) and the thresholds and kept masses are the same
-    bit for bit. The answer does not depend on the bracket, so this is the test that a
+    histogram of it (hist_f 256), and with the top-p rows' pass split over programs
+    (split_f): on gaussian rows (two scales, T 1 and 0.7) with top-p 0.9, top-k 50 and
+    both, every row's cut is found in the bracket launch or the split ones (none left to
+    the narrowing launch in ws.todo) and the thresholds and kept masses are the same bit
+    for bit. The answer does not depend on the bracket, so this is the test that a
     placement puts the cut inside it (an empty or misplaced bracket leaves rows to
     todo)."""
     n, v = 12, 2048
@@ -461,15 +470,21 @@ def test_bracket_placement_resolves_rows_in_one_try(device):
                                screen=False)  # fmt: skip
     outs = []
     # on the GPU also with the pass's L1 prefetch (inline PTX: the interpreter skips it)
-    variants = [(0, 0), (256, 0)] + ([(256, 2)] if device == "cuda" else [])
-    for hist, prefetch in variants:
-        cfg = dataclasses.replace(base, hist_f=hist, prefetch_f=prefetch)
+    variants = [(0, 0, 0, 64), (256, 0, 0, 64), (0, 0, 256, 64), (256, 0, 512, 1)]
+    variants += [(256, 2, 0, 64)] if device == "cuda" else []
+    for hist, prefetch, split, rows_s in variants:
+        cfg = dataclasses.replace(base, hist_f=hist, prefetch_f=prefetch, split_f=split,
+                                  rows_s=rows_s)  # fmt: skip
         drafts = torch.empty(n, 0, dtype=torch.int64, device=device)
         batch = Batch(logits.to(device), drafts, torch.empty(n, 0, v, device=device), st,
                       torch.arange(n, device=device), cfg)  # fmt: skip
         batch.ws.todo.fill_(-1)
+        batch.ws.split_n.fill_(-1)
         batch.run()
-        assert batch.ws.todo[:n].tolist() == [0] * n, (hist, batch.ws.todo[:n].tolist())
+        assert batch.ws.todo[:n].tolist() == [0] * n, (hist, split, batch.ws.todo[:n].tolist())
+        if split:  # the split launches took exactly the rows without top-k, bracket and all
+            opened = [int(c) > 0 for c in batch.ws.split_n[:n].tolist()]
+            assert opened == [i % 3 == 0 for i in range(n)], opened
         outs.append((batch.ws.row_thr[:n].cpu(), batch.ws.row_sum[:n].cpu()))
     assert all(torch.equal(a, b) for out in outs[1:] for a, b in zip(outs[0], out))
 
@@ -553,7 +568,7 @@ def _tile_variants(device: str) -> list:
              FAST_TILES, FAST_SMALL_TILES, FUSED_TILES,
              dataclasses.replace(FAST_SMALL_TILES, fuse_kp=True), SORT32_TILES,
              dataclasses.replace(FAST_TILES, small_f=32), SAMPLE8_TILES, HIST16_TILES,
-             HIST_SAMPLE8_TILES)  # fmt: skip
+             HIST_SAMPLE8_TILES, *SPLIT_VARIANTS)  # fmt: skip
     if device == "cuda":  # the pass's L1 prefetch (inline PTX: the interpreter skips it)
         tiles += (dataclasses.replace(HIST16_TILES, prefetch_f=2),)
     tiles = [dataclasses.replace(c, screen=s) for s in (False, True) for c in tiles]
@@ -566,7 +581,7 @@ def _tile_variants(device: str) -> list:
 # On the GPU the variants run in this many groups, each its own test (a compile is ~10 s
 # a variant: one test of all of them took 250 s, longer than any other process of the GPU
 # suite); the interpreter, one process, takes them all in one (group None).
-TILE_GROUPS = 4
+TILE_GROUPS = 6
 
 
 @pytest.mark.parametrize(
@@ -1352,7 +1367,9 @@ def test_gpu_lossless_mixed_modes_200k():
      ("prefetch_f", -1, "prefetch_f must be an int >= 0, got -1"),
      ("tries_f", 2.0, "tries_f must be an int >= 0, got 2.0"),
      ("stages_f", 0, "stages_f must be an int >= 1, got 0"),
-     ("stages_g", True, "stages_g must be an int >= 1, got True")],
+     ("stages_g", True, "stages_g must be an int >= 1, got True"),
+     ("split_f", 3000, "split_f must be a power of two or 0, got 3000"),
+     ("rows_s", 0, "rows_s must be an int >= 1, got 0")],
 )  # fmt: skip
 def test_config_refuses_a_bad_tile_or_count(field, value, match):
     # a width the kernels would take to tl.arange, or a count below its floor: refused
