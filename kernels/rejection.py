@@ -638,27 +638,77 @@ def _above(x):
 
 
 @triton.jit
+def _key(x):
+    """float32 -> int32 whose order is the floats' (an involution on the bits; finite x,
+    -0 folded into +0 beforehand)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _bisect_keys(vals, valid, e, above_c, above_m, target_c, target_m, MASS: tl.constexpr):
+    """The largest of the valid vals (unordered; e their _fx masses) whose measure at or
+    above it (above_m + their masses >= it, or above_c + their count) reaches the target:
+    (found, value). The measure only changes at a value, so a bisection over the int32
+    keys between the smallest and the largest valid value ends on that value's key (at
+    most 32 steps of one masked sum each); exactly the first crossing of the sorted
+    running sum (_bracket_cut), ties included."""
+    keys = _key(vals).to(tl.int64)
+    klo = tl.min(tl.where(valid, keys, 2147483647), axis=0)
+    khi = tl.max(tl.where(valid, keys, -2147483648), axis=0)
+    if MASS:
+        found = (above_m + tl.sum(e, axis=0)).to(tl.float64) >= target_m
+    else:
+        found = above_c + tl.sum(valid.to(tl.int32), axis=0) >= target_c
+    found = found & (klo <= khi)
+    if found:
+        while klo < khi:
+            mid = klo + (khi - klo + 1) // 2
+            ge = valid & (keys >= mid)
+            if MASS:
+                reach = (above_m + tl.sum(tl.where(ge, e, 0), axis=0)).to(tl.float64) >= target_m
+            else:
+                reach = above_c + tl.sum(ge.to(tl.int32), axis=0) >= target_c
+            if reach:
+                klo = mid
+            else:
+                khi = mid - 1
+    return found, _key(klo.to(tl.int32)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _bracket_cut(
     cbase, n, above_c, above_m, target_c, target_m, m, lo, hi, b_lo, a_hi, ok, fused, thr_p,
     kept_mp, p_top, zmin,
     MASS: tl.constexpr, FXS: tl.constexpr, FUSE_P: tl.constexpr, SIZE: tl.constexpr,
+    BISECT: tl.constexpr = False,
 ):  # fmt: skip
     """_cut_fast's answer from its compacted bracket: the n <= SIZE values at cbase,
     sorted in a SIZE-wide tile (the first n slots of a wider one: the same values in the
     same order, so the same answer for any SIZE >= n). Returns (thr, kept count, kept
-    mass, ok, hi, a_hi, fused, thr_p, kept mass_p) as _cut_fast carries them."""
+    mass, ok, hi, a_hi, fused, thr_p, kept mass_p) as _cut_fast carries them. BISECT
+    (never with FUSE_P, which needs the order): the same cut without the sort, by
+    _bisect_keys."""
     slots = tl.arange(0, SIZE)
-    vals = tl.sort(tl.load(cbase + slots, mask=slots < n, other=float("-inf")),
-                   descending=True)  # fmt: skip
-    e = tl.where(slots < n, _fx(vals, m, FXS), 0)
-    if MASS:
-        hit = (above_m + tl.cumsum(e, axis=0)).to(tl.float64) >= target_m
+    vals = tl.load(cbase + slots, mask=slots < n, other=float("-inf"))
+    if BISECT:
+        tl.static_assert(not FUSE_P, "the fused top-p cut needs the sorted bracket")
+        e = tl.where(slots < n, _fx(vals, m, FXS), 0)
+        found, v_hit = _bisect_keys(vals, slots < n, e, above_c, above_m, target_c, target_m,
+                                    MASS)  # fmt: skip
     else:
-        hit = above_c + slots + 1 >= target_c
-    i = tl.min(tl.where(hit & (slots < n), slots, SIZE), axis=0)
+        vals = tl.sort(vals, descending=True)
+        e = tl.where(slots < n, _fx(vals, m, FXS), 0)
+        if MASS:
+            hit = (above_m + tl.cumsum(e, axis=0)).to(tl.float64) >= target_m
+        else:
+            hit = above_c + slots + 1 >= target_c
+        i = tl.min(tl.where(hit & (slots < n), slots, SIZE), axis=0)
+        found = i < n
+        v_hit = tl.max(tl.where(slots == i, vals, float("-inf")), axis=0)
     v = hi
-    if i < n:
-        v = tl.max(tl.where(slots == i, vals, float("-inf")), axis=0)
+    if found:
+        v = v_hit
         ok = ok + 1
     elif b_lo <= lo:
         # Float rounding left the target unreached: keep every survivor
@@ -825,6 +875,7 @@ def _cut_fast(
     MASS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, SAMPLE: tl.constexpr,
     TRIES: tl.constexpr, LANES: tl.constexpr, STAGES: tl.constexpr, FXS: tl.constexpr,
     FUSE_P: tl.constexpr, SMALL: tl.constexpr, HIST: tl.constexpr, PREFETCH: tl.constexpr,
+    BISECT: tl.constexpr = False,
 ):  # fmt: skip
     """_cut_row's answer in one pass over the row when a sample places it well.
 
@@ -929,16 +980,18 @@ def _cut_fast(
                         thr, kept_c, kept_m, ok, hi, a_hi, fused, thr_p, kept_mp = _bracket_cut(
                             cbase, n, above_c, above_m, target_c, target_m, m, lo, hi, b_lo, a_hi,
                             ok, fused, thr_p, kept_mp, p_top, zmin, MASS, FXS, FUSE_P, SMALL,
+                            BISECT,
                         )  # fmt: skip
                     else:
                         thr, kept_c, kept_m, ok, hi, a_hi, fused, thr_p, kept_mp = _bracket_cut(
                             cbase, n, above_c, above_m, target_c, target_m, m, lo, hi, b_lo, a_hi,
                             ok, fused, thr_p, kept_mp, p_top, zmin, MASS, FXS, FUSE_P, CAP,
+                            BISECT,
                         )  # fmt: skip
                 else:
                     thr, kept_c, kept_m, ok, hi, a_hi, fused, thr_p, kept_mp = _bracket_cut(
                         cbase, n, above_c, above_m, target_c, target_m, m, lo, hi, b_lo, a_hi,
-                        ok, fused, thr_p, kept_mp, p_top, zmin, MASS, FXS, FUSE_P, CAP,
+                        ok, fused, thr_p, kept_mp, p_top, zmin, MASS, FXS, FUSE_P, CAP, BISECT,
                     )  # fmt: skip
             else:
                 hi = b_hi  # the cut is in the bracket, too full to compact
@@ -1136,7 +1189,7 @@ def _cut(
     NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
     CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr, LANES: tl.constexpr,
     STAGES: tl.constexpr, FAST_ONLY: tl.constexpr, FUSE_P: tl.constexpr, SMALL_F: tl.constexpr,
-    HIST_F: tl.constexpr, PREFETCH_F: tl.constexpr,
+    HIST_F: tl.constexpr, PREFETCH_F: tl.constexpr, BISECT: tl.constexpr = False,
 ):  # fmt: skip
     """_cut_tile's contract, plus ok [ROWS] (0: not found). One row takes _cut_row
     (scalar state), first trying _cut_fast's pass when CAP_F > 0; FAST_ONLY leaves a
@@ -1164,7 +1217,7 @@ def _cut(
                 logits_ptr, stride_lm, fast_ptr, row, t1, m1, V, fl1, lo1, hi1, tc1, tm1,
                 tl.sum(total, axis=0), tl.sum(p_top, axis=0), tl.sum(zmin, axis=0), MASS,
                 BLOCK, CAP_F, SAMPLE, TRIES, LANES, STAGES, FXS, FUSE_P, SMALL_F, HIST_F,
-                PREFETCH_F,
+                PREFETCH_F, BISECT,
             )  # fmt: skip
         if FAST_ONLY:
             pass
@@ -1205,7 +1258,8 @@ def _cut_kernel(
     STAGES: tl.constexpr, FAST_ONLY: tl.constexpr, TODO: tl.constexpr,
     SCREEN: tl.constexpr, KP: tl.constexpr, FUSE_KP: tl.constexpr, SMALL_F: tl.constexpr,
     SAMPLE_K: tl.constexpr, HIST_F: tl.constexpr, PREFETCH_F: tl.constexpr,
-    SPLIT: tl.constexpr, GDC: tl.constexpr = False,
+    SPLIT: tl.constexpr, BISECT_K: tl.constexpr, BISECT_P: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):  # fmt: skip
     """A tile of ROWS rows per program; a filtered row gets the top-k cut (the k-th
     largest value), then the top-p cut over the top-k survivors, and its threshold and
@@ -1281,7 +1335,7 @@ def _cut_kernel(
                 logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_k, t, m, V, thr, zmin,
                 m, k, tl.zeros([ROWS], tl.float64), total, p, zmin, False, ROWS, BLOCK, CAP,
                 NBIN, MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE_K, TRIES, LANES, STAGES, FAST_ONLY,
-                FUSE_KP, SMALL_F, HIST_F, PREFETCH_F,
+                FUSE_KP, SMALL_F, HIST_F, PREFETCH_F, BISECT_K,
             )  # fmt: skip
             missed = missed | (ok == 0).to(tl.int32)
             thr = tl.where(use_k, thr_k, thr)
@@ -1298,7 +1352,7 @@ def _cut_kernel(
                 logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_p & (missed == 0), t, m,
                 V, thr, lo, m, tl.zeros([ROWS], tl.int32), target, kept_f, p, zmin, True, ROWS,
                 BLOCK, CAP, NBIN, MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, LANES, STAGES,
-                FAST_ONLY, False, SMALL_F, HIST_F, PREFETCH_F,
+                FAST_ONLY, False, SMALL_F, HIST_F, PREFETCH_F, BISECT_P,
             )  # fmt: skip
             missed = missed | (ok == 0).to(tl.int32)
             thr = tl.where(use_p, thr_p, thr)
@@ -1347,7 +1401,7 @@ def _split_close_kernel(
     rmax_ptr, rthr_ptr, rsum_ptr, todo_ptr, slist_ptr, sbr_ptr, sgoal_ptr, sn_ptr, smass_ptr,
     fast_ptr, stride_f, NSPLIT,
     NSP: tl.constexpr, CAP: tl.constexpr, FXS: tl.constexpr, SMALL: tl.constexpr,
-    GDC: tl.constexpr = False,
+    BISECT: tl.constexpr, GDC: tl.constexpr = False,
 ):  # fmt: skip
     """The opened rows after their split pass (program i takes the rows i, i + grid, ...
     of the list): _cut_fast's decision after its first try's pass, on the summed chunks.
@@ -1375,17 +1429,17 @@ def _split_close_kernel(
                 if n <= SMALL:
                     thr, _, kept_m, ok, _, _, _, _, _ = _bracket_cut(
                         cbase, n, zi, above_m, zi, target, m, lo, m, b_lo, zf, zi, zi, m,
-                        kept_m, zf, zf, True, FXS, False, SMALL,
+                        kept_m, zf, zf, True, FXS, False, SMALL, BISECT,
                     )  # fmt: skip
                 else:
                     thr, _, kept_m, ok, _, _, _, _, _ = _bracket_cut(
                         cbase, n, zi, above_m, zi, target, m, lo, m, b_lo, zf, zi, zi, m,
-                        kept_m, zf, zf, True, FXS, False, CAP,
+                        kept_m, zf, zf, True, FXS, False, CAP, BISECT,
                     )  # fmt: skip
             else:
                 thr, _, kept_m, ok, _, _, _, _, _ = _bracket_cut(
                     cbase, n, zi, above_m, zi, target, m, lo, m, b_lo, zf, zi, zi, m, kept_m,
-                    zf, zf, True, FXS, False, CAP,
+                    zf, zf, True, FXS, False, CAP, BISECT,
                 )  # fmt: skip
         if ok != 0:
             tl.store(rthr_ptr + row, thr)
@@ -1823,6 +1877,12 @@ class RejectionConfig:
     # sample, and not GPU-checked at large vocabularies.
     split_f: int = 0
     rows_s: int = 128  # opened rows the split launches take at once (a loop over the rest)
+    # The bracket's cut found by a bisection over its values' keys (_bisect_keys: at most
+    # 32 masked sums over the values in registers) instead of a sort and a running sum
+    # (a 2048-value tl.sort is ~13 µs of a program's time on the H100, stop 63's split
+    # close launch); the same cut, bit for bit (CPU tests). Not where the top-k cut's
+    # bracket also gives the top-p cut (fuse_kp), which needs the order. Off until timed.
+    bisect_f: bool = False
 
     def __post_init__(self) -> None:
         # Every size is a tile width (tl.arange needs a power of two); tries_f, the stages,
@@ -2259,6 +2319,7 @@ def _plan(
     # workspace has the split's buffers when the config asks for it)
     fast = cfg.cap_f > 0 and cfg.rows_t == 1
     split = cfg.split_f if fast and any_filter else 0
+    bisect = bool(cfg.bisect_f) and fast
     # At most 32 rows a program on the GPU: a row's screen is a few hundred instructions,
     # and few partials a row (wide blocks) must not put the whole batch in one program.
     rows_i = max(1, min((1 << 16) // nbp if INTERPRET else min(2048 // nbp, 32), _p2(rows)))
@@ -2295,7 +2356,8 @@ def _plan(
                  (cfg.sample_k or cfg.sample_f) if bracket else cfg.sample_f,
                  cfg.hist_f if bracket else 0,
                  0 if INTERPRET or not bracket else cfg.prefetch_f,
-                 split if bracket else 0),
+                 split if bracket else 0,
+                 bracket and bisect and not cfg.fuse_kp, bracket and bisect),
                 cfg.warps_f if fast_only else 8 if cfg.rows_t * cfg.block_t >= 2048 else 4,
                 pdl,
             )  # fmt: skip
@@ -2317,7 +2379,7 @@ def _plan(
                     (ws.row_max, ws.row_thr, ws.row_sum, ws.todo, ws.split_list, ws.split_b,
                      ws.split_goal,
                      ws.split_n, ws.split_mass, ws.cand_fast, ws.cand_fast.stride(0), nsplit,
-                     _p2(nsplit), cap_f, fxs, min(cfg.small_f, cap_f // 2)),
+                     _p2(nsplit), cap_f, fxs, min(cfg.small_f, cap_f // 2), bisect),
                     cfg.warps_f,
                     pdl,
                 )  # fmt: skip

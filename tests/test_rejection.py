@@ -257,6 +257,12 @@ SPLIT_TILES = dataclasses.replace(FUSED_TILES, split_f=64, rows_s=2)  # programs
 SPLIT_VARIANTS = (SPLIT_TILES, dataclasses.replace(SPLIT_TILES, small_f=32, split_f=32),
                   dataclasses.replace(HIST16_TILES, split_f=128),
                   dataclasses.replace(FAST_SMALL_TILES, split_f=64))  # fmt: skip
+# The brackets' cuts by bisection over their values (bisect_f): the one-row bracket (top-k
+# and top-p, sorted where fuse_kp takes the top-p cut from the top-k bracket) and the
+# split close
+BISECT_VARIANTS = (dataclasses.replace(FAST_TILES, bisect_f=True),
+                   dataclasses.replace(FUSED_TILES, bisect_f=True),
+                   dataclasses.replace(SPLIT_TILES, bisect_f=True))  # fmt: skip
 KINDS = [SP(0.0), SP(1.0), SP(0.7, top_k=5), SP(1.3, top_p=0.8), SP(0.5, top_k=9, top_p=0.6),
          SP(2.0, top_k=1), SP(1.0, top_p=0.05), SP(1.0, top_k=40)]  # fmt: skip
 
@@ -568,7 +574,7 @@ def _tile_variants(device: str) -> list:
              FAST_TILES, FAST_SMALL_TILES, FUSED_TILES,
              dataclasses.replace(FAST_SMALL_TILES, fuse_kp=True), SORT32_TILES,
              dataclasses.replace(FAST_TILES, small_f=32), SAMPLE8_TILES, HIST16_TILES,
-             HIST_SAMPLE8_TILES, *SPLIT_VARIANTS)  # fmt: skip
+             HIST_SAMPLE8_TILES, *SPLIT_VARIANTS, *BISECT_VARIANTS)  # fmt: skip
     if device == "cuda":  # the pass's L1 prefetch (inline PTX: the interpreter skips it)
         tiles += (dataclasses.replace(HIST16_TILES, prefetch_f=2),)
     tiles = [dataclasses.replace(c, screen=s) for s in (False, True) for c in tiles]
