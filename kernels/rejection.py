@@ -49,6 +49,8 @@ takes only its sample and bracket in the bracket launch, which lists it; the pas
 spread over programs of split_f columns (each sums its chunk's mass above the bracket and
 appends the bracket's values at an offset a per-row counter hands out), and a closing
 launch sorts the bracket and finds the cut, or leaves the row to the narrowing launch.
+Bisect (RejectionConfig.bisect_f, off by default): a bracket's cut is found without the
+sort, by bisecting its values' order keys with exact sums (_bisect_keys).
 
 The bracket launch (one row per program; RejectionConfig.cap_f > 0): a strided sample
 of the row (sample_f values), sorted (or binned: hist_f), estimates where the cut lies
@@ -1373,8 +1375,8 @@ def _split_pass_kernel(
     rows i, i + grid, ... of the bracket launch's list): the exact mass above the
     bracket's top, written per chunk, and the bracket's values appended to the row's
     scratch at an offset a per-row counter hands out (the first CAP kept; the counter goes
-    on counting). The order they land in does not matter: the closing launch sorts
-    them. Only opened rows get programs, however few they are."""
+    on counting). The order they land in does not matter: the closing launch sorts (or
+    bisects) them. Only opened rows get programs, however few they are."""
     _gdc_enter(GDC)
     c = tl.program_id(1)
     for i in range(tl.program_id(0), tl.load(slist_ptr), tl.num_programs(0)):
