@@ -750,6 +750,34 @@ def _bracket_cut(
 
 
 @triton.jit
+def _sized_bracket_cut(
+    cbase, n, above_c, above_m, target_c, target_m, m, lo, hi, b_lo, a_hi, ok, fused, thr_p,
+    kept_mp, p_top, zmin,
+    MASS: tl.constexpr, FXS: tl.constexpr, FUSE_P: tl.constexpr, SMALL: tl.constexpr,
+    CAP: tl.constexpr, BISECT: tl.constexpr,
+):  # fmt: skip
+    """_bracket_cut in a SMALL-wide tile where the bracket fits one (SMALL > 0: a narrower
+    sort or bisection), else CAP-wide: the same answer either way."""
+    if SMALL > 0:
+        if n <= SMALL:
+            thr, kept_c, kept_m, ok, hi, a_hi, fused, thr_p, kept_mp = _bracket_cut(
+                cbase, n, above_c, above_m, target_c, target_m, m, lo, hi, b_lo, a_hi, ok,
+                fused, thr_p, kept_mp, p_top, zmin, MASS, FXS, FUSE_P, SMALL, BISECT,
+            )  # fmt: skip
+        else:
+            thr, kept_c, kept_m, ok, hi, a_hi, fused, thr_p, kept_mp = _bracket_cut(
+                cbase, n, above_c, above_m, target_c, target_m, m, lo, hi, b_lo, a_hi, ok,
+                fused, thr_p, kept_mp, p_top, zmin, MASS, FXS, FUSE_P, CAP, BISECT,
+            )  # fmt: skip
+    else:
+        thr, kept_c, kept_m, ok, hi, a_hi, fused, thr_p, kept_mp = _bracket_cut(
+            cbase, n, above_c, above_m, target_c, target_m, m, lo, hi, b_lo, a_hi, ok, fused,
+            thr_p, kept_mp, p_top, zmin, MASS, FXS, FUSE_P, CAP, BISECT,
+        )  # fmt: skip
+    return thr, kept_c, kept_m, ok, hi, a_hi, fused, thr_p, kept_mp
+
+
+@triton.jit
 def _margin(r, SAMPLE: tl.constexpr):
     """The bracket's half-width in sample values around the estimated cut's rank r
     (from the top of [lo, hi]): two binomial standard deviations of the sample's count
@@ -976,25 +1004,10 @@ def _cut_fast(
                 m_lo = a_b
             elif n <= CAP:
                 tl.debug_barrier()  # the compaction's stores are visible to every thread
-                # A narrow bracket (SMALL > 0: at most SMALL values) takes a narrower sort.
-                if SMALL > 0:
-                    if n <= SMALL:
-                        thr, kept_c, kept_m, ok, hi, a_hi, fused, thr_p, kept_mp = _bracket_cut(
-                            cbase, n, above_c, above_m, target_c, target_m, m, lo, hi, b_lo, a_hi,
-                            ok, fused, thr_p, kept_mp, p_top, zmin, MASS, FXS, FUSE_P, SMALL,
-                            BISECT,
-                        )  # fmt: skip
-                    else:
-                        thr, kept_c, kept_m, ok, hi, a_hi, fused, thr_p, kept_mp = _bracket_cut(
-                            cbase, n, above_c, above_m, target_c, target_m, m, lo, hi, b_lo, a_hi,
-                            ok, fused, thr_p, kept_mp, p_top, zmin, MASS, FXS, FUSE_P, CAP,
-                            BISECT,
-                        )  # fmt: skip
-                else:
-                    thr, kept_c, kept_m, ok, hi, a_hi, fused, thr_p, kept_mp = _bracket_cut(
-                        cbase, n, above_c, above_m, target_c, target_m, m, lo, hi, b_lo, a_hi,
-                        ok, fused, thr_p, kept_mp, p_top, zmin, MASS, FXS, FUSE_P, CAP, BISECT,
-                    )  # fmt: skip
+                thr, kept_c, kept_m, ok, hi, a_hi, fused, thr_p, kept_mp = _sized_bracket_cut(
+                    cbase, n, above_c, above_m, target_c, target_m, m, lo, hi, b_lo, a_hi, ok,
+                    fused, thr_p, kept_mp, p_top, zmin, MASS, FXS, FUSE_P, SMALL, CAP, BISECT,
+                )  # fmt: skip
             else:
                 hi = b_hi  # the cut is in the bracket, too full to compact
                 a_hi = a_b
@@ -1324,9 +1337,9 @@ def _cut_kernel(
                     sz, s, ws, lo1, m1, tl.zeros([], tl.float32), tl.sum(total, axis=0),
                     (tm1 * (1.0 / FXS)).to(tl.float32), m1, V, True, SAMPLE, HIST_F,
                 )  # fmt: skip
-                tl.store(sbr_ptr + row * 4, lo1)
-                tl.store(sbr_ptr + row * 4 + 1, b_lo)
-                tl.store(sbr_ptr + row * 4 + 2, b_hi)
+                tl.store(sbr_ptr + row * 3, lo1)
+                tl.store(sbr_ptr + row * 3 + 1, b_lo)
+                tl.store(sbr_ptr + row * 3 + 2, b_hi)
                 tl.store(sgoal_ptr + row, tm1)
                 tl.store(sn_ptr + row, 0)
                 tl.store(slist_ptr + 1 + tl.atomic_add(slist_ptr, 1), row.to(tl.int32))
@@ -1383,8 +1396,8 @@ def _split_pass_kernel(
         row = tl.load(slist_ptr + 1 + i).to(tl.int64)
         m = tl.load(rmax_ptr + row)
         t = tl.load(temp_ptr + row // K1)
-        b_lo = tl.load(sbr_ptr + row * 4 + 1)
-        b_hi = tl.load(sbr_ptr + row * 4 + 2)
+        b_lo = tl.load(sbr_ptr + row * 3 + 1)
+        b_hi = tl.load(sbr_ptr + row * 3 + 2)
         offs = c * CHUNK + tl.arange(0, CHUNK)
         z = _row_z(logits_ptr + row * stride_lm + offs, offs < V, t)
         up = z > b_hi  # b_hi >= lo: every such value survives
@@ -1414,8 +1427,8 @@ def _split_close_kernel(
     for i in range(tl.program_id(0), tl.load(slist_ptr), tl.num_programs(0)):
         row = tl.load(slist_ptr + 1 + i).to(tl.int64)
         m = tl.load(rmax_ptr + row)
-        lo = tl.load(sbr_ptr + row * 4)
-        b_lo = tl.load(sbr_ptr + row * 4 + 1)
+        lo = tl.load(sbr_ptr + row * 3)
+        b_lo = tl.load(sbr_ptr + row * 3 + 1)
         target = tl.load(sgoal_ptr + row)
         n = tl.load(sn_ptr + row)
         cs = tl.arange(0, NSP)
@@ -1426,23 +1439,10 @@ def _split_close_kernel(
         if (above_m.to(tl.float64) < target) & (n <= CAP):
             zi = tl.zeros([], tl.int32)
             zf = tl.zeros([], tl.float32)
-            cbase = fast_ptr + row * stride_f
-            if SMALL > 0:
-                if n <= SMALL:
-                    thr, _, kept_m, ok, _, _, _, _, _ = _bracket_cut(
-                        cbase, n, zi, above_m, zi, target, m, lo, m, b_lo, zf, zi, zi, m,
-                        kept_m, zf, zf, True, FXS, False, SMALL, BISECT,
-                    )  # fmt: skip
-                else:
-                    thr, _, kept_m, ok, _, _, _, _, _ = _bracket_cut(
-                        cbase, n, zi, above_m, zi, target, m, lo, m, b_lo, zf, zi, zi, m,
-                        kept_m, zf, zf, True, FXS, False, CAP, BISECT,
-                    )  # fmt: skip
-            else:
-                thr, _, kept_m, ok, _, _, _, _, _ = _bracket_cut(
-                    cbase, n, zi, above_m, zi, target, m, lo, m, b_lo, zf, zi, zi, m, kept_m,
-                    zf, zf, True, FXS, False, CAP, BISECT,
-                )  # fmt: skip
+            thr, _, kept_m, ok, _, _, _, _, _ = _sized_bracket_cut(
+                fast_ptr + row * stride_f, n, zi, above_m, zi, target, m, lo, m, b_lo, zf, zi,
+                zi, m, kept_m, zf, zf, True, FXS, False, SMALL, CAP, BISECT,
+            )  # fmt: skip
         if ok != 0:
             tl.store(rthr_ptr + row, thr)
             tl.store(rsum_ptr + row, _fx_f32(kept_m, FXS))
@@ -2024,8 +2024,8 @@ class RejectionWorkspace:
     part_above: torch.Tensor  # [rows, nb] float32: the screen's mass above the draft's value
     part_cnt: torch.Tensor  # [rows, nb] int32: and the count of values above it
     row_state: torch.Tensor  # [rows] int32: the screen's state of each row
-    # The split top-p bracket (split_f; one element each when off): per row its lower end,
-    # the bracket's ends and a spare ([rows, 4] float32), its goal in fixed point (float64),
+    # The split top-p bracket (split_f; one element each when off): per row its lower end
+    # and the bracket's ends ([rows, 3] float32), its goal in fixed point (float64),
     # the count of its values (int32), and per chunk the mass above it (int64); the
     # opened rows ([rows + 1] int32: their count, then the rows).
     split_b: torch.Tensor
@@ -2057,7 +2057,7 @@ class RejectionWorkspace:
                         **f32),  # fmt: skip
             torch.zeros(rows if cfg.cap_f else 1, **i32),
             torch.empty(rows, nb, **f32), torch.empty(rows, nb, **i32), torch.empty(rows, **i32),
-            torch.empty(srows, 4, **f32), torch.empty(srows, device=device, dtype=torch.float64),
+            torch.empty(srows, 3, **f32), torch.empty(srows, device=device, dtype=torch.float64),
             torch.empty(srows, **i32),
             torch.empty(srows, nsplit, device=device, dtype=torch.int64),
             torch.zeros(srows + 1, **i32),
