@@ -1558,16 +1558,38 @@ def _walk_kernel(
 
 
 @triton.jit
+def _race_z(rowp, offs, mask, t, t1):
+    """z = x / T of a race's target rows at columns offs ([ROWS, SUB] or [1, SUB]), -0
+    folded into +0 (the partials' z, bit for bit); t1: every T of the tile is 1."""
+    x = tl.load(rowp[:, None] + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    if t1:
+        z = x
+    else:
+        z = tl.math.div_rn(x, t[:, None])
+    return tl.where(z == 0.0, 0.0, z)
+
+
+@triton.jit
+def _race_weight(rowp, qrowp, offs, mask, t, t1, thr, m, tot, residual):
+    """A race's weights at columns offs ([ROWS, SUB] or [1, SUB]): max(p - q, 0) for a residual row,
+    p for a bonus row, with p = exp(z - max) / kept mass where z >= the threshold."""
+    z = _race_z(rowp, offs, mask, t, t1)
+    p = _div_nonneg(tl.where(z >= thr[:, None], tl.exp(z - m[:, None]), 0.0), tot[:, None])
+    qv = tl.load(qrowp[:, None] + offs, mask=mask & residual[:, None], other=0.0)
+    return tl.where(residual[:, None], tl.maximum(p - qv, 0.0), p)
+
+
+@triton.jit
 def _resample_kernel(
     logits_ptr, stride_lm, drafts_ptr, stride_db, q_ptr, stride_qb, stride_qk,
     greedy_ptr, temp_ptr, seed_ptr, pos_ptr, rmax_ptr, rthr_ptr, rsum_ptr,
     pmax_ptr, parg_ptr, walk_ptr, rval_ptr, ridx_ptr, done_ptr,
-    tokens_ptr, stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr, state_ptr,
+    tokens_ptr, stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr, state_ptr, list_ptr,
     B, K, V, NB, NB2,
     ROWS: tl.constexpr, KP: tl.constexpr, NBP: tl.constexpr, NB2P: tl.constexpr,
     BLOCK_V: tl.constexpr, SUB: tl.constexpr, RESIDUAL_MUL: tl.constexpr,
     BONUS_MUL: tl.constexpr, WALK: tl.constexpr, ACCEPT_MUL: tl.constexpr,
-    SCREEN: tl.constexpr,
+    SCREEN: tl.constexpr, COMPACT: tl.constexpr, SUB_C: tl.constexpr,
     GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Program (i, blk): the exponential races of a tile of ROWS requests over
@@ -1578,7 +1600,14 @@ def _resample_kernel(
     the last of its NB2 programs writes its tokens, counts and counters, for every
     request of the tile it was last for. WALK: each program walks its requests' drafts
     itself (the sampled ones; the last program every one) instead of reading the walk
-    launch's k and r: the same _walk, so the same k and r, and one launch fewer."""
+    launch's k and r: the same _walk, so the same k and r, and one launch fewer.
+    COMPACT > 0: a first read lists the block's kept tokens (z >= the row's threshold)
+    in vocabulary order, up to COMPACT a request (in list_ptr); where every request of
+    the tile fits, the race runs over the lists, SUB_C at a time, so the draws, q loads
+    and divisions are paid for kept tokens only (a cut token weighs 0 and never wins);
+    else over the whole block as without it. The same winners bit for bit, except a
+    block whose positive weights all divide to 0 (its winner weighs 0 either way, and
+    _emit takes the argmax for a race no block won)."""
     _gdc_enter(GDC)
     req = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     blk = tl.program_id(1)
@@ -1607,33 +1636,61 @@ def _resample_kernel(
         qrow = tl.minimum(r, K - 1)  # a bonus row has no q row; nothing is read for it
         h = _stream_key(seed, pos + r, tl.where(residual, RESIDUAL_MUL, BONUS_MUL))[:, None]
         lane = tl.arange(0, SUB)
-        best = tl.full([ROWS, SUB], -1.0, tl.float32)
-        where = tl.zeros([ROWS, SUB], tl.int32)
         t1 = (tl.min(t, axis=0) == 1.0) & (tl.max(t, axis=0) == 1.0)  # x / 1 == x: no division
-        for c in range(0, BLOCK_V, SUB):
-            offs = blk * BLOCK_V + c + lane
-            mask = race[:, None] & (offs < V)[None, :]
-            x = tl.load(logits_ptr + row[:, None] * stride_lm + offs[None, :], mask=mask,
-                        other=float("-inf"))  # fmt: skip
-            if t1:
-                z = x.to(tl.float32)
-            else:
-                z = tl.math.div_rn(x.to(tl.float32), t[:, None])
-            z = tl.where(z == 0.0, 0.0, z)
-            p = _div_nonneg(tl.where(z >= thr[:, None], tl.exp(z - m[:, None]), 0.0), tot[:, None])
-            qptrs = q_ptr + req[:, None] * stride_qb + qrow[:, None] * stride_qk + offs[None, :]
-            qv = tl.load(qptrs, mask=mask & residual[:, None], other=0.0)
-            w = tl.where(residual[:, None], tl.maximum(p - qv, 0.0), p)
-            draw = tl.max(w, axis=1) > 0.0
-            if tl.max(draw.to(tl.int32), axis=0) != 0:
-                u = _uniform(h, offs.to(tl.uint64)[None, :])
-                ratio = _div_nonneg(w, _exponential(u))
-                ratio = tl.where(mask & draw[:, None], ratio, -1.0)
-                up = ratio > best  # strict: a lane keeps its first index of a tie
-                best = tl.where(up, ratio, best)
-                where = tl.where(up, offs[None, :], where)
-        bmax = tl.max(best, axis=1)
-        barg = tl.min(tl.where(best == bmax[:, None], where, 2147483647), axis=1)
+        rowp = logits_ptr + row * stride_lm
+        qrowp = q_ptr + req * stride_qb + qrow * stride_qk
+        if COMPACT > 0:
+            # The kept tokens' list: the k-th kept token of a request at slot k (a running
+            # count plus the slice's inclusive scan), written only while it fits.
+            # A tile where no row filters (thresholds -inf) keeps everything: not listed.
+            lst = list_ptr + (req * NB2 + blk) * COMPACT
+            n = tl.full([ROWS], COMPACT + 1, tl.int32)
+            if tl.max(tl.where(race, thr, float("-inf")), axis=0) > float("-inf"):
+                n = tl.zeros([ROWS], tl.int32)
+                for c in range(0, BLOCK_V, SUB):
+                    offs = blk * BLOCK_V + c + lane
+                    mask = race[:, None] & (offs < V)[None, :]
+                    keep = mask & (_race_z(rowp, offs[None, :], mask, t, t1) >= thr[:, None])
+                    ki = keep.to(tl.int32)
+                    at = n[:, None] + tl.cumsum(ki, axis=1) - 1
+                    tl.store(lst[:, None] + at, offs[None, :], mask=keep & (at < COMPACT))
+                    n += tl.sum(ki, axis=1)
+                tl.debug_barrier()  # the list's stores before any thread's loads
+            dense = tl.max(n, axis=0) > COMPACT
+        else:
+            dense = True
+        if dense:
+            best = tl.full([ROWS, SUB], -1.0, tl.float32)
+            where = tl.zeros([ROWS, SUB], tl.int32)
+            for c in range(0, BLOCK_V, SUB):
+                offs = blk * BLOCK_V + c + lane
+                mask = race[:, None] & (offs < V)[None, :]
+                w = _race_weight(rowp, qrowp, offs[None, :], mask, t, t1, thr, m, tot, residual)
+                draw = tl.max(w, axis=1) > 0.0
+                if tl.max(draw.to(tl.int32), axis=0) != 0:
+                    u = _uniform(h, offs.to(tl.uint64)[None, :])
+                    ratio = _div_nonneg(w, _exponential(u))
+                    ratio = tl.where(mask & draw[:, None], ratio, -1.0)
+                    up = ratio > best  # strict: a lane keeps its first index of a tie
+                    best = tl.where(up, ratio, best)
+                    where = tl.where(up, offs[None, :], where)
+            bmax = tl.max(best, axis=1)
+            barg = tl.min(tl.where(best == bmax[:, None], where, 2147483647), axis=1)
+        else:
+            slots = tl.arange(0, SUB_C)
+            cbest = tl.full([ROWS, SUB_C], -1.0, tl.float32)
+            cwhere = tl.zeros([ROWS, SUB_C], tl.int32)
+            for c in range(0, tl.max(n, axis=0), SUB_C):
+                ok = (c + slots)[None, :] < n[:, None]
+                at = tl.load(lst[:, None] + (c + slots)[None, :], mask=ok, other=0)
+                cw = _race_weight(rowp, qrowp, at, ok, t, t1, thr, m, tot, residual)
+                cu = _uniform(h, at.to(tl.uint64))
+                cratio = tl.where(ok & (cw > 0.0), _div_nonneg(cw, _exponential(cu)), -1.0)
+                cup = cratio > cbest  # a lane's slots come in vocabulary order, as above
+                cbest = tl.where(cup, cratio, cbest)
+                cwhere = tl.where(cup, at, cwhere)
+            bmax = tl.max(cbest, axis=1)
+            barg = tl.min(tl.where(cbest == bmax[:, None], cwhere, 2147483647), axis=1)
         tl.store(rval_ptr + req * NB2 + blk, bmax, mask=race)
         tl.store(ridx_ptr + req * NB2 + blk, barg, mask=race)
     # A request's ticket may be taken by another thread than the one that stored its
@@ -1885,6 +1942,14 @@ class RejectionConfig:
     # close launch); the same cut, bit for bit (CPU tests). Not where the top-k cut's
     # bracket also gives the top-p cut (fuse_kp), which needs the order. Off until timed.
     bisect_f: bool = False
+    # The race over a list of each block's kept tokens (0: off; else the list's length a
+    # request and block, at most block_r): a first read of the block lists the tokens the
+    # row's top-k / top-p keeps, and where they fit, the draws (a SplitMix64 hash, a log1p
+    # and two divisions a token: offline sm_90, 140 instructions a token of the whole-
+    # block race at 1024 / 4 warps) run over the list, sub_c slots at a time; a block
+    # that keeps more (no filter, a flat row) races whole. The same winners (CPU tests).
+    compact_r: int = 0
+    sub_c: int = 256
 
     def __post_init__(self) -> None:
         # Every size is a tile width (tl.arange needs a power of two); tries_f, the stages,
@@ -1902,12 +1967,17 @@ class RejectionConfig:
                 continue
             if f.type == "bool" or v is None:
                 continue
-            zero = f.name in ("cap_f", "small_f", "sample_k", "hist_f", "split_f")
+            zero = f.name in ("cap_f", "small_f", "sample_k", "hist_f", "split_f", "compact_r")
             if type(v) is not int or v < 0 or (v == 0 and not zero) or v & (v - 1):
                 raise ValueError(
                     f"RejectionConfig.{f.name} must be a power of two"
                     f"{' or 0' if zero else ''}, got {v!r}"
                 )
+        if self.compact_r > self.block_r:
+            raise ValueError(
+                f"RejectionConfig.compact_r must be at most block_r ({self.block_r}), "
+                f"got {self.compact_r}"
+            )
 
     @property
     def max_passes(self) -> int:
@@ -2033,6 +2103,7 @@ class RejectionWorkspace:
     split_n: torch.Tensor
     split_mass: torch.Tensor
     split_list: torch.Tensor
+    race_list: torch.Tensor  # [reqs, nb2 * compact_r] int32: kept tokens (compact_r; else 1)
 
     @classmethod
     def allocate(
@@ -2061,6 +2132,7 @@ class RejectionWorkspace:
             torch.empty(srows, **i32),
             torch.empty(srows, nsplit, device=device, dtype=torch.int64),
             torch.zeros(srows + 1, **i32),
+            torch.empty(num_reqs if cfg.compact_r else 1, max(nb2 * cfg.compact_r, 1), **i32),
         )  # fmt: skip
 
 
@@ -2406,8 +2478,9 @@ def _plan(
          temperature, seed, positions, ws.row_max, ws.row_thr, ws.row_sum, ws.part_max,
          ws.part_arg, ws.walk, ws.race_val, ws.race_idx, ws.done, out_tokens,
          out_tokens.stride(0), out_num_accepted, out_num_emitted, proposed_counts,
-         accepted_counts, ws.row_state, b, k, v, nb, nb2, cfg.rows_r, kp, nbp, _p2(nb2),
-         cfg.block_r, sub_r, mul_r, mul_b, fold, mul_a, screen),
+         accepted_counts, ws.row_state, ws.race_list, b, k, v, nb, nb2, cfg.rows_r, kp, nbp,
+         _p2(nb2), cfg.block_r, sub_r, mul_r, mul_b, fold, mul_a, screen, cfg.compact_r,
+         min(cfg.sub_c, max(cfg.compact_r, 1))),
         8 if race_tile >= 2048 else 4 if race_tile >= 512 else 2 if race_tile >= 128 else 1,
         pdl,
     )  # fmt: skip
