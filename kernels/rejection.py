@@ -1642,21 +1642,21 @@ def _resample_kernel(
         if COMPACT > 0:
             # The kept tokens' list: the k-th kept token of a request at slot k (a running
             # count plus the slice's inclusive scan), written only while it fits.
-            # A tile where no row filters (thresholds -inf) keeps everything: not listed.
+            # A tile where no row filters (thresholds -inf) keeps everything: not listed
+            # (the loop runs no iteration).
+            listed = tl.max(tl.where(race, thr, float("-inf")), axis=0) > float("-inf")
             lst = list_ptr + (req * NB2 + blk) * COMPACT
-            n = tl.full([ROWS], COMPACT + 1, tl.int32)
-            if tl.max(tl.where(race, thr, float("-inf")), axis=0) > float("-inf"):
-                n = tl.zeros([ROWS], tl.int32)
-                for c in range(0, BLOCK_V, SUB):
-                    offs = blk * BLOCK_V + c + lane
-                    mask = race[:, None] & (offs < V)[None, :]
-                    keep = mask & (_race_z(rowp, offs[None, :], mask, t, t1) >= thr[:, None])
-                    ki = keep.to(tl.int32)
-                    at = n[:, None] + tl.cumsum(ki, axis=1) - 1
-                    tl.store(lst[:, None] + at, offs[None, :], mask=keep & (at < COMPACT))
-                    n += tl.sum(ki, axis=1)
-                tl.debug_barrier()  # the list's stores before any thread's loads
-            dense = tl.max(n, axis=0) > COMPACT
+            n = tl.zeros([ROWS], tl.int32)
+            for c in range(0, tl.where(listed, BLOCK_V, 0), SUB):
+                offs = blk * BLOCK_V + c + lane
+                mask = race[:, None] & (offs < V)[None, :]
+                keep = mask & (_race_z(rowp, offs[None, :], mask, t, t1) >= thr[:, None])
+                ki = keep.to(tl.int32)
+                at = n[:, None] + tl.cumsum(ki, axis=1) - 1
+                tl.store(lst[:, None] + at, offs[None, :], mask=keep & (at < COMPACT))
+                n += tl.sum(ki, axis=1)
+            tl.debug_barrier()  # the list's stores before any thread's loads
+            dense = (tl.max(n, axis=0) > COMPACT) | (listed == 0)
         else:
             dense = True
         if dense:

@@ -266,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         # the default tiles; and where the one-pass bracket runs, its cut with fuse_kp
         # the other way (so that flipping it cannot fail on the GPU only)
         variants = [(None, "", None)]
+        # the race over lists of kept tokens (compact_r: off by default; the interpreter
+        # runs a loop the compiler may refuse, as its first version's was, stop 64)
+        listed = dataclasses.replace(cfg, compact_r=min(512, cfg.block_r))
+        variants.append((listed, f" compact_r={listed.compact_r}", "_resample_kernel"))
         if cfg.cap_f > 0:
             flip = dataclasses.replace(cfg, fuse_kp=not cfg.fuse_kp)
             variants.append((flip, f" fuse_kp={int(flip.fuse_kp)}", "_cut_kernel"))
@@ -283,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         ):
             if only is not None and not sampled:
                 continue  # the cut runs in sampled batches only
-            if "small_f" in tag and name != args.dtypes.split(",")[-1]:
+            if ("small_f" in tag or "compact_r" in tag) and name != args.dtypes.split(",")[-1]:
                 continue  # an experiment: one logits dtype is enough (CI time)
             for cached, _, grid, kargs, options in launches(
                 v, b, k, getattr(torch, name), sampled, config
