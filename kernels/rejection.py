@@ -1580,6 +1580,29 @@ def _race_weight(rowp, qrowp, offs, mask, t, t1, thr, m, tot, residual):
 
 
 @triton.jit
+def _race_whole(rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V,
+                ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr):  # fmt: skip
+    """The exponential race of a tile's requests over all of vocabulary block blk, SUB
+    columns at a time: each request's best weight / E and its first column."""
+    lane = tl.arange(0, SUB)
+    best = tl.full([ROWS, SUB], -1.0, tl.float32)
+    where = tl.zeros([ROWS, SUB], tl.int32)
+    for c in range(0, BLOCK_V, SUB):
+        offs = blk * BLOCK_V + c + lane
+        mask = race[:, None] & (offs < V)[None, :]
+        w = _race_weight(rowp, qrowp, offs[None, :], mask, t, t1, thr, m, tot, residual)
+        draw = tl.max(w, axis=1) > 0.0
+        if tl.max(draw.to(tl.int32), axis=0) != 0:
+            ratio = _div_nonneg(w, _exponential(_uniform(h, offs.to(tl.uint64)[None, :])))
+            ratio = tl.where(mask & draw[:, None], ratio, -1.0)
+            up = ratio > best  # strict: a lane keeps its first index of a tie
+            best = tl.where(up, ratio, best)
+            where = tl.where(up, offs[None, :], where)
+    bmax = tl.max(best, axis=1)
+    return bmax, tl.min(tl.where(best == bmax[:, None], where, 2147483647), axis=1)
+
+
+@triton.jit
 def _resample_kernel(
     logits_ptr, stride_lm, drafts_ptr, stride_db, q_ptr, stride_qb, stride_qk,
     greedy_ptr, temp_ptr, seed_ptr, pos_ptr, rmax_ptr, rthr_ptr, rsum_ptr,
@@ -1639,11 +1662,15 @@ def _resample_kernel(
         t1 = (tl.min(t, axis=0) == 1.0) & (tl.max(t, axis=0) == 1.0)  # x / 1 == x: no division
         rowp = logits_ptr + row * stride_lm
         qrowp = q_ptr + req * stride_qb + qrow * stride_qk
-        if COMPACT > 0:
+        if COMPACT == 0:
+            bmax, barg = _race_whole(
+                rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V, ROWS, BLOCK_V, SUB
+            )
+        else:
             # The kept tokens' list: the k-th kept token of a request at slot k (a running
-            # count plus the slice's inclusive scan), written only while it fits.
-            # A tile where no row filters (thresholds -inf) keeps everything: not listed
-            # (the loop runs no iteration).
+            # count plus the slice's inclusive scan), written only while it fits. A tile
+            # where no row filters (thresholds -inf) keeps everything: not listed (the
+            # loop runs no iteration).
             listed = tl.max(tl.where(race, thr, float("-inf")), axis=0) > float("-inf")
             lst = list_ptr + (req * NB2 + blk) * COMPACT
             n = tl.zeros([ROWS], tl.int32)
@@ -1656,41 +1683,26 @@ def _resample_kernel(
                 tl.store(lst[:, None] + at, offs[None, :], mask=keep & (at < COMPACT))
                 n += tl.sum(ki, axis=1)
             tl.debug_barrier()  # the list's stores before any thread's loads
-            dense = (tl.max(n, axis=0) > COMPACT) | (listed == 0)
-        else:
-            dense = True
-        if dense:
-            best = tl.full([ROWS, SUB], -1.0, tl.float32)
-            where = tl.zeros([ROWS, SUB], tl.int32)
-            for c in range(0, BLOCK_V, SUB):
-                offs = blk * BLOCK_V + c + lane
-                mask = race[:, None] & (offs < V)[None, :]
-                w = _race_weight(rowp, qrowp, offs[None, :], mask, t, t1, thr, m, tot, residual)
-                draw = tl.max(w, axis=1) > 0.0
-                if tl.max(draw.to(tl.int32), axis=0) != 0:
-                    u = _uniform(h, offs.to(tl.uint64)[None, :])
-                    ratio = _div_nonneg(w, _exponential(u))
-                    ratio = tl.where(mask & draw[:, None], ratio, -1.0)
-                    up = ratio > best  # strict: a lane keeps its first index of a tie
+            if (tl.max(n, axis=0) > COMPACT) | (listed == 0):
+                bmax, barg = _race_whole(
+                    rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V, ROWS,
+                    BLOCK_V, SUB,
+                )  # fmt: skip
+            else:
+                slots = tl.arange(0, SUB_C)
+                best = tl.full([ROWS, SUB_C], -1.0, tl.float32)
+                where = tl.zeros([ROWS, SUB_C], tl.int32)
+                for c in range(0, tl.max(n, axis=0), SUB_C):
+                    ok = (c + slots)[None, :] < n[:, None]
+                    at = tl.load(lst[:, None] + (c + slots)[None, :], mask=ok, other=0)
+                    w = _race_weight(rowp, qrowp, at, ok, t, t1, thr, m, tot, residual)
+                    u = _uniform(h, at.to(tl.uint64))
+                    ratio = tl.where(ok & (w > 0.0), _div_nonneg(w, _exponential(u)), -1.0)
+                    up = ratio > best  # a lane's slots come in vocabulary order
                     best = tl.where(up, ratio, best)
-                    where = tl.where(up, offs[None, :], where)
-            bmax = tl.max(best, axis=1)
-            barg = tl.min(tl.where(best == bmax[:, None], where, 2147483647), axis=1)
-        else:
-            slots = tl.arange(0, SUB_C)
-            cbest = tl.full([ROWS, SUB_C], -1.0, tl.float32)
-            cwhere = tl.zeros([ROWS, SUB_C], tl.int32)
-            for c in range(0, tl.max(n, axis=0), SUB_C):
-                ok = (c + slots)[None, :] < n[:, None]
-                at = tl.load(lst[:, None] + (c + slots)[None, :], mask=ok, other=0)
-                cw = _race_weight(rowp, qrowp, at, ok, t, t1, thr, m, tot, residual)
-                cu = _uniform(h, at.to(tl.uint64))
-                cratio = tl.where(ok & (cw > 0.0), _div_nonneg(cw, _exponential(cu)), -1.0)
-                cup = cratio > cbest  # a lane's slots come in vocabulary order, as above
-                cbest = tl.where(cup, cratio, cbest)
-                cwhere = tl.where(cup, at, cwhere)
-            bmax = tl.max(cbest, axis=1)
-            barg = tl.min(tl.where(cbest == bmax[:, None], cwhere, 2147483647), axis=1)
+                    where = tl.where(up, at, where)
+                bmax = tl.max(best, axis=1)
+                barg = tl.min(tl.where(best == bmax[:, None], where, 2147483647), axis=1)
         tl.store(rval_ptr + req * NB2 + blk, bmax, mask=race)
         tl.store(ridx_ptr + req * NB2 + blk, barg, mask=race)
     # A request's ticket may be taken by another thread than the one that stored its
