@@ -51,6 +51,9 @@ appends the bracket's values at an offset a per-row counter hands out), and a cl
 launch sorts the bracket and finds the cut, or leaves the row to the narrowing launch.
 Bisect (RejectionConfig.bisect_f, off by default): a bracket's cut is found without the
 sort, by bisecting its values' order keys with exact sums (_bisect_keys).
+Compact (RejectionConfig.compact_r, off by default): a race program first lists the
+tokens its block keeps (z >= the row's threshold) and, where the lists fit, draws only
+for them: a token top-k / top-p cuts weighs 0 and never wins the race.
 
 The bracket launch (one row per program; RejectionConfig.cap_f > 0): a strided sample
 of the row (sample_f values), sorted (or binned: hist_f), estimates where the cut lies
