@@ -185,12 +185,13 @@ def _gdc_enter(GDC: tl.constexpr):
 
 
 @triton.jit
-def _load_z(logits_ptr, stride_lm, rows, offs, mask, t):
-    """z = logits / T (correctly rounded, like torch.div), -0 folded into +0."""
-    ptrs = logits_ptr + rows[:, None] * stride_lm + offs[None, :]
-    x = tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
-    if (tl.min(t, axis=0) == 1.0) & (tl.max(t, axis=0) == 1.0):
-        z = x  # x / 1 == x: skip the ~10-instruction IEEE division
+def _load_z(rowp, offs, mask, t, t1):
+    """z = logits / T (correctly rounded, like torch.div), -0 folded into +0, of a tile's
+    rows (rowp [ROWS]: each row's first logit; t [ROWS]) at columns offs ([ROWS, N] or
+    [1, N]); t1: every T of the tile is 1 (x / 1 == x: no ~10-instruction IEEE division)."""
+    x = tl.load(rowp[:, None] + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    if t1:
+        z = x
     else:
         z = tl.math.div_rn(x, t[:, None])
     return tl.where(z == 0.0, 0.0, z)
@@ -227,11 +228,13 @@ def _partials_kernel(
     req = rows // K1
     g = tl.load(greedy_ptr + req, mask=rmask, other=1) != 0
     t = tl.where(g, 1.0, tl.load(temp_ptr + req, mask=rmask, other=1.0))
+    t1 = (tl.min(t, axis=0) == 1.0) & (tl.max(t, axis=0) == 1.0)
+    rowp = logits_ptr + rows * stride_lm
     if SUB == BLOCK_V:
         # One slice: the block is read once, into registers both reductions use (the
         # same values, hence the same bits, as the loops below run once).
         whole = lo + lane
-        zall = _load_z(logits_ptr, stride_lm, rows, whole, rmask[:, None] & (whole < V)[None, :], t)
+        zall = _load_z(rowp, whole[None, :], rmask[:, None] & (whole < V)[None, :], t, t1)
         best = zall
         where = tl.zeros([ROWS, SUB], tl.int32) + whole[None, :]
     else:
@@ -240,7 +243,7 @@ def _partials_kernel(
         for c in tl.range(0, BLOCK_V, SUB):
             offs = lo + c + lane
             mask = rmask[:, None] & (offs < V)[None, :]
-            z = _load_z(logits_ptr, stride_lm, rows, offs, mask, t)
+            z = _load_z(rowp, offs[None, :], mask, t, t1)
             up = z > best  # strict: a lane keeps its first index of a tie
             best = tl.where(up, z, best)
             where = tl.where(up, offs[None, :], where)
@@ -269,7 +272,7 @@ def _partials_kernel(
         else:
             offs = lo + c + lane
             mask = rmask[:, None] & (offs < V)[None, :]
-            z = _load_z(logits_ptr, stride_lm, rows, offs, mask, t)
+            z = _load_z(rowp, offs[None, :], mask, t, t1)
         ez = tl.exp(z - ref[:, None])
         total += ez
         low = tl.minimum(low, tl.where(z > float("-inf"), z, float("inf")))
@@ -1561,22 +1564,10 @@ def _walk_kernel(
 
 
 @triton.jit
-def _race_z(rowp, offs, mask, t, t1):
-    """z = x / T of a race's target rows at columns offs ([ROWS, SUB] or [1, SUB]), -0
-    folded into +0 (the partials' z, bit for bit); t1: every T of the tile is 1."""
-    x = tl.load(rowp[:, None] + offs, mask=mask, other=float("-inf")).to(tl.float32)
-    if t1:
-        z = x
-    else:
-        z = tl.math.div_rn(x, t[:, None])
-    return tl.where(z == 0.0, 0.0, z)
-
-
-@triton.jit
 def _race_weight(rowp, qrowp, offs, mask, t, t1, thr, m, tot, residual):
     """A race's weights at columns offs ([ROWS, SUB] or [1, SUB]): max(p - q, 0) for a residual row,
     p for a bonus row, with p = exp(z - max) / kept mass where z >= the threshold."""
-    z = _race_z(rowp, offs, mask, t, t1)
+    z = _load_z(rowp, offs, mask, t, t1)
     p = _div_nonneg(tl.where(z >= thr[:, None], tl.exp(z - m[:, None]), 0.0), tot[:, None])
     qv = tl.load(qrowp[:, None] + offs, mask=mask & residual[:, None], other=0.0)
     return tl.where(residual[:, None], tl.maximum(p - qv, 0.0), p)
@@ -1680,7 +1671,7 @@ def _resample_kernel(
             for c in range(0, tl.where(listed, BLOCK_V, 0), SUB):
                 offs = blk * BLOCK_V + c + lane
                 mask = race[:, None] & (offs < V)[None, :]
-                keep = mask & (_race_z(rowp, offs[None, :], mask, t, t1) >= thr[:, None])
+                keep = mask & (_load_z(rowp, offs[None, :], mask, t, t1) >= thr[:, None])
                 ki = keep.to(tl.int32)
                 at = n[:, None] + tl.cumsum(ki, axis=1) - 1
                 tl.store(lst[:, None] + at, offs[None, :], mask=keep & (at < COMPACT))
