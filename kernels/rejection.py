@@ -51,9 +51,6 @@ appends the bracket's values at an offset a per-row counter hands out), and a cl
 launch sorts the bracket and finds the cut, or leaves the row to the narrowing launch.
 Bisect (RejectionConfig.bisect_f, off by default): a bracket's cut is found without the
 sort, by bisecting its values' order keys with exact sums (_bisect_keys).
-Compact (RejectionConfig.compact_r, off by default): a race program first lists the
-tokens its block keeps (z >= the row's threshold) and, where the lists fit, draws only
-for them: a token top-k / top-p cuts weighs 0 and never wins the race.
 
 The bracket launch (one row per program; RejectionConfig.cap_f > 0): a strided sample
 of the row (sample_f values), sorted (or binned: hist_f), estimates where the cut lies
@@ -102,7 +99,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_mma import _prefetch_l1, _prefetch_l2
+from .fused_mma import _prefetch_l1
 from .guard import INTERPRET, validation_enabled
 from .launch import CachedLaunch, pdl_launch, specialization_key
 
@@ -185,18 +182,6 @@ def _gdc_enter(GDC: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_block(rowp, live, lo, V, BLOCK: tl.constexpr):
-    """Every 128-byte line of columns [lo, lo + BLOCK) of the rows rowp [ROWS] (those
-    `live`; addresses clamped to a row's last value) into L2 at once, a line a lane
-    (GPU only): a block read in slices then finds its lines in flight or in L2 instead
-    of waiting a memory round trip a slice."""
-    LINE: tl.constexpr = 1024 // rowp.dtype.element_ty.primitive_bitwidth
-    LINES: tl.constexpr = (BLOCK + LINE - 1) // LINE
-    cols = tl.minimum(lo + tl.arange(0, LINES) * LINE, V - 1)
-    _prefetch_l2(tl.where(live[:, None], rowp[:, None] + cols[None, :], rowp[:, None]))
-
-
-@triton.jit
 def _load_z(rowp, offs, mask, t, t1):
     """z = logits / T (correctly rounded, like torch.div), -0 folded into +0, of a tile's
     rows (rowp [ROWS]: each row's first logit; t [ROWS]) at columns offs ([ROWS, N] or
@@ -218,7 +203,7 @@ def _partials_kernel(
     pmax_ptr, parg_ptr, psum_ptr, pmin_ptr, drafts_ptr, stride_db, pabove_ptr, pcnt_ptr,
     num_rows, V, K1, NB,
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr, SCREEN: tl.constexpr,
-    PREFETCH: tl.constexpr, GDC: tl.constexpr = False,
+    GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Per (row, vocabulary block) of a call with q (all-greedy calls take
     _greedy_kernel): max, first argmax, sum exp(z - max) and the smallest finite value.
@@ -230,16 +215,13 @@ def _partials_kernel(
     at the end (as the all-greedy launch does): a first loop keeps each lane's largest
     value and its first index; a second reads the block again (from L1 / L2) for the
     sums relative to the block's max. A reduction a value per block, not per SUB slice:
-    at SUB = BLOCK_V the block is read once, into registers both reductions use.
-    PREFETCH (GPU only): the block's lines go to L2 first (RejectionConfig.prefetch_l2)."""
+    at SUB = BLOCK_V the block is read once, into registers both reductions use."""
     _gdc_enter(GDC)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     blk = tl.program_id(1)
     lo = blk * BLOCK_V
     lane = tl.arange(0, SUB)
     rmask = rows < num_rows
-    if PREFETCH:
-        _prefetch_block(logits_ptr + rows * stride_lm, rmask, lo, V, BLOCK_V)
     req = rows // K1
     g = tl.load(greedy_ptr + req, mask=rmask, other=1) != 0
     t = tl.where(g, 1.0, tl.load(temp_ptr + req, mask=rmask, other=1.0))
@@ -1616,13 +1598,12 @@ def _resample_kernel(
     logits_ptr, stride_lm, drafts_ptr, stride_db, q_ptr, stride_qb, stride_qk,
     greedy_ptr, temp_ptr, seed_ptr, pos_ptr, rmax_ptr, rthr_ptr, rsum_ptr,
     pmax_ptr, parg_ptr, walk_ptr, rval_ptr, ridx_ptr, done_ptr,
-    tokens_ptr, stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr, state_ptr, list_ptr,
+    tokens_ptr, stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr, state_ptr,
     B, K, V, NB, NB2,
     ROWS: tl.constexpr, KP: tl.constexpr, NBP: tl.constexpr, NB2P: tl.constexpr,
     BLOCK_V: tl.constexpr, SUB: tl.constexpr, RESIDUAL_MUL: tl.constexpr,
     BONUS_MUL: tl.constexpr, WALK: tl.constexpr, ACCEPT_MUL: tl.constexpr,
-    SCREEN: tl.constexpr, COMPACT: tl.constexpr, SUB_C: tl.constexpr,
-    GDC: tl.constexpr = False,
+    SCREEN: tl.constexpr, GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Program (i, blk): the exponential races of a tile of ROWS requests over
     vocabulary block blk of each one's residual max(p_r - q_r, 0) (or of p_k for the
@@ -1632,14 +1613,7 @@ def _resample_kernel(
     the last of its NB2 programs writes its tokens, counts and counters, for every
     request of the tile it was last for. WALK: each program walks its requests' drafts
     itself (the sampled ones; the last program every one) instead of reading the walk
-    launch's k and r: the same _walk, so the same k and r, and one launch fewer.
-    COMPACT > 0: a first read lists the block's kept tokens (z >= the row's threshold)
-    in vocabulary order, up to COMPACT a request (in list_ptr); where every request of
-    the tile fits, the race runs over the lists, SUB_C at a time, so the draws, q loads
-    and divisions are paid for kept tokens only (a cut token weighs 0 and never wins);
-    else over the whole block as without it. The same winners bit for bit, except a
-    block whose positive weights all divide to 0 (its winner weighs 0 either way, and
-    _emit takes the argmax for a race no block won)."""
+    launch's k and r: the same _walk, so the same k and r, and one launch fewer."""
     _gdc_enter(GDC)
     req = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     blk = tl.program_id(1)
@@ -1667,51 +1641,12 @@ def _resample_kernel(
         residual = r < k
         qrow = tl.minimum(r, K - 1)  # a bonus row has no q row; nothing is read for it
         h = _stream_key(seed, pos + r, tl.where(residual, RESIDUAL_MUL, BONUS_MUL))[:, None]
-        lane = tl.arange(0, SUB)
         t1 = (tl.min(t, axis=0) == 1.0) & (tl.max(t, axis=0) == 1.0)  # x / 1 == x: no division
         rowp = logits_ptr + row * stride_lm
         qrowp = q_ptr + req * stride_qb + qrow * stride_qk
-        if COMPACT == 0:
-            bmax, barg = _race_whole(
-                rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V, ROWS, BLOCK_V, SUB
-            )
-        else:
-            # The kept tokens' list: the k-th kept token of a request at slot k (a running
-            # count plus the slice's inclusive scan), written only while it fits. A tile
-            # where no row filters (thresholds -inf) keeps everything: not listed (the
-            # loop runs no iteration).
-            listed = tl.max(tl.where(race, thr, float("-inf")), axis=0) > float("-inf")
-            lst = list_ptr + (req * NB2 + blk) * COMPACT
-            n = tl.zeros([ROWS], tl.int32)
-            for c in range(0, tl.where(listed, BLOCK_V, 0), SUB):
-                offs = blk * BLOCK_V + c + lane
-                mask = race[:, None] & (offs < V)[None, :]
-                keep = mask & (_load_z(rowp, offs[None, :], mask, t, t1) >= thr[:, None])
-                ki = keep.to(tl.int32)
-                at = n[:, None] + tl.cumsum(ki, axis=1) - 1
-                tl.store(lst[:, None] + at, offs[None, :], mask=keep & (at < COMPACT))
-                n += tl.sum(ki, axis=1)
-            tl.debug_barrier()  # the list's stores before any thread's loads
-            if (tl.max(n, axis=0) > COMPACT) | (listed == 0):
-                bmax, barg = _race_whole(
-                    rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V, ROWS,
-                    BLOCK_V, SUB,
-                )  # fmt: skip
-            else:
-                slots = tl.arange(0, SUB_C)
-                best = tl.full([ROWS, SUB_C], -1.0, tl.float32)
-                where = tl.zeros([ROWS, SUB_C], tl.int32)
-                for c in range(0, tl.max(n, axis=0), SUB_C):
-                    ok = (c + slots)[None, :] < n[:, None]
-                    at = tl.load(lst[:, None] + (c + slots)[None, :], mask=ok, other=0)
-                    w = _race_weight(rowp, qrowp, at, ok, t, t1, thr, m, tot, residual)
-                    u = _uniform(h, at.to(tl.uint64))
-                    ratio = tl.where(ok & (w > 0.0), _div_nonneg(w, _exponential(u)), -1.0)
-                    up = ratio > best  # a lane's slots come in vocabulary order
-                    best = tl.where(up, ratio, best)
-                    where = tl.where(up, at, where)
-                bmax = tl.max(best, axis=1)
-                barg = tl.min(tl.where(best == bmax[:, None], where, 2147483647), axis=1)
+        bmax, barg = _race_whole(
+            rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V, ROWS, BLOCK_V, SUB
+        )
         tl.store(rval_ptr + req * NB2 + blk, bmax, mask=race)
         tl.store(ridx_ptr + req * NB2 + blk, barg, mask=race)
     # A request's ticket may be taken by another thread than the one that stored its
@@ -1819,7 +1754,7 @@ def _greedy_kernel(
     tokens_ptr, stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr,
     K, V, NB,
     KP: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr, NBP: tl.constexpr,
-    STAGES: tl.constexpr, PER_ROW: tl.constexpr, PREFETCH: tl.constexpr,
+    STAGES: tl.constexpr, PER_ROW: tl.constexpr,
     GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Every request greedy, in one launch. A program takes the argmax over vocabulary
@@ -1849,8 +1784,6 @@ def _greedy_kernel(
     base = logits_ptr + rows[:, None] * stride_lm
     lane = tl.arange(0, SUB)
     lo = blk * BLOCK_V
-    if PREFETCH:  # GPU only: RejectionConfig.prefetch_l2
-        _prefetch_block(logits_ptr + rows * stride_lm, rmask, lo, V, BLOCK_V)
     best = tl.full([rows.shape[0], SUB], float("-inf"), tl.float32)
     where = tl.zeros([rows.shape[0], SUB], tl.int32) + (lo + lane)[None, :]
     for c in tl.range(0, BLOCK_V, SUB, num_stages=STAGES):
@@ -1965,20 +1898,6 @@ class RejectionConfig:
     # close launch); the same cut, bit for bit (CPU tests). Not where the top-k cut's
     # bracket also gives the top-p cut (fuse_kp), which needs the order. Off until timed.
     bisect_f: bool = False
-    # The race over a list of each block's kept tokens (0: off; else the list's length a
-    # request and block, at most block_r): a first read of the block lists the tokens the
-    # row's top-k / top-p keeps, and where they fit, the draws (a SplitMix64 hash, a log1p
-    # and two divisions a token: offline sm_90, 140 instructions a token of the whole-
-    # block race at 1024 / 4 warps) run over the list, sub_c slots at a time; a block
-    # that keeps more (no filter, a flat row) races whole. The same winners (CPU tests).
-    compact_r: int = 0
-    sub_c: int = 256
-    # The partials and all-greedy programs send every line of their block to L2 right
-    # after the PDL wait (prefetch.global.L2, a line a lane; GPU only), then read it in
-    # slices as before. A slice loop keeps ~one slice's loads in flight (4 KB a program at
-    # 2048 bf16 columns): the greedy launch reads 37.7 MB in 17.6 µs on an H100 (stop 62),
-    # ~2.1 TB/s, latency-bound. The same values, hence the same outputs. Off until timed.
-    prefetch_l2: bool = False
 
     def __post_init__(self) -> None:
         # Every size is a tile width (tl.arange needs a power of two); tries_f, the stages,
@@ -1996,17 +1915,12 @@ class RejectionConfig:
                 continue
             if f.type == "bool" or v is None:
                 continue
-            zero = f.name in ("cap_f", "small_f", "sample_k", "hist_f", "split_f", "compact_r")
+            zero = f.name in ("cap_f", "small_f", "sample_k", "hist_f", "split_f")
             if type(v) is not int or v < 0 or (v == 0 and not zero) or v & (v - 1):
                 raise ValueError(
                     f"RejectionConfig.{f.name} must be a power of two"
                     f"{' or 0' if zero else ''}, got {v!r}"
                 )
-        if self.compact_r > self.block_r:
-            raise ValueError(
-                f"RejectionConfig.compact_r must be at most block_r ({self.block_r}), "
-                f"got {self.compact_r}"
-            )
 
     @property
     def max_passes(self) -> int:
@@ -2132,7 +2046,6 @@ class RejectionWorkspace:
     split_n: torch.Tensor
     split_mass: torch.Tensor
     split_list: torch.Tensor
-    race_list: torch.Tensor  # [reqs, nb2 * compact_r] int32: kept tokens (compact_r; else 1)
 
     @classmethod
     def allocate(
@@ -2161,7 +2074,6 @@ class RejectionWorkspace:
             torch.empty(srows, **i32),
             torch.empty(srows, nsplit, device=device, dtype=torch.int64),
             torch.zeros(srows + 1, **i32),
-            torch.empty(num_reqs if cfg.compact_r else 1, max(nb2 * cfg.compact_r, 1), **i32),
         )  # fmt: skip
 
 
@@ -2396,7 +2308,7 @@ def _plan(
             (target_logits, lm, draft_tokens, draft_tokens.stride(0), positions, ws.part_max,
              ws.part_arg, ws.done, out_tokens, out_tokens.stride(0), out_num_accepted,
              out_num_emitted, proposed_counts, accepted_counts, k, v, nbg, kp, bg, sub,
-             _p2(nbg), cfg.stages_g, per_row, bool(cfg.prefetch_l2) and not INTERPRET),
+             _p2(nbg), cfg.stages_g, per_row),
             warps,
             pdl,
         )  # fmt: skip
@@ -2410,7 +2322,7 @@ def _plan(
         (triton.cdiv(rows, cfg.rows_p), triton.cdiv(v, cfg.block_v)),
         (target_logits, lm, greedy, temperature, ws.part_max, ws.part_arg, ws.part_sum,
          ws.part_min, draft_tokens, db, ws.part_above, ws.part_cnt, rows, v, k + 1, nb,
-         cfg.rows_p, cfg.block_v, sub_v, screen, bool(cfg.prefetch_l2) and not INTERPRET),
+         cfg.rows_p, cfg.block_v, sub_v, screen),
         # Unless the config says (the sliced GPU tiles do): 8 warps from 4096-element
         # slices, 4 below. Screened or not, a config takes the same warps, so a block's
         # sum is the same bits either way.
@@ -2507,9 +2419,8 @@ def _plan(
          temperature, seed, positions, ws.row_max, ws.row_thr, ws.row_sum, ws.part_max,
          ws.part_arg, ws.walk, ws.race_val, ws.race_idx, ws.done, out_tokens,
          out_tokens.stride(0), out_num_accepted, out_num_emitted, proposed_counts,
-         accepted_counts, ws.row_state, ws.race_list, b, k, v, nb, nb2, cfg.rows_r, kp, nbp,
-         _p2(nb2), cfg.block_r, sub_r, mul_r, mul_b, fold, mul_a, screen, cfg.compact_r,
-         min(cfg.sub_c, max(cfg.compact_r, 1))),
+         accepted_counts, ws.row_state, b, k, v, nb, nb2, cfg.rows_r, kp, nbp, _p2(nb2),
+         cfg.block_r, sub_r, mul_r, mul_b, fold, mul_a, screen),
         8 if race_tile >= 2048 else 4 if race_tile >= 512 else 2 if race_tile >= 128 else 1,
         pdl,
     )  # fmt: skip

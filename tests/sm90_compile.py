@@ -266,16 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         # the default tiles; and where the one-pass bracket runs, its cut with fuse_kp
         # the other way (so that flipping it cannot fail on the GPU only)
         variants = [(None, "", None)]
-        # the race over lists of kept tokens (compact_r: off by default; the interpreter
-        # runs a loop the compiler may refuse, as its first version's was, stop 64), and
-        # the block prefetch of the partials and all-greedy launches (prefetch_l2, off; the
-        # interpreter skips it)
-        listed = dataclasses.replace(cfg, compact_r=min(512, cfg.block_r), prefetch_l2=True)
-        variants.append((listed, f" compact_r={listed.compact_r} prefetch_l2=1",
-                         ("_resample_kernel", "_partials_kernel", "_greedy_kernel")))  # fmt: skip
         if cfg.cap_f > 0:
             flip = dataclasses.replace(cfg, fuse_kp=not cfg.fuse_kp)
-            variants.append((flip, f" fuse_kp={int(flip.fuse_kp)}", ("_cut_kernel",)))
+            variants.append((flip, f" fuse_kp={int(flip.fuse_kp)}", "_cut_kernel"))
             # the narrow bracket sort, the top-k cut's own sample, the brackets placed by a
             # histogram and the pass's L1 prefetch (small_f, sample_k, hist_f, prefetch_f:
             # off by default)
@@ -284,11 +277,11 @@ def main(argv: list[str] | None = None) -> int:
                                          prefetch_f=cfg.prefetch_f or 2)  # fmt: skip
             tag = (f" small_f={narrow.small_f} sample_k=512 hist_f={narrow.hist_f}"
                    f" prefetch_f={narrow.prefetch_f}")  # fmt: skip
-            variants.append((narrow, tag, ("_cut_kernel",)))
+            variants.append((narrow, tag, "_cut_kernel"))
         for name, (config, tag, only), sampled in itertools.product(
             args.dtypes.split(","), variants, (True, False)
         ):
-            if only == ("_cut_kernel",) and not sampled:
+            if only is not None and not sampled:
                 continue  # the cut runs in sampled batches only
             if (config is not None or cfg.cap_f > 0) and name != args.dtypes.split(",")[-1]:
                 # a variant's branches, and the wide tiles (whose one-row bracket launch
@@ -297,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             for cached, _, grid, kargs, options in launches(
                 v, b, k, getattr(torch, name), sampled, config
             ):
-                if only is not None and cached.jit_fn.__name__ not in only:
+                if only is not None and cached.jit_fn.__name__ != only:
                     continue
                 what = f"V {v} B {b} K {k} {name}{tag} {cached.jit_fn.__name__}"
                 try:

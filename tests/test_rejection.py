@@ -263,12 +263,6 @@ SPLIT_VARIANTS = (SPLIT_TILES, dataclasses.replace(SPLIT_TILES, small_f=32, spli
 BISECT_VARIANTS = (dataclasses.replace(FAST_TILES, bisect_f=True),
                    dataclasses.replace(FUSED_TILES, bisect_f=True),
                    dataclasses.replace(SPLIT_TILES, bisect_f=True))  # fmt: skip
-# The race over each block's list of kept tokens (compact_r): one request a program, a
-# list that holds most blocks' kept tokens; four requests a program, slices of 4 slots;
-# lists of 2, where most blocks race whole (a tile races whole unless all its lists fit)
-COMPACT_VARIANTS = (dataclasses.replace(ROW_TILES, compact_r=16),
-                    dataclasses.replace(BAND_TILES, compact_r=64, sub_c=4),
-                    dataclasses.replace(FUSED_TILES, compact_r=2))  # fmt: skip
 KINDS = [SP(0.0), SP(1.0), SP(0.7, top_k=5), SP(1.3, top_p=0.8), SP(0.5, top_k=9, top_p=0.6),
          SP(2.0, top_k=1), SP(1.0, top_p=0.05), SP(1.0, top_k=40)]  # fmt: skip
 
@@ -580,8 +574,7 @@ def _tile_variants(device: str) -> list:
              FAST_TILES, FAST_SMALL_TILES, FUSED_TILES,
              dataclasses.replace(FAST_SMALL_TILES, fuse_kp=True), SORT32_TILES,
              dataclasses.replace(FAST_TILES, small_f=32), SAMPLE8_TILES, HIST16_TILES,
-             HIST_SAMPLE8_TILES, *SPLIT_VARIANTS, *BISECT_VARIANTS,
-             *COMPACT_VARIANTS)  # fmt: skip
+             HIST_SAMPLE8_TILES, *SPLIT_VARIANTS, *BISECT_VARIANTS)  # fmt: skip
     if device == "cuda":  # the pass's L1 prefetch (inline PTX: the interpreter skips it)
         tiles += (dataclasses.replace(HIST16_TILES, prefetch_f=2),)
     tiles = [dataclasses.replace(c, screen=s) for s in (False, True) for c in tiles]
@@ -611,8 +604,7 @@ def test_tiles_bit_equal_to_one_row_per_program(device, group):
     program. Thresholds, kept masses, race winners, tokens and counters are the same bit
     for bit; the kept sets are filtered_probs' and the tokens the reference's. The same
     tiles screened (only the rows a decision needs get a cut), and with the walk inside
-    the race programs: the same race winners, tokens and counters. The races over lists
-    of each block's kept tokens (COMPACT_VARIANTS) draw the same winners. A GPU group takes
+    the race programs: the same race winners, tokens and counters. A GPU group takes
     every TILE_GROUPS-th variant after ROW_TILES."""
     k, v = 2, 203
     kinds = [*MIXED, SP(1.0, top_k=1), SP(0.7, top_k=v + 5, top_p=0.8), SP(0.9, top_k=v)]
@@ -1383,10 +1375,7 @@ def test_gpu_lossless_mixed_modes_200k():
      ("stages_f", 0, "stages_f must be an int >= 1, got 0"),
      ("stages_g", True, "stages_g must be an int >= 1, got True"),
      ("split_f", 3000, "split_f must be a power of two or 0, got 3000"),
-     ("rows_s", 0, "rows_s must be an int >= 1, got 0"),
-     ("compact_r", 48, "compact_r must be a power of two or 0, got 48"),
-     ("compact_r", 128, r"compact_r must be at most block_r \(64\), got 128"),
-     ("sub_c", 0, "sub_c must be a power of two, got 0")],
+     ("rows_s", 0, "rows_s must be an int >= 1, got 0")],
 )  # fmt: skip
 def test_config_refuses_a_bad_tile_or_count(field, value, match):
     # a width the kernels would take to tl.arange, or a count below its floor: refused

@@ -28,9 +28,6 @@ def test_sampler_kernels_compile_for_sm90():
     # at the small one (the wide tiles in bf16 only: their bracket launch's compile is slow)
     assert len(compiled) >= 2 * 2 * 3, out[-4000:]
     assert {"_partials_kernel", "_resample_kernel", "_greedy_kernel"} <= names, names
-    # the variants that are off by default compile too (their branches the interpreter runs
-    # as Python or skips)
-    assert re.search(r"compact_r=\d+ prefetch_l2=1 _greedy_kernel", proc.stdout), out[-4000:]
     assert all(int(size) > 0 for _, _, size in compiled), compiled
 
 
