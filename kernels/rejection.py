@@ -203,7 +203,7 @@ def _partials_kernel(
     pmax_ptr, parg_ptr, psum_ptr, pmin_ptr, drafts_ptr, stride_db, pabove_ptr, pcnt_ptr,
     num_rows, V, K1, NB,
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr, SCREEN: tl.constexpr,
-    GDC: tl.constexpr = False,
+    ONE: tl.constexpr = False, GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Per (row, vocabulary block) of a call with q (all-greedy calls take
     _greedy_kernel): max, first argmax, sum exp(z - max) and the smallest finite value.
@@ -215,7 +215,9 @@ def _partials_kernel(
     at the end (as the all-greedy launch does): a first loop keeps each lane's largest
     value and its first index; a second reads the block again (from L1 / L2) for the
     sums relative to the block's max. A reduction a value per block, not per SUB slice:
-    at SUB = BLOCK_V the block is read once, into registers both reductions use."""
+    at SUB = BLOCK_V the block is read once, into registers both reductions use.
+    ONE (RejectionConfig.one_pass_v): the block is read once, in slices, by
+    _partials_one_pass."""
     _gdc_enter(GDC)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     blk = tl.program_id(1)
@@ -227,6 +229,13 @@ def _partials_kernel(
     t = tl.where(g, 1.0, tl.load(temp_ptr + req, mask=rmask, other=1.0))
     t1 = (tl.min(t, axis=0) == 1.0) & (tl.max(t, axis=0) == 1.0)
     rowp = logits_ptr + rows * stride_lm
+    out = rows * NB + blk
+    if ONE:
+        _partials_one_pass(
+            rows, rmask, req, t, t1, rowp, lo, out, pmax_ptr, parg_ptr, psum_ptr, pmin_ptr,
+            drafts_ptr, stride_db, pabove_ptr, pcnt_ptr, V, K1, ROWS, BLOCK_V, SUB, SCREEN,
+        )  # fmt: skip
+        return
     if SUB == BLOCK_V:
         # One slice: the block is read once, into registers both reductions use (the
         # same values, hence the same bits, as the loops below run once).
@@ -247,17 +256,11 @@ def _partials_kernel(
     bmax = tl.max(best, axis=1)
     # The first index holding the max (a block of -inf: its first column, as before)
     barg = tl.min(tl.where(best == bmax[:, None], where, 2147483647), axis=1)
-    out = rows * NB + blk
     tl.store(pmax_ptr + out, bmax, mask=rmask)
     tl.store(parg_ptr + out, barg, mask=rmask)
     ref = tl.where(bmax == float("-inf"), 0.0, bmax)
     if SCREEN:
-        j = rows % K1
-        has = rmask & (j < K1 - 1)
-        d = tl.load(drafts_ptr + req * stride_db + j, mask=has, other=-1)
-        has = has & (d >= 0) & (d < V)
-        xd = tl.load(logits_ptr + rows * stride_lm + tl.where(has, d, 0), mask=has, other=0.0)
-        zd = tl.math.div_rn(xd.to(tl.float32), t)  # z[d] itself, exactly
+        zd = _draft_z(rows, rmask, req, t, rowp, drafts_ptr, stride_db, V, K1)
     total = tl.zeros([ROWS, SUB], tl.float32)
     # The smallest finite value (+inf for none): the low end of a top-k search.
     low = tl.full([ROWS, SUB], float("inf"), tl.float32)
@@ -281,6 +284,79 @@ def _partials_kernel(
     tl.store(pmin_ptr + out, tl.min(low, axis=1), mask=rmask)
     if SCREEN:
         tl.store(pabove_ptr + out, tl.sum(above_sum, axis=1), mask=rmask)
+        tl.store(pcnt_ptr + out, tl.sum(above_cnt, axis=1), mask=rmask)
+
+
+@triton.jit
+def _draft_z(rows, rmask, req, t, rowp, drafts_ptr, stride_db, V, K1):
+    """z at each row's draft token (row j < K of its request; garbage elsewhere, which
+    nothing reads), exactly as the row's own z."""
+    j = rows % K1
+    has = rmask & (j < K1 - 1)
+    d = tl.load(drafts_ptr + req * stride_db + j, mask=has, other=-1)
+    has = has & (d >= 0) & (d < V)
+    xd = tl.load(rowp + tl.where(has, d, 0), mask=has, other=0.0)
+    return tl.math.div_rn(xd.to(tl.float32), t)
+
+
+@triton.jit
+def _partials_one_pass(
+    rows, rmask, req, t, t1, rowp, lo, out, pmax_ptr, parg_ptr, psum_ptr, pmin_ptr,
+    drafts_ptr, stride_db, pabove_ptr, pcnt_ptr, V, K1,
+    ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr, SCREEN: tl.constexpr,
+):  # fmt: skip
+    """_partials_kernel's block read once. A slice is taken as groups of 8 adjacent
+    columns (one thread's vector load); each group position keeps its own running max,
+    first argmax, smallest finite value and sums relative to its max, rescaled (one exp a
+    group) when a slice raises that max. The max, argmax, smallest value and count are
+    the two-pass kernel's bits; the sums agree to float32 rounding."""
+    G: tl.constexpr = SUB // 8
+    col = tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [G, 8]
+    if SCREEN:
+        zd = _draft_z(rows, rmask, req, t, rowp, drafts_ptr, stride_db, V, K1)
+    else:
+        zd = tl.zeros([ROWS], tl.float32)
+    m = tl.full([ROWS, G], float("-inf"), tl.float32)
+    where = tl.zeros([ROWS, G], tl.int32) + lo
+    total = tl.zeros([ROWS, G], tl.float32)
+    low = tl.full([ROWS, G], float("inf"), tl.float32)
+    above_sum = tl.zeros([ROWS, G], tl.float32)
+    above_cnt = tl.zeros([ROWS, G], tl.int32)
+    for c in tl.range(0, BLOCK_V, SUB):
+        offs = (lo + c + col)[None, :, :]  # [1, G, 8]
+        mask = rmask[:, None, None] & (offs < V)
+        x = tl.load(rowp[:, None, None] + offs, mask=mask, other=float("-inf"))
+        z = x.to(tl.float32)
+        if not t1:
+            z = tl.math.div_rn(z, t[:, None, None])
+        z = tl.where(z == 0.0, 0.0, z)
+        gmax = tl.max(z, axis=2)
+        # The group's first column holding its max; taken where it beats the lane's max
+        # (strict: a lane keeps its first index of a tie).
+        gidx = tl.min(tl.where(z == gmax[:, :, None], offs, 2147483647), axis=2)
+        up = gmax > m
+        where = tl.where(up, gidx, where)
+        mn = tl.maximum(m, gmax)
+        ref = tl.where(mn == float("-inf"), 0.0, mn)
+        scale = tl.exp(m - ref)  # 1 where the max stands; 0 from an all -inf history
+        ez = tl.exp(z - ref[:, :, None])
+        total = total * scale + tl.sum(ez, axis=2)
+        low = tl.minimum(low, tl.min(tl.where(z > float("-inf"), z, float("inf")), axis=2))
+        if SCREEN:
+            above = z > zd[:, None, None]
+            above_sum = above_sum * scale + tl.sum(tl.where(above, ez, 0.0), axis=2)
+            above_cnt += tl.sum(above.to(tl.int32), axis=2)
+        m = mn
+    bmax = tl.max(m, axis=1)
+    barg = tl.min(tl.where(m == bmax[:, None], where, 2147483647), axis=1)
+    tl.store(pmax_ptr + out, bmax, mask=rmask)
+    tl.store(parg_ptr + out, barg, mask=rmask)
+    ref = tl.where(bmax == float("-inf"), 0.0, bmax)
+    lane = tl.exp(m - ref[:, None])  # each lane's sums onto the block's max
+    tl.store(psum_ptr + out, tl.sum(total * lane, axis=1), mask=rmask)
+    tl.store(pmin_ptr + out, tl.min(low, axis=1), mask=rmask)
+    if SCREEN:
+        tl.store(pabove_ptr + out, tl.sum(above_sum * lane, axis=1), mask=rmask)
         tl.store(pcnt_ptr + out, tl.sum(above_cnt, axis=1), mask=rmask)
 
 
@@ -1893,6 +1969,11 @@ class RejectionConfig:
     # close launch); the same cut, bit for bit (CPU tests). Not where the top-k cut's
     # bracket also gives the top-p cut (fuse_kp), which needs the order. Off until timed.
     bisect_f: bool = False
+    # The partials read their block once (_partials_one_pass: per-lane running max and sums
+    # rescaled as the max rises, one exp a group of 8 columns) instead of twice (the max,
+    # then the sums from L1 / L2). The same max, argmax, smallest value and count; the
+    # sums to float32 rounding (CPU tests). Off until timed on a GPU (stop 66).
+    one_pass_v: bool = False
 
     def __post_init__(self) -> None:
         # Every size is a tile width (tl.arange needs a power of two); tries_f, the stages,
@@ -2312,12 +2393,13 @@ def _plan(
     screen = bool(cfg.screen) and bool(any_filter) and k > 0
     db = draft_tokens.stride(0)
     sub_v = min(cfg.sub_v or cfg.block_v, cfg.block_v)
+    one_pass = bool(cfg.one_pass_v) and sub_v >= 8
     _PARTIALS.add(
         launches,
         (triton.cdiv(rows, cfg.rows_p), triton.cdiv(v, cfg.block_v)),
         (target_logits, lm, greedy, temperature, ws.part_max, ws.part_arg, ws.part_sum,
          ws.part_min, draft_tokens, db, ws.part_above, ws.part_cnt, rows, v, k + 1, nb,
-         cfg.rows_p, cfg.block_v, sub_v, screen),
+         cfg.rows_p, cfg.block_v, sub_v, screen, one_pass),
         # Unless the config says (the sliced GPU tiles do): 8 warps from 4096-element
         # slices, 4 below. Screened or not, a config takes the same warps, so a block's
         # sum is the same bits either way.

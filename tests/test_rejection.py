@@ -649,23 +649,30 @@ def test_tiles_bit_equal_to_one_row_per_program(device, group):
 # One row a partials program, its block read in 4 slices of 8 columns (the GPU's layout at
 # large vocabularies: per-lane running values, reduced once).
 LOOP_TILES = dataclasses.replace(ROW_TILES, rows_p=1, sub_v=8, warps_v=2)
+# The block read once (one_pass_v): one 8-column group a slice, one row a program; and
+# two groups a slice over ROW_TILES' 4-row tiles.
+ONE_PASS_TILES = [
+    dataclasses.replace(LOOP_TILES, one_pass_v=True),
+    dataclasses.replace(ROW_TILES, sub_v=16, one_pass_v=True),
+]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("screen", [False, True])
-def test_partials_read_in_slices_match_whole_tiles(screen, device):
-    """The partials read a block in slices into per-lane values (LOOP_TILES) against the
-    whole 4-row tile reduced at once (ROW_TILES), on _filter_rows (tie groups, -inf rows
-    and blocks, boundary cases) under every mode: the blocks' max, first argmax, smallest
-    value and count above the draft are the same bits; their sums (another order of
-    additions) agree to float32 rounding; the tokens are the reference's. Outputs are
-    poisoned first, so every block must be written."""
+@pytest.mark.parametrize("variant", range(1 + len(ONE_PASS_TILES)))
+def test_partials_read_in_slices_match_whole_tiles(variant, screen, device):
+    """The partials read a block in slices into per-lane values (LOOP_TILES), or once
+    (ONE_PASS_TILES), against the whole 4-row tile reduced at once (ROW_TILES), on
+    _filter_rows (tie groups, -inf rows and blocks, boundary cases) under every mode: the
+    blocks' max, first argmax, smallest value and count above the draft are the same
+    bits; their sums (another order of additions) agree to float32 rounding; the tokens
+    are the reference's. Outputs are poisoned first, so every block must be written."""
     k, v = 2, 203
     logits, drafts, q, st, pos = _filter_batch(47, k, v, MIXED, 5)
     b = drafts.shape[0]
     logits[-1, 40:] = -math.inf  # whole blocks of -inf: their argmax is their first column
     got = []
-    for cfg in (ROW_TILES, LOOP_TILES):
+    for cfg in (ROW_TILES, [LOOP_TILES, *ONE_PASS_TILES][variant]):
         cfg = dataclasses.replace(cfg, screen=screen)
         batch = Batch(logits.to(device), drafts.to(device), q.to(device), _on(st, device),
                       pos.to(device), cfg)  # fmt: skip
