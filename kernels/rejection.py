@@ -1825,7 +1825,7 @@ def _greedy_kernel(
     tokens_ptr, stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr,
     K, V, NB,
     KP: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr, NBP: tl.constexpr,
-    STAGES: tl.constexpr, PER_ROW: tl.constexpr,
+    STAGES: tl.constexpr, PER_ROW: tl.constexpr, GROUP: tl.constexpr = False,
     GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Every request greedy, in one launch. A program takes the argmax over vocabulary
@@ -1837,7 +1837,9 @@ def _greedy_kernel(
     pipelined across iterations), reduced once at the end: the largest value, and the
     smallest index holding it. The partials are laid out [rows, NB] in the workspace
     (NB <= its columns). One row per program keeps a row's programs adjacent in launch
-    order and loads no padding rows (KP > K + 1)."""
+    order and loads no padding rows (KP > K + 1). GROUP (RejectionConfig.group_g): one
+    running max a group of 8 adjacent columns (a thread's vector load) instead of one a
+    column: a quarter of the registers for the running values."""
     _gdc_enter(GDC)
     if PER_ROW:
         blk = tl.program_id(0)
@@ -1853,17 +1855,33 @@ def _greedy_kernel(
         rmask = j < K + 1
         programs = NB
     base = logits_ptr + rows[:, None] * stride_lm
-    lane = tl.arange(0, SUB)
     lo = blk * BLOCK_V
-    best = tl.full([rows.shape[0], SUB], float("-inf"), tl.float32)
-    where = tl.zeros([rows.shape[0], SUB], tl.int32) + (lo + lane)[None, :]
-    for c in tl.range(0, BLOCK_V, SUB, num_stages=STAGES):
-        offs = lo + c + lane
-        mask = rmask[:, None] & (offs < V)[None, :]
-        z = tl.load(base + offs[None, :], mask=mask, other=float("-inf")).to(tl.float32)
-        up = z > best  # strict: a lane keeps its first index of a tie
-        best = tl.where(up, z, best)
-        where = tl.where(up, offs[None, :], where)
+    if GROUP:
+        G: tl.constexpr = SUB // 8
+        col = tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [G, 8]
+        best = tl.full([rows.shape[0], G], float("-inf"), tl.float32)
+        where = tl.zeros([rows.shape[0], G], tl.int32) + lo
+        for c in tl.range(0, BLOCK_V, SUB, num_stages=STAGES):
+            offs = (lo + c + col)[None, :, :]
+            mask = rmask[:, None, None] & (offs < V)
+            x = tl.load(base[:, :, None] + offs, mask=mask, other=float("-inf"))
+            z = x.to(tl.float32)
+            gmax = tl.max(z, axis=2)
+            gidx = tl.min(tl.where(z == gmax[:, :, None], offs, 2147483647), axis=2)
+            up = gmax > best  # strict: a lane keeps its first index of a tie
+            best = tl.where(up, gmax, best)
+            where = tl.where(up, gidx, where)
+    else:
+        lane = tl.arange(0, SUB)
+        best = tl.full([rows.shape[0], SUB], float("-inf"), tl.float32)
+        where = tl.zeros([rows.shape[0], SUB], tl.int32) + (lo + lane)[None, :]
+        for c in tl.range(0, BLOCK_V, SUB, num_stages=STAGES):
+            offs = lo + c + lane
+            mask = rmask[:, None] & (offs < V)[None, :]
+            z = tl.load(base + offs[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+            up = z > best  # strict: a lane keeps its first index of a tie
+            best = tl.where(up, z, best)
+            where = tl.where(up, offs[None, :], where)
     bmax = tl.max(best, axis=1)
     barg = tl.min(tl.where(best == bmax[:, None], where, 2147483647), axis=1)
     out = rows * NB + blk
@@ -1972,8 +1990,12 @@ class RejectionConfig:
     # The partials read their block once (_partials_one_pass: per-lane running max and sums
     # rescaled as the max rises, one exp a group of 8 columns) instead of twice (the max,
     # then the sums from L1 / L2). The same max, argmax, smallest value and count; the
-    # sums to float32 rounding (CPU tests). Off until timed on a GPU (stop 66).
+    # sums to float32 rounding (CPU tests). On in the GPU's wide tiles (stop 66).
     one_pass_v: bool = False
+    # The all-greedy launch keeps one running max a group of 8 adjacent columns (a thread's
+    # vector load) instead of one a column: fewer registers, more programs an SM. The
+    # same argmax, bit for bit (CPU tests). Off until timed on a GPU (stop 66).
+    group_g: bool = False
 
     def __post_init__(self) -> None:
         # Every size is a tile width (tl.arange needs a power of two); tries_f, the stages,
@@ -2044,6 +2066,7 @@ def choose_rejection_config(
     warps_g = None if INTERPRET else (8 if block_g >= 16384 else 4)
     rows_p = max(1, min(tile // block_v, _p2(rows)))
     sub_v = warps_v = None
+    one_pass_v = False
     lanes_f = RejectionConfig.lanes_f  # the field's default; the one-row cut's below
     if wide:
         # The partials take the all-greedy launch's tiles: one row a program, its block
@@ -2052,6 +2075,8 @@ def choose_rejection_config(
         # whole, which made the pass instruction-bound: 31 µs for 8.4 µs of bytes). At
         # most 16384 columns: the second read of a block should still find it in L1 / L2.
         block_v, rows_p, sub_v, warps_v = min(block_g, 16384), 1, sub_g, warps_g
+        # Read once (stop 66): half the bytes through L1 / L2, 38 registers against 62.
+        one_pass_v = True
         # Race programs of 4096 columns drawn 1024 at a time: half the programs of 2048 /
         # 512 (768 at B 64, V 49152: under one wave where 1536 took 1.16), 62 registers
         # against 45. H200 (stop 49): the resample launch 25.3 -> 22.7 µs (top-p 0.9),
@@ -2078,6 +2103,7 @@ def choose_rejection_config(
         block_g=block_v if INTERPRET else block_g,
         sub_g=sub_g,
         warps_g=warps_g,
+        one_pass_v=one_pass_v,
         stages_g=1,
         rows_t=1 if wide else max(1, min(rows_t, _p2(rows))),
         rows_r=1 if wide else max(1, min(rows_r, _p2(num_reqs))),
@@ -2384,7 +2410,7 @@ def _plan(
             (target_logits, lm, draft_tokens, draft_tokens.stride(0), positions, ws.part_max,
              ws.part_arg, ws.done, out_tokens, out_tokens.stride(0), out_num_accepted,
              out_num_emitted, proposed_counts, accepted_counts, k, v, nbg, kp, bg, sub,
-             _p2(nbg), cfg.stages_g, per_row),
+             _p2(nbg), cfg.stages_g, per_row, bool(cfg.group_g) and sub >= 8),
             warps,
             pdl,
         )  # fmt: skip
