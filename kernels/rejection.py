@@ -186,7 +186,13 @@ def _load_z(rowp, offs, mask, t, t1):
     """z = logits / T (correctly rounded, like torch.div), -0 folded into +0, of a tile's
     rows (rowp [ROWS]: each row's first logit; t [ROWS]) at columns offs ([ROWS, N] or
     [1, N]); t1: every T of the tile is 1 (x / 1 == x: no ~10-instruction IEEE division)."""
-    x = tl.load(rowp[:, None] + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    return _z_of(tl.load(rowp[:, None] + offs, mask=mask, other=float("-inf")), t, t1)
+
+
+@triton.jit
+def _z_of(x, t, t1):
+    """_load_z's z of loaded logits x [ROWS, N]."""
+    x = x.to(tl.float32)
     if t1:
         z = x
     else:
@@ -1638,20 +1644,36 @@ def _walk_kernel(
 
 @triton.jit
 def _race_whole(rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V,
-                ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr):  # fmt: skip
+                ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr,
+                AHEAD: tl.constexpr = False):  # fmt: skip
     """The exponential race of a tile's requests over all of vocabulary block blk, SUB
     columns at a time: each request's best weight / E and its first column. The weights:
     max(p - q, 0) for a residual row, p for a bonus row, with p = exp(z - max) / kept
-    mass where z >= the threshold."""
+    mass where z >= the threshold. AHEAD (RejectionConfig.ahead_r): a slice's loads are
+    issued before the slice ahead of it is decided (its all-zero test waits on a
+    cross-warp reduction), so the next slice's bytes arrive while this one computes."""
     lane = tl.arange(0, SUB)
     best = tl.full([ROWS, SUB], -1.0, tl.float32)
     where = tl.zeros([ROWS, SUB], tl.int32)
+    if AHEAD:
+        first = blk * BLOCK_V + lane
+        fmask = race[:, None] & (first < V)[None, :]
+        xn = tl.load(rowp[:, None] + first[None, :], mask=fmask, other=float("-inf"))
+        qn = tl.load(qrowp[:, None] + first[None, :], mask=fmask & residual[:, None], other=0.0)
     for c in range(0, BLOCK_V, SUB):
         offs = blk * BLOCK_V + c + lane
         mask = race[:, None] & (offs < V)[None, :]
-        z = _load_z(rowp, offs[None, :], mask, t, t1)
+        if AHEAD:
+            z = _z_of(xn, t, t1)
+            qv = qn
+            nxt = offs + SUB
+            nmask = race[:, None] & ((nxt < V) & (c + SUB < BLOCK_V))[None, :]
+            xn = tl.load(rowp[:, None] + nxt[None, :], mask=nmask, other=float("-inf"))
+            qn = tl.load(qrowp[:, None] + nxt[None, :], mask=nmask & residual[:, None], other=0.0)
+        else:
+            z = _load_z(rowp, offs[None, :], mask, t, t1)
+            qv = tl.load(qrowp[:, None] + offs[None, :], mask=mask & residual[:, None], other=0.0)
         p = _div_nonneg(tl.where(z >= thr[:, None], tl.exp(z - m[:, None]), 0.0), tot[:, None])
-        qv = tl.load(qrowp[:, None] + offs[None, :], mask=mask & residual[:, None], other=0.0)
         w = tl.where(residual[:, None], tl.maximum(p - qv, 0.0), p)
         draw = tl.max(w, axis=1) > 0.0
         if tl.max(draw.to(tl.int32), axis=0) != 0:
@@ -1674,7 +1696,7 @@ def _resample_kernel(
     ROWS: tl.constexpr, KP: tl.constexpr, NBP: tl.constexpr, NB2P: tl.constexpr,
     BLOCK_V: tl.constexpr, SUB: tl.constexpr, RESIDUAL_MUL: tl.constexpr,
     BONUS_MUL: tl.constexpr, WALK: tl.constexpr, ACCEPT_MUL: tl.constexpr,
-    SCREEN: tl.constexpr, GDC: tl.constexpr = False,
+    SCREEN: tl.constexpr, AHEAD: tl.constexpr = False, GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Program (i, blk): the exponential races of a tile of ROWS requests over
     vocabulary block blk of each one's residual max(p_r - q_r, 0) (or of p_k for the
@@ -1716,8 +1738,9 @@ def _resample_kernel(
         rowp = logits_ptr + row * stride_lm
         qrowp = q_ptr + req * stride_qb + qrow * stride_qk
         bmax, barg = _race_whole(
-            rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V, ROWS, BLOCK_V, SUB
-        )
+            rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V, ROWS, BLOCK_V, SUB,
+            AHEAD,
+        )  # fmt: skip
         tl.store(rval_ptr + req * NB2 + blk, bmax, mask=race)
         tl.store(ridx_ptr + req * NB2 + blk, barg, mask=race)
     # A request's ticket may be taken by another thread than the one that stored its
@@ -1996,6 +2019,10 @@ class RejectionConfig:
     # vector load) instead of one a column: fewer registers, more programs an SM. The
     # same argmax, bit for bit (CPU tests). Off until timed on a GPU (stop 66).
     group_g: bool = False
+    # The race issues each slice's loads before the slice ahead of it is decided (its
+    # all-zero test, a cross-warp reduction, kept the loads from overlapping). The same
+    # winners, bit for bit (CPU tests). Off until timed on a GPU (stop 66).
+    ahead_r: bool = False
 
     def __post_init__(self) -> None:
         # Every size is a tile width (tl.arange needs a power of two); tries_f, the stages,
@@ -2523,7 +2550,7 @@ def _plan(
          ws.part_arg, ws.walk, ws.race_val, ws.race_idx, ws.done, out_tokens,
          out_tokens.stride(0), out_num_accepted, out_num_emitted, proposed_counts,
          accepted_counts, ws.row_state, b, k, v, nb, nb2, cfg.rows_r, kp, nbp, _p2(nb2),
-         cfg.block_r, sub_r, mul_r, mul_b, fold, mul_a, screen),
+         cfg.block_r, sub_r, mul_r, mul_b, fold, mul_a, screen, bool(cfg.ahead_r)),
         8 if race_tile >= 2048 else 4 if race_tile >= 512 else 2 if race_tile >= 128 else 1,
         pdl,
     )  # fmt: skip

@@ -581,6 +581,9 @@ def _tile_variants(device: str) -> list:
     # the walk inside the race programs (walk_in_race), unscreened and screened
     tiles += [dataclasses.replace(c, walk_in_race=True, screen=s)
               for c, s in ((ROW_TILES, False), (FAST_TILES, True), (BAND_TILES, True))]  # fmt: skip
+    # the race's loads a slice ahead (ahead_r): one request a program and 4-request tiles
+    tiles += [dataclasses.replace(c, ahead_r=True, screen=s)
+              for c, s in ((ROW_TILES, False), (FAST_TILES, True), (BAND_TILES, True))]  # fmt: skip
     return tiles
 
 
@@ -604,8 +607,9 @@ def test_tiles_bit_equal_to_one_row_per_program(device, group):
     program. Thresholds, kept masses, race winners, tokens and counters are the same bit
     for bit; the kept sets are filtered_probs' and the tokens the reference's. The same
     tiles screened (only the rows a decision needs get a cut), and with the walk inside
-    the race programs: the same race winners, tokens and counters. A GPU group takes
-    every TILE_GROUPS-th variant after ROW_TILES."""
+    the race programs, or with the race's loads a slice ahead: the same race winners,
+    tokens and counters. A GPU group takes every TILE_GROUPS-th variant after
+    ROW_TILES."""
     k, v = 2, 203
     kinds = [*MIXED, SP(1.0, top_k=1), SP(0.7, top_k=v + 5, top_p=0.8), SP(0.9, top_k=v)]
     logits, drafts, q, st, pos = _filter_batch(31, k, v, kinds, 11)
