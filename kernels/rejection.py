@@ -306,6 +306,14 @@ def _draft_z(rows, rmask, req, t, rowp, drafts_ptr, stride_db, V, K1):
 
 
 @triton.jit
+def _group_argmax(z, offs):
+    """Each group's max (z [ROWS, G, 8], groups along the last axis) and the first of
+    its columns (offs) holding it."""
+    gmax = tl.max(z, axis=2)
+    return gmax, tl.min(tl.where(z == gmax[:, :, None], offs, 2147483647), axis=2)
+
+
+@triton.jit
 def _partials_one_pass(
     rows, rmask, req, t, t1, rowp, lo, out, pmax_ptr, parg_ptr, psum_ptr, pmin_ptr,
     drafts_ptr, stride_db, pabove_ptr, pcnt_ptr, V, K1,
@@ -336,10 +344,9 @@ def _partials_one_pass(
         if not t1:
             z = tl.math.div_rn(z, t[:, None, None])
         z = tl.where(z == 0.0, 0.0, z)
-        gmax = tl.max(z, axis=2)
-        # The group's first column holding its max; taken where it beats the lane's max
-        # (strict: a lane keeps its first index of a tie).
-        gidx = tl.min(tl.where(z == gmax[:, :, None], offs, 2147483647), axis=2)
+        # Taken where the group's max beats the lane's (strict: a lane keeps its first
+        # index of a tie).
+        gmax, gidx = _group_argmax(z, offs)
         up = gmax > m
         where = tl.where(up, gidx, where)
         mn = tl.maximum(m, gmax)
@@ -1889,8 +1896,7 @@ def _greedy_kernel(
             mask = rmask[:, None, None] & (offs < V)
             x = tl.load(base[:, :, None] + offs, mask=mask, other=float("-inf"))
             z = x.to(tl.float32)
-            gmax = tl.max(z, axis=2)
-            gidx = tl.min(tl.where(z == gmax[:, :, None], offs, 2147483647), axis=2)
+            gmax, gidx = _group_argmax(z, offs)
             up = gmax > best  # strict: a lane keeps its first index of a tie
             best = tl.where(up, gmax, best)
             where = tl.where(up, gidx, where)
