@@ -2019,7 +2019,7 @@ class RejectionConfig:
     # The partials read their block once (_partials_one_pass: per-lane running max and sums
     # rescaled as the max rises, one exp a group of 8 columns) instead of twice (the max,
     # then the sums from L1 / L2). The same max, argmax, smallest value and count; the
-    # sums to float32 rounding (CPU tests). On in the GPU's wide tiles (stop 66).
+    # sums to float32 rounding (CPU tests). Off until timed on a GPU (stop 66).
     one_pass_v: bool = False
     # The all-greedy launch keeps one running max a group of 8 adjacent columns (a thread's
     # vector load) instead of one a column: fewer registers, more programs an SM. The
@@ -2099,7 +2099,6 @@ def choose_rejection_config(
     warps_g = None if INTERPRET else (8 if block_g >= 16384 else 4)
     rows_p = max(1, min(tile // block_v, _p2(rows)))
     sub_v = warps_v = None
-    one_pass_v = False
     lanes_f = RejectionConfig.lanes_f  # the field's default; the one-row cut's below
     if wide:
         # The partials take the all-greedy launch's tiles: one row a program, its block
@@ -2108,8 +2107,6 @@ def choose_rejection_config(
         # whole, which made the pass instruction-bound: 31 µs for 8.4 µs of bytes). At
         # most 16384 columns: the second read of a block should still find it in L1 / L2.
         block_v, rows_p, sub_v, warps_v = min(block_g, 16384), 1, sub_g, warps_g
-        # Read once (stop 66): half the bytes through L1 / L2, 38 registers against 62.
-        one_pass_v = True
         # Race programs of 4096 columns drawn 1024 at a time: half the programs of 2048 /
         # 512 (768 at B 64, V 49152: under one wave where 1536 took 1.16), 62 registers
         # against 45. H200 (stop 49): the resample launch 25.3 -> 22.7 µs (top-p 0.9),
@@ -2136,7 +2133,6 @@ def choose_rejection_config(
         block_g=block_v if INTERPRET else block_g,
         sub_g=sub_g,
         warps_g=warps_g,
-        one_pass_v=one_pass_v,
         stages_g=1,
         rows_t=1 if wide else max(1, min(rows_t, _p2(rows))),
         rows_r=1 if wide else max(1, min(rows_r, _p2(num_reqs))),
