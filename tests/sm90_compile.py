@@ -278,11 +278,18 @@ def main(argv: list[str] | None = None) -> int:
             tag = (f" small_f={narrow.small_f} sample_k=512 hist_f={narrow.hist_f}"
                    f" prefetch_f={narrow.prefetch_f}")  # fmt: skip
             variants.append((narrow, tag, "_cut_kernel"))
+        # the one-pass partials, the grouped greedy launch and the race's loads a slice
+        # ahead (one_pass_v, group_g, ahead_r: off by default)
+        for field, only in (("one_pass_v", "_partials_kernel"), ("group_g", "_greedy_kernel"),
+                            ("ahead_r", "_resample_kernel")):  # fmt: skip
+            variants.append((dataclasses.replace(cfg, **{field: True}), f" {field}=1", only))
         for name, (config, tag, only), sampled in itertools.product(
             args.dtypes.split(","), variants, (True, False)
         ):
-            if only is not None and not sampled:
-                continue  # the cut runs in sampled batches only
+            if only not in (None, "_greedy_kernel") and not sampled:
+                continue  # the cut, partials and race run in sampled batches only
+            if only == "_greedy_kernel" and sampled:
+                continue  # the one-launch greedy kernel: all-greedy batches only
             if (config is not None or cfg.cap_f > 0) and name != args.dtypes.split(",")[-1]:
                 # a variant's branches, and the wide tiles (whose one-row bracket launch
                 # takes ~90 s a compile here): one logits dtype is enough (CI time)
