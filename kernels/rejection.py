@@ -186,17 +186,17 @@ def _load_z(rowp, offs, mask, t, t1):
     """z = logits / T (correctly rounded, like torch.div), -0 folded into +0, of a tile's
     rows (rowp [ROWS]: each row's first logit; t [ROWS]) at columns offs ([ROWS, N] or
     [1, N]); t1: every T of the tile is 1 (x / 1 == x: no ~10-instruction IEEE division)."""
-    return _z_of(tl.load(rowp[:, None] + offs, mask=mask, other=float("-inf")), t, t1)
+    return _z_of(tl.load(rowp[:, None] + offs, mask=mask, other=float("-inf")), t[:, None], t1)
 
 
 @triton.jit
 def _z_of(x, t, t1):
-    """_load_z's z of loaded logits x [ROWS, N]."""
+    """_load_z's z of loaded logits x (any shape; t broadcast against it)."""
     x = x.to(tl.float32)
     if t1:
         z = x
     else:
-        z = tl.math.div_rn(x, t[:, None])
+        z = tl.math.div_rn(x, t)
     return tl.where(z == 0.0, 0.0, z)
 
 
@@ -340,10 +340,7 @@ def _partials_one_pass(
         offs = (lo + c + col)[None, :, :]  # [1, G, 8]
         mask = rmask[:, None, None] & (offs < V)
         x = tl.load(rowp[:, None, None] + offs, mask=mask, other=float("-inf"))
-        z = x.to(tl.float32)
-        if not t1:
-            z = tl.math.div_rn(z, t[:, None, None])
-        z = tl.where(z == 0.0, 0.0, z)
+        z = _z_of(x, t[:, None, None], t1)
         # Taken where the group's max beats the lane's (strict: a lane keeps its first
         # index of a tie).
         gmax, gidx = _group_argmax(z, offs)
@@ -1650,6 +1647,14 @@ def _walk_kernel(
 
 
 @triton.jit
+def _race_load(rowp, qrowp, offs, mask, residual):
+    """A race slice's logits and q (q only for residual rows) at columns offs [SUB], both
+    issued at once (ahead_r)."""
+    x = tl.load(rowp[:, None] + offs[None, :], mask=mask, other=float("-inf"))
+    return x, tl.load(qrowp[:, None] + offs[None, :], mask=mask & residual[:, None], other=0.0)
+
+
+@triton.jit
 def _race_whole(rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V,
                 ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr,
                 AHEAD: tl.constexpr = False):  # fmt: skip
@@ -1664,23 +1669,21 @@ def _race_whole(rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V,
     where = tl.zeros([ROWS, SUB], tl.int32)
     if AHEAD:
         first = blk * BLOCK_V + lane
-        fmask = race[:, None] & (first < V)[None, :]
-        xn = tl.load(rowp[:, None] + first[None, :], mask=fmask, other=float("-inf"))
-        qn = tl.load(qrowp[:, None] + first[None, :], mask=fmask & residual[:, None], other=0.0)
+        xn, qn = _race_load(rowp, qrowp, first, race[:, None] & (first < V)[None, :], residual)
     for c in range(0, BLOCK_V, SUB):
         offs = blk * BLOCK_V + c + lane
         mask = race[:, None] & (offs < V)[None, :]
         if AHEAD:
-            z = _z_of(xn, t, t1)
-            qv = qn
+            x, qv = xn, qn
             nxt = offs + SUB
             nmask = race[:, None] & ((nxt < V) & (c + SUB < BLOCK_V))[None, :]
-            xn = tl.load(rowp[:, None] + nxt[None, :], mask=nmask, other=float("-inf"))
-            qn = tl.load(qrowp[:, None] + nxt[None, :], mask=nmask & residual[:, None], other=0.0)
+            xn, qn = _race_load(rowp, qrowp, nxt, nmask, residual)
+            z = _z_of(x, t[:, None], t1)
         else:
             z = _load_z(rowp, offs[None, :], mask, t, t1)
-            qv = tl.load(qrowp[:, None] + offs[None, :], mask=mask & residual[:, None], other=0.0)
         p = _div_nonneg(tl.where(z >= thr[:, None], tl.exp(z - m[:, None]), 0.0), tot[:, None])
+        if not AHEAD:  # q after p, as the race always had it
+            qv = tl.load(qrowp[:, None] + offs[None, :], mask=mask & residual[:, None], other=0.0)
         w = tl.where(residual[:, None], tl.maximum(p - qv, 0.0), p)
         draw = tl.max(w, axis=1) > 0.0
         if tl.max(draw.to(tl.int32), axis=0) != 0:
