@@ -10,6 +10,19 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+
+
+def _share_cores_between_workers() -> None:
+    """Under pytest-xdist each worker would start as many torch threads as the machine
+    has cores, so two workers on two cores run four busy threads. Each worker takes its
+    share instead (an explicit OMP_NUM_THREADS wins): the CPU suite's two heaviest model
+    tests took 256 s together at 2 threads a worker and 118 s at 1."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
+_share_cores_between_workers()
 if not HAS_CUDA:
     # Must be set before any @triton.jit function is created.
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -145,3 +145,34 @@ def test_processes_share_the_cores(tmp_path, monkeypatch):
     monkeypatch.setenv("EXPECT_THREADS", "3")
     rc, summary = suite.run_tests(tmp_path / "out_set", jobs=2)
     assert rc == 0 and "4 passed" in summary, summary
+
+
+def test_xdist_workers_share_the_cores(monkeypatch):
+    """The README's `pytest -n 2`: each xdist worker takes cores // workers torch
+    threads, at least 1; OMP_NUM_THREADS set by the user, or no xdist, leaves torch's own
+    count."""
+    import os
+
+    import torch
+
+    from tests import conftest
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        for cores, workers, want in ((8, 2, 4), (2, 2, 1), (3, 4, 1), (16, 3, 5)):
+            torch.set_num_threads(7)
+            monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, c=cores: set(range(c)))
+            monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", str(workers))
+            conftest._share_cores_between_workers()
+            assert torch.get_num_threads() == want, (cores, workers)
+        torch.set_num_threads(7)
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        conftest._share_cores_between_workers()
+        assert torch.get_num_threads() == 7
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT")
+        conftest._share_cores_between_workers()
+        assert torch.get_num_threads() == 7
+    finally:
+        torch.set_num_threads(before)
