@@ -53,7 +53,7 @@ Bisect (RejectionConfig.bisect_f, off by default): a bracket's cut is found with
 sort, by bisecting its values' order keys with exact sums (_bisect_keys).
 
 The bracket launch (one row per program; RejectionConfig.cap_f > 0): a strided sample
-of the row (sample_f values), sorted (or binned: hist_f), estimates where the cut lies
+of the row (sample_f values), sorted, estimates where the cut lies
 and brackets it with a margin of two binomial standard deviations of the sample's count;
 one pass sums the exact mass and count above the bracket and compacts the bracket's
 values (up to cap_f), which sorted give the cut by their running sums. A bracket that
@@ -99,7 +99,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_mma import _prefetch_l1
 from .guard import INTERPRET, validation_enabled
 from .launch import CachedLaunch, pdl_launch, specialization_key
 
@@ -906,85 +905,19 @@ def _sorted_bracket(s, ws, si, lo, hi, a_hi, m_lo, goal, SAMPLE: tl.constexpr):
 
 
 @triton.jit
-def _hist_bracket(sz, lo, hi, a_hi, m_lo, goal, m, per, MASS: tl.constexpr,
-                  SAMPLE: tl.constexpr, NB: tl.constexpr):  # fmt: skip
-    """_sorted_bracket's estimate without sorting the sample sz: a histogram of its
-    values in [lo, hi] over NB equal bins (bin 0 at hi), each bin's measure taken at its
-    middle (top-p) or its count (top-k). The estimated cut is in the first bin whose
-    measure from the top reaches the goal, at the middle rank of that bin; the bracket
-    runs from the top edge of the bin holding the rank _margin above it to the bottom
-    edge of the bin holding the rank _margin below (hi / lo past the ends). A bin is
-    a 1 / NB of [lo, hi]: the bracket is up to a bin wider at each end than the sorted
-    sample's. Any bracket gives the same cut: only the pass's exact sums decide it."""
-    inside = (sz >= lo) & (sz <= hi)
-    span = hi - lo
-    width = span / NB
-    scale = tl.where(span > 0.0, NB / tl.maximum(span, 1e-30), 0.0)
-    b = tl.minimum(((hi - sz) * scale).to(tl.int32), NB - 1)
-    h = tl.histogram(tl.where(inside, b, 0), NB, mask=inside)
-    bins = tl.arange(0, NB)
-    if MASS:
-        mid = hi - (bins.to(tl.float32) + 0.5) * width
-        w = h.to(tl.float32) * tl.exp(mid - m) * per
-    else:
-        w = h.to(tl.float32) * per
-    est = _estimate(w, a_hi, m_lo, goal)
-    j = tl.sum((est < goal).to(tl.int32), axis=0)  # NB: the goal is not reached
-    cnt = tl.cumsum(h, axis=0)  # sample values in bins 0..i
-    n = tl.sum(h, axis=0)
-    # the middle rank of bin j (one reduction: the values before it are cnt - h there)
-    r = tl.where(j < NB, tl.sum(tl.where(bins == j, cnt - h + h // 2, 0), axis=0), n)
-    d = _margin(r, SAMPLE)
-    rh = r - d  # the ranks (from 0) at the bracket's ends
-    rl = r + d
-    jh = tl.sum((cnt <= rh).to(tl.int32), axis=0)  # the bin holding rank rh
-    jl = tl.sum((cnt <= rl).to(tl.int32), axis=0)
-    b_hi = tl.where(rh >= 0, tl.minimum(hi - jh.to(tl.float32) * width, hi), hi)
-    b_lo = tl.where(rl < n, tl.maximum(hi - (jl + 1).to(tl.float32) * width, lo), lo)
-    return b_lo, b_hi
-
-
-@triton.jit
-def _row_sample(base, V, t, m, lo, hi, MASS: tl.constexpr, SAMPLE: tl.constexpr,
-                HIST: tl.constexpr):  # fmt: skip
-    """A row's strided sample of SAMPLE values (sz) and, unless a histogram places the
-    brackets (HIST > 0), its values in [lo, hi] sorted once (s, descending) with the
-    measure each stands for (ws: its mass, or count, times the row values it stands for).
-    """
+def _row_sample(base, V, t, m, lo, hi, MASS: tl.constexpr, SAMPLE: tl.constexpr):
+    """A row's strided sample of SAMPLE values, those in [lo, hi] sorted once (s,
+    descending), with the measure each stands for (ws: its mass, or count, times the row
+    values it stands for)."""
     si = tl.arange(0, SAMPLE)
     sz = _row_z(base + (si.to(tl.int64) * V) // SAMPLE, si < SAMPLE, t)
-    s = sz
-    ws = tl.zeros([SAMPLE], tl.float32)
-    if HIST == 0:
-        per = V / SAMPLE
-        s = tl.sort(tl.where((sz >= lo) & (sz <= hi), sz, float("-inf")), descending=True)
-        if MASS:
-            ws = tl.where(s > float("-inf"), tl.exp(s - m), 0.0) * per
-        else:
-            ws = tl.where(s > float("-inf"), per, 0.0)
-    return sz, s, ws
-
-
-@triton.jit
-def _place_bracket(sz, s, ws, lo, hi, a_hi, m_lo, goal, m, V, MASS: tl.constexpr,
-                   SAMPLE: tl.constexpr, HIST: tl.constexpr):  # fmt: skip
-    """A try's bracket [b_lo, b_hi] in [lo, hi] from _row_sample's sample."""
-    if HIST == 0:
-        b_lo, b_hi = _sorted_bracket(s, ws, tl.arange(0, SAMPLE), lo, hi, a_hi, m_lo, goal,
-                                     SAMPLE)  # fmt: skip
+    per = V / SAMPLE
+    s = tl.sort(tl.where((sz >= lo) & (sz <= hi), sz, float("-inf")), descending=True)
+    if MASS:
+        ws = tl.where(s > float("-inf"), tl.exp(s - m), 0.0) * per
     else:
-        b_lo, b_hi = _hist_bracket(sz, lo, hi, a_hi, m_lo, goal, m, V / SAMPLE, MASS, SAMPLE,
-                                   HIST)  # fmt: skip
-    return b_lo, b_hi
-
-
-@triton.jit
-def _prefetch_chunk(base, c0, V, BLOCK: tl.constexpr):
-    """The 128-byte lines of a row's values [c0, c0 + BLOCK) into L1, a line a lane
-    (addresses clamped to the row's last value; GPU only)."""
-    LINE: tl.constexpr = 1024 // base.dtype.element_ty.primitive_bitwidth
-    LINES: tl.constexpr = (BLOCK + LINE - 1) // LINE  # a chunk shorter than a line: one
-    _prefetch_l1(base + tl.minimum(c0 + tl.arange(0, LINES) * LINE, V - 1))
+        ws = tl.where(s > float("-inf"), per, 0.0)
+    return s, ws
 
 
 @triton.jit
@@ -993,8 +926,7 @@ def _cut_fast(
     p_top, zmin,
     MASS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, SAMPLE: tl.constexpr,
     TRIES: tl.constexpr, LANES: tl.constexpr, STAGES: tl.constexpr, FXS: tl.constexpr,
-    FUSE_P: tl.constexpr, SMALL: tl.constexpr, HIST: tl.constexpr, PREFETCH: tl.constexpr,
-    BISECT: tl.constexpr = False,
+    FUSE_P: tl.constexpr, SMALL: tl.constexpr, BISECT: tl.constexpr = False,
 ):  # fmt: skip
     """_cut_row's answer in one pass over the row when a sample places it well.
 
@@ -1015,11 +947,7 @@ def _cut_fast(
     _cut_kernel's own top-p cut would set it up and find it: the same lower bound, goal,
     threshold and kept mass, bit for bit. Also returns (fused, thr_p, kept mass_p);
     fused 0 leaves the top-p cut to its own call. SMALL > 0: a bracket of at most SMALL
-    values is sorted SMALL wide, not CAP (_bracket_cut: the same answer). HIST > 0: each
-    try places its bracket from a HIST-bin histogram of the sample over [lo, hi]
-    (_hist_bracket) instead of the sorted sample (_sorted_bracket): a bracket elsewhere,
-    the same answer. PREFETCH > 0 (GPU only): the pass prefetches the chunk PREFETCH
-    chunks ahead into L1, so that a chunk's load does not wait a round trip."""
+    values is sorted SMALL wide, not CAP (_bracket_cut: the same answer)."""
     base = logits_ptr + row * stride_lm
     cbase = cand_ptr + row * (CAP + LANES * BLOCK)  # CAP dense values, then lane slots
     lbase = cbase + CAP
@@ -1029,7 +957,8 @@ def _cut_fast(
         goal = (target_m * (1.0 / FXS)).to(tl.float32)
     else:
         goal = target_c.to(tl.float32)
-    sz, s, ws = _row_sample(base, V, t, m, lo, hi, MASS, SAMPLE, HIST)
+    s, ws = _row_sample(base, V, t, m, lo, hi, MASS, SAMPLE)
+    si = tl.arange(0, SAMPLE)
     # Measure above hi and at or above lo, as far as known (exact after a try).
     a_hi = tl.zeros([], tl.float32)
     if MASS:
@@ -1046,8 +975,7 @@ def _cut_fast(
     for _ in range(TRIES):
         if ok == 0:
             # 1. The bracket [b_lo, b_hi], from the sample.
-            b_lo, b_hi = _place_bracket(sz, s, ws, lo, hi, a_hi, m_lo, goal, m, V, MASS, SAMPLE,
-                                        HIST)  # fmt: skip
+            b_lo, b_hi = _sorted_bracket(s, ws, si, lo, hi, a_hi, m_lo, goal, SAMPLE)
             # 2. One pass: the exact measure above b_hi, the bracket compacted.
             above_cv = tl.zeros([BLOCK], tl.int32)
             above_mv = tl.zeros([BLOCK], tl.int64)
@@ -1057,11 +985,7 @@ def _cut_fast(
             # own: no block-wide step inside the loop. The slots are made dense
             # after it (one scan); a lane with more values overflows the try.
             cnt = tl.zeros([BLOCK], tl.int32)
-            for j in tl.static_range(PREFETCH):  # the first chunks, before the loop's own
-                _prefetch_chunk(base, j * BLOCK, V, BLOCK)
             for v0 in tl.range(0, V, BLOCK, num_stages=STAGES):
-                if PREFETCH > 0:
-                    _prefetch_chunk(base, v0 + PREFETCH * BLOCK, V, BLOCK)
                 offs = v0 + cols
                 z = _row_z(base + offs, offs < V, t)
                 up = z > b_hi  # b_hi >= lo >= floor_v: every such value survives
@@ -1293,7 +1217,7 @@ def _cut(
     NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
     CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr, LANES: tl.constexpr,
     STAGES: tl.constexpr, FAST_ONLY: tl.constexpr, FUSE_P: tl.constexpr, SMALL_F: tl.constexpr,
-    HIST_F: tl.constexpr, PREFETCH_F: tl.constexpr, BISECT: tl.constexpr = False,
+    BISECT: tl.constexpr = False,
 ):  # fmt: skip
     """_cut_tile's contract, plus ok [ROWS] (0: not found). One row takes _cut_row
     (scalar state), first trying _cut_fast's pass when CAP_F > 0; FAST_ONLY leaves a
@@ -1320,8 +1244,7 @@ def _cut(
             v, c, mass, ok, lo1, hi1, fused1, thr_p1, mass_p1 = _cut_fast(
                 logits_ptr, stride_lm, fast_ptr, row, t1, m1, V, fl1, lo1, hi1, tc1, tm1,
                 tl.sum(total, axis=0), tl.sum(p_top, axis=0), tl.sum(zmin, axis=0), MASS,
-                BLOCK, CAP_F, SAMPLE, TRIES, LANES, STAGES, FXS, FUSE_P, SMALL_F, HIST_F,
-                PREFETCH_F, BISECT,
+                BLOCK, CAP_F, SAMPLE, TRIES, LANES, STAGES, FXS, FUSE_P, SMALL_F, BISECT,
             )  # fmt: skip
         if FAST_ONLY:
             pass
@@ -1361,8 +1284,7 @@ def _cut_kernel(
     CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr, LANES: tl.constexpr,
     STAGES: tl.constexpr, FAST_ONLY: tl.constexpr, TODO: tl.constexpr,
     SCREEN: tl.constexpr, KP: tl.constexpr, FUSE_KP: tl.constexpr, SMALL_F: tl.constexpr,
-    SAMPLE_K: tl.constexpr, HIST_F: tl.constexpr, PREFETCH_F: tl.constexpr,
-    SPLIT: tl.constexpr, BISECT_K: tl.constexpr, BISECT_P: tl.constexpr,
+    SAMPLE_K: tl.constexpr, SPLIT: tl.constexpr, BISECT_K: tl.constexpr, BISECT_P: tl.constexpr,
     GDC: tl.constexpr = False,
 ):  # fmt: skip
     """A tile of ROWS rows per program; a filtered row gets the top-k cut (the k-th
@@ -1373,9 +1295,7 @@ def _cut_kernel(
     SCREEN: only the rows the screened walk needs (_needs_cut). FUSE_KP: a row with both
     takes its top-p cut from the top-k cut's bracket where that held every survivor
     (_cut_fast), with no cut of its own; the same thresholds and masses. SMALL_F: _cut_fast's
-    narrow bracket sort; SAMPLE_K: the top-k cut's sample (SAMPLE: the top-p cut's); HIST_F:
-    _cut_fast's brackets placed by a histogram of the sample (0: by sorting it); PREFETCH_F:
-    its pass's L1 prefetch distance in chunks (0: none)."""
+    narrow bracket sort; SAMPLE_K: the top-k cut's sample (SAMPLE: the top-p cut's)."""
     _gdc_enter(GDC)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rmask = rows < num_rows
@@ -1420,11 +1340,11 @@ def _cut_kernel(
                 m1 = tl.sum(m, axis=0)
                 lo1 = tl.sum(lo, axis=0)
                 tm1 = tl.sum(target, axis=0)
-                sz, s, ws = _row_sample(logits_ptr + row * stride_lm, V, tl.sum(t, axis=0),
-                                        m1, lo1, m1, True, SAMPLE, HIST_F)  # fmt: skip
-                b_lo, b_hi = _place_bracket(
-                    sz, s, ws, lo1, m1, tl.zeros([], tl.float32), tl.sum(total, axis=0),
-                    (tm1 * (1.0 / FXS)).to(tl.float32), m1, V, True, SAMPLE, HIST_F,
+                s, ws = _row_sample(logits_ptr + row * stride_lm, V, tl.sum(t, axis=0), m1,
+                                    lo1, m1, True, SAMPLE)  # fmt: skip
+                b_lo, b_hi = _sorted_bracket(
+                    s, ws, tl.arange(0, SAMPLE), lo1, m1, tl.zeros([], tl.float32),
+                    tl.sum(total, axis=0), (tm1 * (1.0 / FXS)).to(tl.float32), SAMPLE,
                 )  # fmt: skip
                 tl.store(sbr_ptr + row * 3, lo1)
                 tl.store(sbr_ptr + row * 3 + 1, b_lo)
@@ -1439,7 +1359,7 @@ def _cut_kernel(
                 logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_k, t, m, V, thr, zmin,
                 m, k, tl.zeros([ROWS], tl.float64), total, p, zmin, False, ROWS, BLOCK, CAP,
                 NBIN, MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE_K, TRIES, LANES, STAGES, FAST_ONLY,
-                FUSE_KP, SMALL_F, HIST_F, PREFETCH_F, BISECT_K,
+                FUSE_KP, SMALL_F, BISECT_K,
             )  # fmt: skip
             missed = missed | (ok == 0).to(tl.int32)
             thr = tl.where(use_k, thr_k, thr)
@@ -1456,7 +1376,7 @@ def _cut_kernel(
                 logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_p & (missed == 0), t, m,
                 V, thr, lo, m, tl.zeros([ROWS], tl.int32), target, kept_f, p, zmin, True, ROWS,
                 BLOCK, CAP, NBIN, MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, LANES, STAGES,
-                FAST_ONLY, False, SMALL_F, HIST_F, PREFETCH_F, BISECT_P,
+                FAST_ONLY, False, SMALL_F, BISECT_P,
             )  # fmt: skip
             missed = missed | (ok == 0).to(tl.int32)
             thr = tl.where(use_p, thr_p, thr)
@@ -1701,12 +1621,11 @@ def _resample_kernel(
     logits_ptr, stride_lm, drafts_ptr, stride_db, q_ptr, stride_qb, stride_qk,
     greedy_ptr, temp_ptr, seed_ptr, pos_ptr, rmax_ptr, rthr_ptr, rsum_ptr,
     pmax_ptr, parg_ptr, walk_ptr, rval_ptr, ridx_ptr, done_ptr,
-    tokens_ptr, stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr, state_ptr,
+    tokens_ptr, stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr,
     B, K, V, NB, NB2,
     ROWS: tl.constexpr, KP: tl.constexpr, NBP: tl.constexpr, NB2P: tl.constexpr,
     BLOCK_V: tl.constexpr, SUB: tl.constexpr, RESIDUAL_MUL: tl.constexpr,
-    BONUS_MUL: tl.constexpr, WALK: tl.constexpr, ACCEPT_MUL: tl.constexpr,
-    SCREEN: tl.constexpr, AHEAD: tl.constexpr = False, GDC: tl.constexpr = False,
+    BONUS_MUL: tl.constexpr, AHEAD: tl.constexpr = False, GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Program (i, blk): the exponential races of a tile of ROWS requests over
     vocabulary block blk of each one's residual max(p_r - q_r, 0) (or of p_k for the
@@ -1714,9 +1633,7 @@ def _resample_kernel(
     top-k / top-p, or p <= q) draws nothing there, and a slice with no weight in the
     whole tile is skipped. Each request has its own ticket (as in the greedy kernel):
     the last of its NB2 programs writes its tokens, counts and counters, for every
-    request of the tile it was last for. WALK: each program walks its requests' drafts
-    itself (the sampled ones; the last program every one) instead of reading the walk
-    launch's k and r: the same _walk, so the same k and r, and one launch fewer."""
+    request of the tile it was last for. k and r come from the walk launch."""
     _gdc_enter(GDC)
     req = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     blk = tl.program_id(1)
@@ -1724,16 +1641,8 @@ def _resample_kernel(
     pos = tl.load(pos_ptr + req, mask=rmask, other=-1)
     greedy = tl.load(greedy_ptr + req, mask=rmask, other=1) != 0
     race = rmask & (greedy == 0) & (pos >= 0)  # padded and greedy requests need no race
-    if WALK:
-        _, tw, sw, _ = _load_request(req, rmask, greedy_ptr, temp_ptr, seed_ptr, pos_ptr, True)
-        _, k, r, _ = _walk(
-            req, race, drafts_ptr, stride_db, logits_ptr, stride_lm, q_ptr, stride_qb,
-            stride_qk, greedy, tw, sw, pos, rmax_ptr, rthr_ptr, rsum_ptr, pmax_ptr, parg_ptr,
-            state_ptr, K, V, NB, KP, NBP, True, False, ACCEPT_MUL, SCREEN,
-        )  # fmt: skip
-    else:
-        k = tl.load(walk_ptr + req * 2, mask=rmask, other=0)
-        r = tl.load(walk_ptr + req * 2 + 1, mask=rmask, other=0)
+    k = tl.load(walk_ptr + req * 2, mask=rmask, other=0)
+    r = tl.load(walk_ptr + req * 2 + 1, mask=rmask, other=0)
     if tl.max(race.to(tl.int32), axis=0) != 0:
         t = tl.load(temp_ptr + req, mask=race, other=1.0)
         seed = tl.load(seed_ptr + req, mask=race, other=0)
@@ -1762,14 +1671,6 @@ def _resample_kernel(
         tl.store(done_ptr + req, tl.zeros([ROWS], tl.int32), mask=last)
         jj = tl.arange(0, KP)
         real = last & (pos >= 0)
-        if WALK:  # every request of the tile, greedy ones too (as the walk launch)
-            _, k, r, _ = _walk(
-                req, real, drafts_ptr, stride_db, logits_ptr, stride_lm, q_ptr, stride_qb,
-                stride_qk, greedy, tw, sw, pos, rmax_ptr, rthr_ptr, rsum_ptr, pmax_ptr,
-                parg_ptr, state_ptr, K, V, NB, KP, NBP, True, True, ACCEPT_MUL, SCREEN,
-            )  # fmt: skip
-            k = tl.where(real, k, 0)
-            r = tl.where(real, r, 0)
         dm = real[:, None] & (jj < K)[None, :]
         d = tl.load(drafts_ptr + req[:, None] * stride_db + jj[None, :], mask=dm, other=-1)
         _emit(
@@ -1968,10 +1869,6 @@ class RejectionConfig:
     # request's K + 1 rows); used while B * (K + 1) <= 65535 (the grid's second dimension)
     screen: bool = True  # screen the drafts before the cuts: only the rows whose
     # decision needs its exact cut get one (module docstring, "Screening")
-    # The race programs walk the drafts themselves: no walk launch (~8 µs as its own
-    # launch at B 64, K 5, stop 25), but each race program then holds the walk too (sm_90:
-    # 52 registers against 40, 9 programs an SM against 12). Off until measured.
-    walk_in_race: bool = False
     # A row with top-k and top-p takes its top-p cut from the top-k cut's one-pass bracket
     # where that bracket held every top-k survivor (the usual case for a small k): no
     # second sample, pass and sort. The same thresholds and masses, bit for bit (CPU
@@ -1988,20 +1885,6 @@ class RejectionConfig:
     # ~500 row values (i* ~0.5, margin ~4.4 sample values of 96), and sorts a quarter of
     # the values. Off until timed on a GPU (stop 49).
     sample_k: int = 0
-    # Place the one-pass bracket from a histogram of the sample over hist_f bins (0: by
-    # sorting the sample). A 2048-value tl.sort is ~14 of the 44 µs a bracket try takes
-    # at 64 rows (H200, stop 49's cut ladder); offline sm_90 at 16 warps: the sort and
-    # the bracket from it 1760 instructions and 79 barriers, a 1024-bin histogram and
-    # its scans 576 and 14. The same cut, bit for bit (CPU tests); the bracket is up to
-    # a bin wider at each end. Off until timed on a GPU (written at stop 50, none lent).
-    hist_f: int = 0
-    # The bracket pass's L1 prefetch distance in chunks of block_t (0: none; GPU only, the
-    # interpreter skips it). The pass waits on each chunk's load before the next (its
-    # stores to the lane slots keep the compiler from hoisting loads): 24 round trips a
-    # row at V 49152, and the cut ladder's pass takes 9.75 µs over 64 rows where its
-    # instructions issue in ~4. A prefetch holds no registers (the launch is at 126 of
-    # 128 at 16 warps, where stages_f spills). Off until timed on a GPU (stop 50).
-    prefetch_f: int = 0
     # The top-p cut of a row without top-k split over programs of split_f columns each (0:
     # off; one-row cut programs only): the bracket launch places the bracket from its
     # sample and lists the row, _split_pass_kernel's programs sum the mass above it and
@@ -2034,11 +1917,11 @@ class RejectionConfig:
     ahead_r: bool = False
 
     def __post_init__(self) -> None:
-        # Every size is a tile width (tl.arange needs a power of two); tries_f, the stages,
-        # prefetch_f and rows_s are counts (tries_f 0: no bracket tries, every cut row
-        # narrows; prefetch_f 0: none; a loop takes at least one stage; rows_s is a grid);
-        # cap_f, small_f, sample_k, hist_f and split_f may be 0 (off / sample_f).
-        counts = {"tries_f": 0, "prefetch_f": 0, "stages_f": 1, "stages_g": 1, "rows_s": 1}
+        # Every size is a tile width (tl.arange needs a power of two); tries_f, the stages
+        # and rows_s are counts (tries_f 0: no bracket tries, every cut row narrows; a
+        # loop takes at least one stage; rows_s is a grid); cap_f, small_f, sample_k and
+        # split_f may be 0 (off / sample_f).
+        counts = {"tries_f": 0, "stages_f": 1, "stages_g": 1, "rows_s": 1}
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name in counts:
@@ -2049,7 +1932,7 @@ class RejectionConfig:
                 continue
             if f.type == "bool" or v is None:
                 continue
-            zero = f.name in ("cap_f", "small_f", "sample_k", "hist_f", "split_f")
+            zero = f.name in ("cap_f", "small_f", "sample_k", "split_f")
             if type(v) is not int or v < 0 or (v == 0 and not zero) or v & (v - 1):
                 raise ValueError(
                     f"RejectionConfig.{f.name} must be a power of two"
@@ -2504,8 +2387,6 @@ def _plan(
                  cfg.stages_f, fast_only, todo, screen, kp, bracket and bool(cfg.fuse_kp),
                  min(cfg.small_f, cap_f // 2),
                  (cfg.sample_k or cfg.sample_f) if bracket else cfg.sample_f,
-                 cfg.hist_f if bracket else 0,
-                 0 if INTERPRET or not bracket else cfg.prefetch_f,
                  split if bracket else 0,
                  bracket and bisect and not cfg.fuse_kp, bracket and bisect),
                 cfg.warps_f if fast_only else 8 if cfg.rows_t * cfg.block_t >= 2048 else 4,
@@ -2533,18 +2414,16 @@ def _plan(
                     cfg.warps_f,
                     pdl,
                 )  # fmt: skip
-    fold = bool(cfg.walk_in_race)
-    if not fold:
-        _WALK.add(
-            launches,
-            (triton.cdiv(b, cfg.rows_w),),
-            (target_logits, lm, draft_tokens, draft_tokens.stride(0), q, *sq, greedy,
-             temperature, seed, positions, ws.row_max, ws.row_thr, ws.row_sum, ws.part_max,
-             ws.part_arg, ws.row_state, ws.walk, b, k, v, nb, cfg.rows_w, kp, nbp, mul_a,
-             screen),
-            4,
-            pdl,
-        )  # fmt: skip
+    _WALK.add(
+        launches,
+        (triton.cdiv(b, cfg.rows_w),),
+        (target_logits, lm, draft_tokens, draft_tokens.stride(0), q, *sq, greedy,
+         temperature, seed, positions, ws.row_max, ws.row_thr, ws.row_sum, ws.part_max,
+         ws.part_arg, ws.row_state, ws.walk, b, k, v, nb, cfg.rows_w, kp, nbp, mul_a,
+         screen),
+        4,
+        pdl,
+    )  # fmt: skip
     sub_r = min(cfg.sub_r, cfg.block_r)
     race_tile = cfg.rows_r * sub_r
     _RESAMPLE.add(
@@ -2554,8 +2433,8 @@ def _plan(
          temperature, seed, positions, ws.row_max, ws.row_thr, ws.row_sum, ws.part_max,
          ws.part_arg, ws.walk, ws.race_val, ws.race_idx, ws.done, out_tokens,
          out_tokens.stride(0), out_num_accepted, out_num_emitted, proposed_counts,
-         accepted_counts, ws.row_state, b, k, v, nb, nb2, cfg.rows_r, kp, nbp, _p2(nb2),
-         cfg.block_r, sub_r, mul_r, mul_b, fold, mul_a, screen, bool(cfg.ahead_r)),
+         accepted_counts, b, k, v, nb, nb2, cfg.rows_r, kp, nbp, _p2(nb2),
+         cfg.block_r, sub_r, mul_r, mul_b, bool(cfg.ahead_r)),
         8 if race_tile >= 2048 else 4 if race_tile >= 512 else 2 if race_tile >= 128 else 1,
         pdl,
     )  # fmt: skip

@@ -269,14 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.cap_f > 0:
             flip = dataclasses.replace(cfg, fuse_kp=not cfg.fuse_kp)
             variants.append((flip, f" fuse_kp={int(flip.fuse_kp)}", "_cut_kernel"))
-            # the narrow bracket sort, the top-k cut's own sample, the brackets placed by a
-            # histogram and the pass's L1 prefetch (small_f, sample_k, hist_f, prefetch_f:
-            # off by default)
-            narrow = dataclasses.replace(cfg, small_f=cfg.small_f or 512, sample_k=512,
-                                         hist_f=cfg.hist_f or 1024,
-                                         prefetch_f=cfg.prefetch_f or 2)  # fmt: skip
-            tag = (f" small_f={narrow.small_f} sample_k=512 hist_f={narrow.hist_f}"
-                   f" prefetch_f={narrow.prefetch_f}")  # fmt: skip
+            # the narrow bracket sort and the top-k cut's own sample (small_f, sample_k: off
+            # by default)
+            narrow = dataclasses.replace(cfg, small_f=cfg.small_f or 512, sample_k=512)
+            tag = f" small_f={narrow.small_f} sample_k=512"
             variants.append((narrow, tag, "_cut_kernel"))
         # the one-pass partials, the grouped greedy launch and the race's loads a slice
         # ahead (one_pass_v, group_g, ahead_r: off by default)

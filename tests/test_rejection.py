@@ -245,17 +245,13 @@ FUSED_TILES = dataclasses.replace(FAST_TILES, fuse_kp=True)
 SORT32_TILES = dataclasses.replace(FUSED_TILES, small_f=32)
 # and the top-k cut's sample 8 values (sample_k): wider brackets, more tries and misses
 SAMPLE8_TILES = dataclasses.replace(SORT32_TILES, sample_k=8)
-# FUSED_TILES with each bracket placed by a 16-bin histogram of the sample (hist_f), and
-# the same with 8-value top-k samples and narrow sorts
-HIST16_TILES = dataclasses.replace(FUSED_TILES, hist_f=16)
-HIST_SAMPLE8_TILES = dataclasses.replace(SAMPLE8_TILES, hist_f=16)
 # FUSED_TILES with the top-p bracket of rows without top-k split over programs of 64
 # columns (split_f; four chunks of v = 203, the last one short), sorted in its full or
-# its narrow width, placed by the histogram, and with a 4-value scratch (most brackets
+# its narrow width, in two 128-column chunks, and with a 4-value scratch (most brackets
 # overflow it and go to the narrowing launch)
 SPLIT_TILES = dataclasses.replace(FUSED_TILES, split_f=64, rows_s=2)  # programs loop over rows
 SPLIT_VARIANTS = (SPLIT_TILES, dataclasses.replace(SPLIT_TILES, small_f=32, split_f=32),
-                  dataclasses.replace(HIST16_TILES, split_f=128),
+                  dataclasses.replace(FUSED_TILES, split_f=128),
                   dataclasses.replace(FAST_SMALL_TILES, split_f=64))  # fmt: skip
 # The brackets' cuts by bisection over their values (bisect_f): the one-row bracket (top-k
 # and top-p, sorted where fuse_kp takes the top-p cut from the top-k bracket) and the
@@ -423,8 +419,7 @@ def _top_p_boundary(logits: torch.Tensor, sp: SP) -> torch.Tensor:
 @pytest.mark.parametrize(
     "v, tiles",
     [(16, "default"), (16, "small"), (203, "narrow"), (203, "band"), (203, "fast"),
-     (203, "fast_small"), (203, "fused"), (203, "sort32"), (203, "sample8"),
-     (203, "hist16")],
+     (203, "fast_small"), (203, "fused"), (203, "sort32"), (203, "sample8")],
 )  # fmt: skip
 def test_threshold_matches_sampling(v, tiles, device):
     """Kept set exactly filtered_probs' (ties, boundaries, -inf, k >= V), probabilities
@@ -440,7 +435,7 @@ def test_threshold_matches_sampling(v, tiles, device):
     cfg = {"default": None, "small": SMALL_TILES, "narrow": NARROW_TILES, "band": BAND_TILES,
            "fast": FAST_TILES, "fast_small": FAST_SMALL_TILES,
            "fused": FUSED_TILES, "sort32": SORT32_TILES,
-           "sample8": SAMPLE8_TILES, "hist16": HIST_SAMPLE8_TILES}[tiles]  # fmt: skip
+           "sample8": SAMPLE8_TILES}[tiles]  # fmt: skip
     p, keep, z = (t.cpu() for t in _kernel_probs(logits.to(device), st, cfg))
     want = filtered_probs(logits, _cpu(st))
     ref = ref_filtered64(logits, *(getattr(_cpu(st), f) for f in SamplingTensors._FIELDS[:4]))
@@ -457,14 +452,13 @@ def test_threshold_matches_sampling(v, tiles, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_bracket_placement_resolves_rows_in_one_try(device):
-    """The one-pass bracket's placement, from the sorted sample (hist_f 0) or from a
-    histogram of it (hist_f 256), and with the top-p rows' pass split over programs
-    (split_f): on gaussian rows (two scales, T 1 and 0.7) with top-p 0.9, top-k 50 and
-    both, every row's cut is found in the bracket launch or the split ones (none left to
-    the narrowing launch in ws.todo) and the thresholds and kept masses are the same bit
-    for bit. The answer does not depend on the bracket, so this is the test that a
-    placement puts the cut inside it (an empty or misplaced bracket leaves rows to
-    todo)."""
+    """The one-pass bracket's placement from the sorted sample, alone and with the top-p
+    rows' pass split over programs (split_f): on gaussian rows (two scales, T 1 and 0.7)
+    with top-p 0.9, top-k 50 and both, every row's cut is found in the bracket launch or
+    the split ones (none left to the narrowing launch in ws.todo) and the thresholds and
+    kept masses are the same bit for bit. The answer does not depend on the bracket, so
+    this is the test that a placement puts the cut inside it (an empty or misplaced
+    bracket leaves rows to todo)."""
     n, v = 12, 2048
     g = torch.Generator().manual_seed(50)
     logits = torch.randn(n, v, generator=g) * torch.tensor([1.0, 3.0]).repeat(n // 2)[:, None]
@@ -475,19 +469,15 @@ def test_bracket_placement_resolves_rows_in_one_try(device):
     base = dataclasses.replace(ROW_TILES, block_t=512, cap_f=512, sample_f=256, tries_f=1,
                                screen=False)  # fmt: skip
     outs = []
-    # on the GPU also with the pass's L1 prefetch (inline PTX: the interpreter skips it)
-    variants = [(0, 0, 0, 64), (256, 0, 0, 64), (0, 0, 256, 64), (256, 0, 512, 1)]
-    variants += [(256, 2, 0, 64)] if device == "cuda" else []
-    for hist, prefetch, split, rows_s in variants:
-        cfg = dataclasses.replace(base, hist_f=hist, prefetch_f=prefetch, split_f=split,
-                                  rows_s=rows_s)  # fmt: skip
+    for split, rows_s in ((0, 64), (256, 64), (512, 1)):
+        cfg = dataclasses.replace(base, split_f=split, rows_s=rows_s)
         drafts = torch.empty(n, 0, dtype=torch.int64, device=device)
         batch = Batch(logits.to(device), drafts, torch.empty(n, 0, v, device=device), st,
                       torch.arange(n, device=device), cfg)  # fmt: skip
         batch.ws.todo.fill_(-1)
         batch.ws.split_n.fill_(-1)
         batch.run()
-        assert batch.ws.todo[:n].tolist() == [0] * n, (hist, split, batch.ws.todo[:n].tolist())
+        assert batch.ws.todo[:n].tolist() == [0] * n, (split, batch.ws.todo[:n].tolist())
         if split:  # the split launches took exactly the rows without top-k, bracket and all
             opened = [int(c) > 0 for c in batch.ws.split_n[:n].tolist()]
             assert opened == [i % 3 == 0 for i in range(n)], opened
@@ -573,14 +563,9 @@ def _tile_variants(device: str) -> list:
     tiles = (ROW_TILES, BAND_TILES, dataclasses.replace(BAND_TILES, rows_t=64, rows_r=64),
              FAST_TILES, FAST_SMALL_TILES, FUSED_TILES,
              dataclasses.replace(FAST_SMALL_TILES, fuse_kp=True), SORT32_TILES,
-             dataclasses.replace(FAST_TILES, small_f=32), SAMPLE8_TILES, HIST16_TILES,
-             HIST_SAMPLE8_TILES, *SPLIT_VARIANTS, *BISECT_VARIANTS)  # fmt: skip
-    if device == "cuda":  # the pass's L1 prefetch (inline PTX: the interpreter skips it)
-        tiles += (dataclasses.replace(HIST16_TILES, prefetch_f=2),)
+             dataclasses.replace(FAST_TILES, small_f=32), SAMPLE8_TILES, *SPLIT_VARIANTS,
+             *BISECT_VARIANTS)  # fmt: skip
     tiles = [dataclasses.replace(c, screen=s) for s in (False, True) for c in tiles]
-    # the walk inside the race programs (walk_in_race), unscreened and screened
-    tiles += [dataclasses.replace(c, walk_in_race=True, screen=s)
-              for c, s in ((ROW_TILES, False), (FAST_TILES, True), (BAND_TILES, True))]  # fmt: skip
     # the race's loads a slice ahead (ahead_r): one request a program and 4-request tiles
     tiles += [dataclasses.replace(c, ahead_r=True, screen=s)
               for c, s in ((ROW_TILES, False), (FAST_TILES, True), (BAND_TILES, True))]  # fmt: skip
@@ -606,10 +591,9 @@ def test_tiles_bit_equal_to_one_row_per_program(device, group):
     requests; four race blocks per row, so each request's own ticket picks its last
     program. Thresholds, kept masses, race winners, tokens and counters are the same bit
     for bit; the kept sets are filtered_probs' and the tokens the reference's. The same
-    tiles screened (only the rows a decision needs get a cut), and with the walk inside
-    the race programs, or with the race's loads a slice ahead: the same race winners,
-    tokens and counters. A GPU group takes every TILE_GROUPS-th variant after
-    ROW_TILES."""
+    tiles screened (only the rows a decision needs get a cut), and with the race's loads
+    a slice ahead: the same race winners, tokens and counters. A GPU group takes every
+    TILE_GROUPS-th variant after ROW_TILES."""
     k, v = 2, 203
     kinds = [*MIXED, SP(1.0, top_k=1), SP(0.7, top_k=v + 5, top_p=0.8), SP(0.9, top_k=v)]
     logits, drafts, q, st, pos = _filter_batch(31, k, v, kinds, 11)
@@ -742,7 +726,7 @@ def test_screened_equals_unscreened(tiles, device, monkeypatch):
     """Screening is an optimisation only: with it, every output (tokens, counts,
     counters, race winners) is bit for bit the unscreened sampler's, and each row the
     screen sends to its cut gets the same threshold and kept mass. Fewer rows are cut.
-    (Two of the tilings also walk inside the race programs, another optimisation only.)"""
+    """
     monkeypatch.setenv("SPECDRAFT_VALIDATE", "0")  # drafts outside the vocabulary too
     b, k, v = 14, 3, 203
     base = {"default": None, "band": BAND_TILES, "fast": FAST_TILES,
@@ -755,9 +739,7 @@ def test_screened_equals_unscreened(tiles, device, monkeypatch):
         args = [logits.to(device), drafts.to(device), q.to(device), _on(st, device), pos.to(device)]
         outs = []
         for screen in (False, True):
-            # screened, the band and fast tiles also walk inside the race programs
-            fold = screen and tiles in ("band", "fast")
-            batch = Batch(*args, dataclasses.replace(base, screen=screen, walk_in_race=fold))
+            batch = Batch(*args, dataclasses.replace(base, screen=screen))
             ws = batch.ws
             for t in (ws.row_thr, ws.row_sum, ws.race_val):
                 t.fill_(float("nan"))
@@ -1383,10 +1365,8 @@ def test_gpu_lossless_mixed_modes_200k():
     "field, value, match",
     [("small_f", 300, "small_f must be a power of two or 0, got 300"),
      ("sample_k", -8, "sample_k must be a power of two or 0, got -8"),
-     ("hist_f", 1000, "hist_f must be a power of two or 0, got 1000"),
      ("block_r", 0, "block_r must be a power of two, got 0"),
      ("sample_f", 1536, "sample_f must be a power of two, got 1536"),
-     ("prefetch_f", -1, "prefetch_f must be an int >= 0, got -1"),
      ("tries_f", 2.0, "tries_f must be an int >= 0, got 2.0"),
      ("stages_f", 0, "stages_f must be an int >= 1, got 0"),
      ("stages_g", True, "stages_g must be an int >= 1, got True"),
