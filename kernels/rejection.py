@@ -885,12 +885,13 @@ def _estimate(w, a_hi, m_lo, goal):
 
 
 @triton.jit
-def _sorted_bracket(s, ws, si, lo, hi, a_hi, m_lo, goal, SAMPLE: tl.constexpr):
+def _sorted_bracket(s, ws, lo, hi, a_hi, m_lo, goal, SAMPLE: tl.constexpr):
     """_cut_fast's bracket [b_lo, b_hi] from the sorted sample s (descending; ws the
     measure each value stands for): the sample's values in [lo, hi] are s[i0:i1], the
     estimated cut is the first whose measure from the top reaches the goal, and the
     bracket's ends are the values _margin ranks above and below it (hi / lo past the
     ends)."""
+    si = tl.arange(0, SAMPLE)
     inside = (s >= lo) & (s <= hi)
     i0 = tl.sum((s > hi).to(tl.int32), axis=0)
     i1 = i0 + tl.sum(inside.to(tl.int32), axis=0)
@@ -958,7 +959,6 @@ def _cut_fast(
     else:
         goal = target_c.to(tl.float32)
     s, ws = _row_sample(base, V, t, m, lo, hi, MASS, SAMPLE)
-    si = tl.arange(0, SAMPLE)
     # Measure above hi and at or above lo, as far as known (exact after a try).
     a_hi = tl.zeros([], tl.float32)
     if MASS:
@@ -975,7 +975,7 @@ def _cut_fast(
     for _ in range(TRIES):
         if ok == 0:
             # 1. The bracket [b_lo, b_hi], from the sample.
-            b_lo, b_hi = _sorted_bracket(s, ws, si, lo, hi, a_hi, m_lo, goal, SAMPLE)
+            b_lo, b_hi = _sorted_bracket(s, ws, lo, hi, a_hi, m_lo, goal, SAMPLE)
             # 2. One pass: the exact measure above b_hi, the bracket compacted.
             above_cv = tl.zeros([BLOCK], tl.int32)
             above_mv = tl.zeros([BLOCK], tl.int64)
@@ -1343,7 +1343,7 @@ def _cut_kernel(
                 s, ws = _row_sample(logits_ptr + row * stride_lm, V, tl.sum(t, axis=0), m1,
                                     lo1, m1, True, SAMPLE)  # fmt: skip
                 b_lo, b_hi = _sorted_bracket(
-                    s, ws, tl.arange(0, SAMPLE), lo1, m1, tl.zeros([], tl.float32),
+                    s, ws, lo1, m1, tl.zeros([], tl.float32),
                     tl.sum(total, axis=0), (tm1 * (1.0 / FXS)).to(tl.float32), SAMPLE,
                 )  # fmt: skip
                 tl.store(sbr_ptr + row * 3, lo1)
@@ -1465,13 +1465,13 @@ def _split_close_kernel(
 def _walk(
     req, rmask, drafts_ptr, stride_db, logits_ptr, stride_lm, q_ptr, stride_qb, stride_qk,
     greedy, t, seed, pos, rmax_ptr, rthr_ptr, rsum_ptr, pmax_ptr, parg_ptr, state_ptr, K, V, NB,
-    KP: tl.constexpr, NBP: tl.constexpr, SAMPLED: tl.constexpr, NEED_GREEDY: tl.constexpr,
-    ACCEPT_MUL: tl.constexpr, SCREEN: tl.constexpr,
+    KP: tl.constexpr, NBP: tl.constexpr, SAMPLED: tl.constexpr, ACCEPT_MUL: tl.constexpr,
+    SCREEN: tl.constexpr,
 ):  # fmt: skip
     """Drafts [R, KP] (-1 past K), k, r (first rejected position, k if none) per
-    request, and (NEED_GREEDY) each greedy request's row argmaxes [R, KP]. Every
-    decision of a request is independent of the others, so the walk is a parallel test
-    of all K drafts followed by a min, not a loop."""
+    request, and each greedy request's row argmaxes [R, KP]. Every decision of a request
+    is independent of the others, so the walk is a parallel test of all K drafts
+    followed by a min, not a loop."""
     j = tl.arange(0, KP)
     d, k = _request_drafts(req, rmask, drafts_ptr, stride_db, K, KP)
     present = j[None, :] < k[:, None]
@@ -1479,21 +1479,18 @@ def _walk(
     live = present & in_vocab  # ids outside the vocabulary are read nowhere, never accepted
     dc = tl.where(in_vocab, d, 0)
     row = req[:, None] * (K + 1) + j[None, :]
-    acc = tl.zeros([req.shape[0], KP], tl.int1)
-    amx = tl.zeros([req.shape[0], KP], tl.int64)
-    if NEED_GREEDY:
-        # Every row's argmax (rows 0..K: the bonus row's too, for _emit), its block
-        # maxima and their indices read together, so no load waits on another.
-        blocks = tl.arange(0, NBP)
-        pptr = row[:, :, None] * NB + blocks[None, None, :]
-        rows_ok = (rmask & greedy)[:, None] & (j <= K)[None, :]
-        pmask = rows_ok[:, :, None] & (blocks < NB)[None, None, :]
-        pm = tl.load(pmax_ptr + pptr, mask=pmask, other=float("-inf"))
-        pa = tl.load(parg_ptr + pptr, mask=pmask, other=0)
-        best = tl.argmax(pm, axis=2, tie_break_left=True)  # first block: first index
-        amx = tl.sum(tl.where(blocks[None, None, :] == best[:, :, None], pa, 0), axis=2)
-        amx = amx.to(tl.int64)
-        acc = amx == d
+    # Every row's argmax (rows 0..K: the bonus row's too, for _emit), its block
+    # maxima and their indices read together, so no load waits on another.
+    blocks = tl.arange(0, NBP)
+    pptr = row[:, :, None] * NB + blocks[None, None, :]
+    rows_ok = (rmask & greedy)[:, None] & (j <= K)[None, :]
+    pmask = rows_ok[:, :, None] & (blocks < NB)[None, None, :]
+    pm = tl.load(pmax_ptr + pptr, mask=pmask, other=float("-inf"))
+    pa = tl.load(parg_ptr + pptr, mask=pmask, other=0)
+    best = tl.argmax(pm, axis=2, tie_break_left=True)  # first block: first index
+    amx = tl.sum(tl.where(blocks[None, None, :] == best[:, :, None], pa, 0), axis=2)
+    amx = amx.to(tl.int64)
+    acc = amx == d
     if SAMPLED:
         x = tl.load(logits_ptr + row * stride_lm + dc, mask=live, other=0.0).to(tl.float32)
         z = tl.math.div_rn(x, t[:, None])
@@ -1510,10 +1507,7 @@ def _walk(
         if SCREEN:  # rows decided without their cut (which may not have run)
             st = tl.load(state_ptr + row, mask=live, other=_EXACT)
             acc_s = tl.where(st == _SURE_ACCEPT, True, tl.where(st == _SURE_REJECT, False, acc_s))
-        if NEED_GREEDY:
-            acc = tl.where(greedy[:, None], acc, acc_s)
-        else:
-            acc = acc_s
+        acc = tl.where(greedy[:, None], acc, acc_s)
     acc = acc & live
     r = tl.min(tl.where(present & (acc == 0), j[None, :], k[:, None]), axis=1)
     return d, k, r, amx
@@ -1557,7 +1551,7 @@ def _walk_kernel(
     _, k, r, _ = _walk(
         req, real, drafts_ptr, stride_db, logits_ptr, stride_lm, q_ptr, stride_qb, stride_qk,
         greedy, t, seed, pos, rmax_ptr, rthr_ptr, rsum_ptr, pmax_ptr, parg_ptr, state_ptr, K,
-        V, NB, KP, NBP, True, True, ACCEPT_MUL, SCREEN,
+        V, NB, KP, NBP, True, ACCEPT_MUL, SCREEN,
     )  # fmt: skip
     tl.store(walk_ptr + req * 2, tl.where(real, k, 0).to(tl.int32), mask=rmask)
     tl.store(walk_ptr + req * 2 + 1, tl.where(real, r, 0).to(tl.int32), mask=rmask)
@@ -1694,8 +1688,8 @@ def _finish(
     # padded request's drafts and partials are in bounds, and _emit writes it by real.
     d, k, r, amx = _walk(
         req, rmask, drafts_ptr, stride_db, pmax_ptr, 0, pmax_ptr, 0, 0, greedy, t, seed, pos,
-        pmax_ptr, pmax_ptr, pmax_ptr, pmax_ptr, parg_ptr, parg_ptr, K, V, NB, KP, NBP, False,
-        True, 0, False,
+        pmax_ptr, pmax_ptr, pmax_ptr, pmax_ptr, parg_ptr, parg_ptr, K, V, NB, KP, NBP, False, 0,
+        False,
     )  # fmt: skip
     _emit(
         req, rmask, real, greedy, d, k, r, amx, pmax_ptr, parg_ptr, pmax_ptr, parg_ptr,

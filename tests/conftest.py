@@ -19,7 +19,9 @@ def _share_cores_between_workers() -> None:
     tests took 256 s together at 2 threads a worker and 118 s at 1."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+        affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere all cores
+        cores = len(affinity(0)) if affinity else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // workers))
 
 
 _share_cores_between_workers()

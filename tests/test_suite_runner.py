@@ -162,10 +162,17 @@ def test_xdist_workers_share_the_cores(monkeypatch):
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         for cores, workers, want in ((8, 2, 4), (2, 2, 1), (3, 4, 1), (16, 3, 5)):
             torch.set_num_threads(7)
-            monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, c=cores: set(range(c)))
+            monkeypatch.setattr(
+                os, "sched_getaffinity", lambda _pid, c=cores: set(range(c)), raising=False
+            )
             monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", str(workers))
             conftest._share_cores_between_workers()
             assert torch.get_num_threads() == want, (cores, workers)
+        # without os.sched_getaffinity (macOS): all of os.cpu_count()
+        monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+        monkeypatch.setattr(os, "cpu_count", lambda: 6)
+        conftest._share_cores_between_workers()
+        assert torch.get_num_threads() == 2  # 6 cores, the last case's 3 workers
         torch.set_num_threads(7)
         monkeypatch.setenv("OMP_NUM_THREADS", "3")
         conftest._share_cores_between_workers()
