@@ -23,6 +23,8 @@ def test_readme_has_python_blocks():
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_block_runs(index, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # This checkout's package, whether or not (and wherever) it is installed.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     script = tmp_path / f"block{index}.py"
     script.write_text(BLOCKS[index])
     proc = subprocess.run(
