@@ -278,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         # ahead (one_pass_v, group_g, ahead_r: off by default)
         for field, only in (("one_pass_v", "_partials_kernel"), ("group_g", "_greedy_kernel"),
                             ("ahead_r", "_resample_kernel")):  # fmt: skip
-            flip = not getattr(cfg, field)
-            variants.append((dataclasses.replace(cfg, **{field: flip}), f" {field}={int(flip)}", only))
+            flip = dataclasses.replace(cfg, **{field: not getattr(cfg, field)})
+            variants.append((flip, f" {field}={int(getattr(flip, field))}", only))
         for name, (config, tag, only), sampled in itertools.product(
             args.dtypes.split(","), variants, (True, False)
         ):
