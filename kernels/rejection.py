@@ -1561,43 +1561,21 @@ def _walk_kernel(
 
 
 @triton.jit
-def _race_load(rowp, qrowp, offs, mask, residual):
-    """A race slice's logits and q (q only for residual rows) at columns offs [SUB], both
-    issued at once (ahead_r)."""
-    x = tl.load(rowp[:, None] + offs[None, :], mask=mask, other=float("-inf"))
-    return x, tl.load(qrowp[:, None] + offs[None, :], mask=mask & residual[:, None], other=0.0)
-
-
-@triton.jit
 def _race_whole(rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V,
-                ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr,
-                AHEAD: tl.constexpr = False):  # fmt: skip
+                ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr):  # fmt: skip
     """The exponential race of a tile's requests over all of vocabulary block blk, SUB
     columns at a time: each request's best weight / E and its first column. The weights:
     max(p - q, 0) for a residual row, p for a bonus row, with p = exp(z - max) / kept
-    mass where z >= the threshold. AHEAD (RejectionConfig.ahead_r): a slice's loads are
-    issued before the slice ahead of it is decided (its all-zero test waits on a
-    cross-warp reduction), so the next slice's bytes arrive while this one computes."""
+    mass where z >= the threshold."""
     lane = tl.arange(0, SUB)
     best = tl.full([ROWS, SUB], -1.0, tl.float32)
     where = tl.zeros([ROWS, SUB], tl.int32)
-    if AHEAD:
-        first = blk * BLOCK_V + lane
-        xn, qn = _race_load(rowp, qrowp, first, race[:, None] & (first < V)[None, :], residual)
     for c in range(0, BLOCK_V, SUB):
         offs = blk * BLOCK_V + c + lane
         mask = race[:, None] & (offs < V)[None, :]
-        if AHEAD:
-            x, qv = xn, qn
-            nxt = offs + SUB
-            nmask = race[:, None] & ((nxt < V) & (c + SUB < BLOCK_V))[None, :]
-            xn, qn = _race_load(rowp, qrowp, nxt, nmask, residual)
-            z = _z_of(x, t[:, None], t1)
-        else:
-            z = _load_z(rowp, offs[None, :], mask, t, t1)
+        z = _load_z(rowp, offs[None, :], mask, t, t1)
         p = _div_nonneg(tl.where(z >= thr[:, None], tl.exp(z - m[:, None]), 0.0), tot[:, None])
-        if not AHEAD:  # q after p, as the race always had it
-            qv = tl.load(qrowp[:, None] + offs[None, :], mask=mask & residual[:, None], other=0.0)
+        qv = tl.load(qrowp[:, None] + offs[None, :], mask=mask & residual[:, None], other=0.0)
         w = tl.where(residual[:, None], tl.maximum(p - qv, 0.0), p)
         draw = tl.max(w, axis=1) > 0.0
         if tl.max(draw.to(tl.int32), axis=0) != 0:
@@ -1619,7 +1597,7 @@ def _resample_kernel(
     B, K, V, NB, NB2,
     ROWS: tl.constexpr, KP: tl.constexpr, NBP: tl.constexpr, NB2P: tl.constexpr,
     BLOCK_V: tl.constexpr, SUB: tl.constexpr, RESIDUAL_MUL: tl.constexpr,
-    BONUS_MUL: tl.constexpr, AHEAD: tl.constexpr = False, GDC: tl.constexpr = False,
+    BONUS_MUL: tl.constexpr, GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Program (i, blk): the exponential races of a tile of ROWS requests over
     vocabulary block blk of each one's residual max(p_r - q_r, 0) (or of p_k for the
@@ -1651,9 +1629,8 @@ def _resample_kernel(
         rowp = logits_ptr + row * stride_lm
         qrowp = q_ptr + req * stride_qb + qrow * stride_qk
         bmax, barg = _race_whole(
-            rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V, ROWS, BLOCK_V, SUB,
-            AHEAD,
-        )  # fmt: skip
+            rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V, ROWS, BLOCK_V, SUB
+        )
         tl.store(rval_ptr + req * NB2 + blk, bmax, mask=race)
         tl.store(ridx_ptr + req * NB2 + blk, barg, mask=race)
     # A request's ticket may be taken by another thread than the one that stored its
@@ -1753,8 +1730,7 @@ def _greedy_kernel(
     tokens_ptr, stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr,
     K, V, NB,
     KP: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr, NBP: tl.constexpr,
-    STAGES: tl.constexpr, PER_ROW: tl.constexpr, GROUP: tl.constexpr = False,
-    GDC: tl.constexpr = False,
+    STAGES: tl.constexpr, PER_ROW: tl.constexpr, GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Every request greedy, in one launch. A program takes the argmax over vocabulary
     block blk of one target row (PER_ROW: program (blk, row)) or of request b's K + 1
@@ -1765,9 +1741,7 @@ def _greedy_kernel(
     pipelined across iterations), reduced once at the end: the largest value, and the
     smallest index holding it. The partials are laid out [rows, NB] in the workspace
     (NB <= its columns). One row per program keeps a row's programs adjacent in launch
-    order and loads no padding rows (KP > K + 1). GROUP (RejectionConfig.group_g): one
-    running max a group of 8 adjacent columns (a thread's vector load) instead of one a
-    column: a quarter of the registers for the running values."""
+    order and loads no padding rows (KP > K + 1)."""
     _gdc_enter(GDC)
     if PER_ROW:
         blk = tl.program_id(0)
@@ -1784,31 +1758,16 @@ def _greedy_kernel(
         programs = NB
     base = logits_ptr + rows[:, None] * stride_lm
     lo = blk * BLOCK_V
-    if GROUP:
-        G: tl.constexpr = SUB // 8
-        col = tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [G, 8]
-        best = tl.full([rows.shape[0], G], float("-inf"), tl.float32)
-        where = tl.zeros([rows.shape[0], G], tl.int32) + lo
-        for c in tl.range(0, BLOCK_V, SUB, num_stages=STAGES):
-            offs = (lo + c + col)[None, :, :]
-            mask = rmask[:, None, None] & (offs < V)
-            x = tl.load(base[:, :, None] + offs, mask=mask, other=float("-inf"))
-            z = x.to(tl.float32)
-            gmax, gidx = _group_argmax(z, offs)
-            up = gmax > best  # strict: a lane keeps its first index of a tie
-            best = tl.where(up, gmax, best)
-            where = tl.where(up, gidx, where)
-    else:
-        lane = tl.arange(0, SUB)
-        best = tl.full([rows.shape[0], SUB], float("-inf"), tl.float32)
-        where = tl.zeros([rows.shape[0], SUB], tl.int32) + (lo + lane)[None, :]
-        for c in tl.range(0, BLOCK_V, SUB, num_stages=STAGES):
-            offs = lo + c + lane
-            mask = rmask[:, None] & (offs < V)[None, :]
-            z = tl.load(base + offs[None, :], mask=mask, other=float("-inf")).to(tl.float32)
-            up = z > best  # strict: a lane keeps its first index of a tie
-            best = tl.where(up, z, best)
-            where = tl.where(up, offs[None, :], where)
+    lane = tl.arange(0, SUB)
+    best = tl.full([rows.shape[0], SUB], float("-inf"), tl.float32)
+    where = tl.zeros([rows.shape[0], SUB], tl.int32) + (lo + lane)[None, :]
+    for c in tl.range(0, BLOCK_V, SUB, num_stages=STAGES):
+        offs = lo + c + lane
+        mask = rmask[:, None] & (offs < V)[None, :]
+        z = tl.load(base + offs[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+        up = z > best  # strict: a lane keeps its first index of a tie
+        best = tl.where(up, z, best)
+        where = tl.where(up, offs[None, :], where)
     bmax = tl.max(best, axis=1)
     barg = tl.min(tl.where(best == bmax[:, None], where, 2147483647), axis=1)
     out = rows * NB + blk
@@ -1903,14 +1862,6 @@ class RejectionConfig:
     # vocabularies: H100, B 64, K 5, V 49152, top-p 0.9, the partials launch 34.2 ->
     # 27.7 µs, the whole sampler 121.66 -> 112.61 (stop 68).
     one_pass_v: bool = False
-    # The all-greedy launch keeps one running max a group of 8 adjacent columns (a thread's
-    # vector load) instead of one a column: fewer registers, more programs an SM. The
-    # same argmax, bit for bit (CPU tests). Off until timed on a GPU (stop 66).
-    group_g: bool = False
-    # The race issues each slice's loads before the slice ahead of it is decided (its
-    # all-zero test, a cross-warp reduction, kept the loads from overlapping). The same
-    # winners, bit for bit (CPU tests). Off until timed on a GPU (stop 66).
-    ahead_r: bool = False
 
     def __post_init__(self) -> None:
         # Every size is a tile width (tl.arange needs a power of two); tries_f, the stages
@@ -2322,7 +2273,7 @@ def _plan(
             (target_logits, lm, draft_tokens, draft_tokens.stride(0), positions, ws.part_max,
              ws.part_arg, ws.done, out_tokens, out_tokens.stride(0), out_num_accepted,
              out_num_emitted, proposed_counts, accepted_counts, k, v, nbg, kp, bg, sub,
-             _p2(nbg), cfg.stages_g, per_row, bool(cfg.group_g) and sub >= 8),
+             _p2(nbg), cfg.stages_g, per_row),
             warps,
             pdl,
         )  # fmt: skip
@@ -2431,7 +2382,7 @@ def _plan(
          ws.part_arg, ws.walk, ws.race_val, ws.race_idx, ws.done, out_tokens,
          out_tokens.stride(0), out_num_accepted, out_num_emitted, proposed_counts,
          accepted_counts, b, k, v, nb, nb2, cfg.rows_r, kp, nbp, _p2(nb2),
-         cfg.block_r, sub_r, mul_r, mul_b, bool(cfg.ahead_r)),
+         cfg.block_r, sub_r, mul_r, mul_b),
         8 if race_tile >= 2048 else 4 if race_tile >= 512 else 2 if race_tile >= 128 else 1,
         pdl,
     )  # fmt: skip

@@ -565,11 +565,7 @@ def _tile_variants(device: str) -> list:
              dataclasses.replace(FAST_SMALL_TILES, fuse_kp=True), SORT32_TILES,
              dataclasses.replace(FAST_TILES, small_f=32), SAMPLE8_TILES, *SPLIT_VARIANTS,
              *BISECT_VARIANTS)  # fmt: skip
-    tiles = [dataclasses.replace(c, screen=s) for s in (False, True) for c in tiles]
-    # the race's loads a slice ahead (ahead_r): one request a program and 4-request tiles
-    tiles += [dataclasses.replace(c, ahead_r=True, screen=s)
-              for c, s in ((ROW_TILES, False), (FAST_TILES, True), (BAND_TILES, True))]  # fmt: skip
-    return tiles
+    return [dataclasses.replace(c, screen=s) for s in (False, True) for c in tiles]
 
 
 # On the GPU the variants run in this many groups, each its own test (a compile is ~10 s
@@ -1023,26 +1019,24 @@ def test_counters_accumulate_and_padding_writes_nothing(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "block_g, sub_g, row_g, group_g",
-    [(None, None, False, False), (16, None, False, False), (32, 8, False, False),
-     (16, 4, False, False), (None, None, True, False), (16, 4, True, False),
-     (32, 8, True, False), (32, 8, False, True), (32, 16, True, True), (16, 8, True, True)],
+    "block_g, sub_g, row_g",
+    [(None, None, False), (16, None, False), (32, 8, False), (16, 4, False), (None, None, True),
+     (16, 4, True), (32, 8, True)],
 )  # fmt: skip
-def test_greedy_one_launch_resets_its_tickets(device, block_g, sub_g, row_g, group_g):
+def test_greedy_one_launch_resets_its_tickets(device, block_g, sub_g, row_g):
     """All-greedy batches take the one-launch kernel, whose last program per request
     finishes it: tickets are back to zero after every call, so fresh logits in a second
     call are decided from scratch (padded requests write -1 / 0 both times). sub_g
     below block_g: the block is read in a loop (ties across its lanes and iterations;
     the last block runs past V). row_g: one target row per program, (K + 1) x blocks
-    tickets per request. group_g: one running max a group of 8 columns."""
+    tickets per request."""
     b, k, v = 7, 3, 40
     g = torch.Generator().manual_seed(11)
     st = make_params(b, [SP(0.0)], device)
     # 5, 3 or 2 blocks per row
     cfg = kr.RejectionConfig(
-        8, 1, 16, 16, 8, 16, 16, 1, block_g=block_g, sub_g=sub_g, warps_g=2, row_g=row_g,
-        group_g=group_g,
-    )  # fmt: skip
+        8, 1, 16, 16, 8, 16, 16, 1, block_g=block_g, sub_g=sub_g, warps_g=2, row_g=row_g
+    )
     assert (cfg.block_g, cfg.sub_g) == (block_g, sub_g)
     batch = None
     for call in range(2):
