@@ -305,6 +305,14 @@ def _draft_z(rows, rmask, req, t, rowp, drafts_ptr, stride_db, V, K1):
 
 
 @triton.jit
+def _argmax_pair(v1, i1, v2, i2):
+    """tl.reduce's combine for (value, index) pairs: the larger value, the smaller index
+    of a tie (no NaN: the running values start at -inf and take only larger ones)."""
+    take = (v2 > v1) | ((v2 == v1) & (i2 < i1))
+    return tl.where(take, v2, v1), tl.where(take, i2, i1)
+
+
+@triton.jit
 def _group_argmax(z, offs):
     """Each group's max (z [ROWS, G, 8], groups along the last axis) and the first of
     its columns (offs) holding it."""
@@ -1730,7 +1738,8 @@ def _greedy_kernel(
     tokens_ptr, stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr,
     K, V, NB,
     KP: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr, NBP: tl.constexpr,
-    STAGES: tl.constexpr, PER_ROW: tl.constexpr, GDC: tl.constexpr = False,
+    STAGES: tl.constexpr, PER_ROW: tl.constexpr, PAIR: tl.constexpr = False,
+    GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Every request greedy, in one launch. A program takes the argmax over vocabulary
     block blk of one target row (PER_ROW: program (blk, row)) or of request b's K + 1
@@ -1741,7 +1750,9 @@ def _greedy_kernel(
     pipelined across iterations), reduced once at the end: the largest value, and the
     smallest index holding it. The partials are laid out [rows, NB] in the workspace
     (NB <= its columns). One row per program keeps a row's programs adjacent in launch
-    order and loads no padding rows (KP > K + 1)."""
+    order and loads no padding rows (KP > K + 1). PAIR (RejectionConfig.pair_g): the
+    block's max and its first index in one reduction over (value, index) pairs, not a
+    max and then a min over the lanes holding it (one cross-warp exchange, not two)."""
     _gdc_enter(GDC)
     if PER_ROW:
         blk = tl.program_id(0)
@@ -1768,8 +1779,11 @@ def _greedy_kernel(
         up = z > best  # strict: a lane keeps its first index of a tie
         best = tl.where(up, z, best)
         where = tl.where(up, offs[None, :], where)
-    bmax = tl.max(best, axis=1)
-    barg = tl.min(tl.where(best == bmax[:, None], where, 2147483647), axis=1)
+    if PAIR:
+        bmax, barg = tl.reduce((best, where), 1, _argmax_pair)
+    else:
+        bmax = tl.max(best, axis=1)
+        barg = tl.min(tl.where(best == bmax[:, None], where, 2147483647), axis=1)
     out = rows * NB + blk
     tl.store(pmax_ptr + out, bmax, mask=rmask)
     tl.store(parg_ptr + out, barg, mask=rmask)
@@ -1862,6 +1876,12 @@ class RejectionConfig:
     # vocabularies: H100, B 64, K 5, V 49152, top-p 0.9, the partials launch 34.2 ->
     # 27.7 µs, the whole sampler 121.66 -> 112.61 (stop 68).
     one_pass_v: bool = False
+    # The all-greedy launch reduces (max, first index) pairs at once instead of a max,
+    # then a min over the lanes holding it: half the cross-warp exchanges and barriers
+    # at each program's end (ncu, H100, stop 68: 20% of the launch's stall samples wait
+    # at barriers). The same tokens (CPU tests); a block's max may differ in the sign of
+    # a zero, which compares equal. Off until timed on a GPU.
+    pair_g: bool = False
 
     def __post_init__(self) -> None:
         # Every size is a tile width (tl.arange needs a power of two); tries_f, the stages
@@ -2273,7 +2293,7 @@ def _plan(
             (target_logits, lm, draft_tokens, draft_tokens.stride(0), positions, ws.part_max,
              ws.part_arg, ws.done, out_tokens, out_tokens.stride(0), out_num_accepted,
              out_num_emitted, proposed_counts, accepted_counts, k, v, nbg, kp, bg, sub,
-             _p2(nbg), cfg.stages_g, per_row),
+             _p2(nbg), cfg.stages_g, per_row, bool(cfg.pair_g)),
             warps,
             pdl,
         )  # fmt: skip

@@ -274,9 +274,11 @@ def main(argv: list[str] | None = None) -> int:
             narrow = dataclasses.replace(cfg, small_f=cfg.small_f or 512, sample_k=512)
             tag = f" small_f={narrow.small_f} sample_k=512"
             variants.append((narrow, tag, "_cut_kernel"))
-        # the partials read twice or once (one_pass_v: on at large vocabularies)
+        # the partials read twice or once (one_pass_v: on at large vocabularies); the
+        # greedy launch's paired reduction (pair_g: off by default)
         flip = dataclasses.replace(cfg, one_pass_v=not cfg.one_pass_v)
         variants.append((flip, f" one_pass_v={int(flip.one_pass_v)}", "_partials_kernel"))
+        variants.append((dataclasses.replace(cfg, pair_g=True), " pair_g=1", "_greedy_kernel"))
         for name, (config, tag, only), sampled in itertools.product(
             args.dtypes.split(","), variants, (True, False)
         ):

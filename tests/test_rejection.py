@@ -1019,24 +1019,26 @@ def test_counters_accumulate_and_padding_writes_nothing(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "block_g, sub_g, row_g",
-    [(None, None, False), (16, None, False), (32, 8, False), (16, 4, False), (None, None, True),
-     (16, 4, True), (32, 8, True)],
+    "block_g, sub_g, row_g, pair_g",
+    [(None, None, False, False), (16, None, False, False), (32, 8, False, False),
+     (16, 4, False, False), (None, None, True, False), (16, 4, True, False),
+     (32, 8, True, False), (32, 8, False, True), (16, 4, True, True)],
 )  # fmt: skip
-def test_greedy_one_launch_resets_its_tickets(device, block_g, sub_g, row_g):
+def test_greedy_one_launch_resets_its_tickets(device, block_g, sub_g, row_g, pair_g):
     """All-greedy batches take the one-launch kernel, whose last program per request
     finishes it: tickets are back to zero after every call, so fresh logits in a second
     call are decided from scratch (padded requests write -1 / 0 both times). sub_g
     below block_g: the block is read in a loop (ties across its lanes and iterations;
     the last block runs past V). row_g: one target row per program, (K + 1) x blocks
-    tickets per request."""
+    tickets per request. pair_g: each block's max and first index in one reduction."""
     b, k, v = 7, 3, 40
     g = torch.Generator().manual_seed(11)
     st = make_params(b, [SP(0.0)], device)
     # 5, 3 or 2 blocks per row
     cfg = kr.RejectionConfig(
-        8, 1, 16, 16, 8, 16, 16, 1, block_g=block_g, sub_g=sub_g, warps_g=2, row_g=row_g
-    )
+        8, 1, 16, 16, 8, 16, 16, 1, block_g=block_g, sub_g=sub_g, warps_g=2, row_g=row_g,
+        pair_g=pair_g,
+    )  # fmt: skip
     assert (cfg.block_g, cfg.sub_g) == (block_g, sub_g)
     batch = None
     for call in range(2):

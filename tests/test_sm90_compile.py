@@ -33,10 +33,12 @@ def test_sampler_kernels_compile_for_sm90():
             for name in ("_partials_kernel", "_cut_kernel", "_resample_kernel", "_greedy_kernel"):
                 assert (v, dtype, name) in defaults, (v, dtype, name, out[-4000:])
     assert {"_partials_kernel", "_resample_kernel", "_greedy_kernel"} <= names, names
-    # The partials' other read (one_pass_v flipped from its default) compiles too (bf16,
-    # both vocabularies)
+    # The partials' other read (one_pass_v flipped from its default) and the greedy
+    # launch's paired reduction (pair_g) compile too (bf16, both vocabularies)
     for v in ("16", "49152"):
         variant = rf"^ok   V {v} B \d+ K \d+ bfloat16 one_pass_v=[01] _partials_kernel: "
+        assert re.search(variant, proc.stdout, re.M), (v, out[-4000:])
+        variant = rf"^ok   V {v} B \d+ K \d+ bfloat16 pair_g=1 _greedy_kernel: "
         assert re.search(variant, proc.stdout, re.M), (v, out[-4000:])
     assert all(int(size) > 0 for _, _, size in compiled), compiled
 
