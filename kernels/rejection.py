@@ -930,12 +930,26 @@ def _row_sample(base, V, t, m, lo, hi, MASS: tl.constexpr, SAMPLE: tl.constexpr)
 
 
 @triton.jit
+def _pass_chunk(z, cnt, above_mv, above_cv, lbase, cols, b_lo, b_hi, m, FXS: tl.constexpr,
+                LANES: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """One chunk of _cut_fast's pass (z: its values, one a lane): the exact mass and
+    count above the bracket, and the bracket's values into each lane's own slots."""
+    up = z > b_hi  # b_hi >= lo >= floor_v: every such value survives
+    above_mv += tl.where(up, _fx(z, m, FXS), 0)  # top-k's kept mass too
+    above_cv += up.to(tl.int32)
+    inb = (z >= b_lo) & (z <= b_hi)
+    tl.store(lbase + cnt * BLOCK + cols, z, mask=inb & (cnt < LANES))
+    return cnt + inb.to(tl.int32), above_mv, above_cv
+
+
+@triton.jit
 def _cut_fast(
     logits_ptr, stride_lm, cand_ptr, row, t, m, V, floor_v, lo, hi, target_c, target_m, total,
     p_top, zmin,
     MASS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, SAMPLE: tl.constexpr,
     TRIES: tl.constexpr, LANES: tl.constexpr, STAGES: tl.constexpr, FXS: tl.constexpr,
     FUSE_P: tl.constexpr, SMALL: tl.constexpr, BISECT: tl.constexpr = False,
+    LOADS: tl.constexpr = 1,
 ):  # fmt: skip
     """_cut_row's answer in one pass over the row when a sample places it well.
 
@@ -956,7 +970,11 @@ def _cut_fast(
     _cut_kernel's own top-p cut would set it up and find it: the same lower bound, goal,
     threshold and kept mass, bit for bit. Also returns (fused, thr_p, kept mass_p);
     fused 0 leaves the top-p cut to its own call. SMALL > 0: a bracket of at most SMALL
-    values is sorted SMALL wide, not CAP (_bracket_cut: the same answer)."""
+    values is sorted SMALL wide, not CAP (_bracket_cut: the same answer). LOADS (1 or 4):
+    the pass loads that many BLOCK-column chunks before the first of their lane-slot
+    stores (_pass_chunk), so that many loads are in flight: the compiler cannot move a
+    load above a store it cannot prove apart, and with one chunk an iteration each chunk
+    waited out its load. The same slots in the same order."""
     base = logits_ptr + row * stride_lm
     cbase = cand_ptr + row * (CAP + LANES * BLOCK)  # CAP dense values, then lane slots
     lbase = cbase + CAP
@@ -993,15 +1011,41 @@ def _cut_fast(
             # own: no block-wide step inside the loop. The slots are made dense
             # after it (one scan); a lane with more values overflows the try.
             cnt = tl.zeros([BLOCK], tl.int32)
-            for v0 in tl.range(0, V, BLOCK, num_stages=STAGES):
-                offs = v0 + cols
-                z = _row_z(base + offs, offs < V, t)
-                up = z > b_hi  # b_hi >= lo >= floor_v: every such value survives
-                above_mv += tl.where(up, _fx(z, m, FXS), 0)  # top-k's kept mass too
-                above_cv += up.to(tl.int32)
-                inb = (z >= b_lo) & (z <= b_hi)
-                tl.store(lbase + cnt * BLOCK + cols, z, mask=inb & (cnt < LANES))
-                cnt += inb.to(tl.int32)
+            if LOADS == 1:
+                for v0 in tl.range(0, V, BLOCK, num_stages=STAGES):
+                    offs = v0 + cols
+                    z = _row_z(base + offs, offs < V, t)
+                    cnt, above_mv, above_cv = _pass_chunk(
+                        z, cnt, above_mv, above_cv, lbase, cols, b_lo, b_hi, m, FXS, LANES,
+                        BLOCK,
+                    )  # fmt: skip
+            else:
+                tl.static_assert(LOADS == 4, "loads_f is 1 or 4")
+                for v0 in tl.range(0, V, 4 * BLOCK, num_stages=STAGES):
+                    o0 = v0 + cols
+                    o1 = o0 + BLOCK
+                    o2 = o1 + BLOCK
+                    o3 = o2 + BLOCK
+                    z0 = _row_z(base + o0, o0 < V, t)
+                    z1 = _row_z(base + o1, o1 < V, t)
+                    z2 = _row_z(base + o2, o2 < V, t)
+                    z3 = _row_z(base + o3, o3 < V, t)
+                    cnt, above_mv, above_cv = _pass_chunk(
+                        z0, cnt, above_mv, above_cv, lbase, cols, b_lo, b_hi, m, FXS, LANES,
+                        BLOCK,
+                    )  # fmt: skip
+                    cnt, above_mv, above_cv = _pass_chunk(
+                        z1, cnt, above_mv, above_cv, lbase, cols, b_lo, b_hi, m, FXS, LANES,
+                        BLOCK,
+                    )  # fmt: skip
+                    cnt, above_mv, above_cv = _pass_chunk(
+                        z2, cnt, above_mv, above_cv, lbase, cols, b_lo, b_hi, m, FXS, LANES,
+                        BLOCK,
+                    )  # fmt: skip
+                    cnt, above_mv, above_cv = _pass_chunk(
+                        z3, cnt, above_mv, above_cv, lbase, cols, b_lo, b_hi, m, FXS, LANES,
+                        BLOCK,
+                    )  # fmt: skip
             mine = tl.minimum(cnt, LANES)
             start = tl.cumsum(mine, axis=0) - mine
             n = tl.sum(mine, axis=0)
@@ -1225,7 +1269,7 @@ def _cut(
     NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
     CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr, LANES: tl.constexpr,
     STAGES: tl.constexpr, FAST_ONLY: tl.constexpr, FUSE_P: tl.constexpr, SMALL_F: tl.constexpr,
-    BISECT: tl.constexpr = False,
+    BISECT: tl.constexpr = False, LOADS: tl.constexpr = 1,
 ):  # fmt: skip
     """_cut_tile's contract, plus ok [ROWS] (0: not found). One row takes _cut_row
     (scalar state), first trying _cut_fast's pass when CAP_F > 0; FAST_ONLY leaves a
@@ -1252,7 +1296,7 @@ def _cut(
             v, c, mass, ok, lo1, hi1, fused1, thr_p1, mass_p1 = _cut_fast(
                 logits_ptr, stride_lm, fast_ptr, row, t1, m1, V, fl1, lo1, hi1, tc1, tm1,
                 tl.sum(total, axis=0), tl.sum(p_top, axis=0), tl.sum(zmin, axis=0), MASS,
-                BLOCK, CAP_F, SAMPLE, TRIES, LANES, STAGES, FXS, FUSE_P, SMALL_F, BISECT,
+                BLOCK, CAP_F, SAMPLE, TRIES, LANES, STAGES, FXS, FUSE_P, SMALL_F, BISECT, LOADS,
             )  # fmt: skip
         if FAST_ONLY:
             pass
@@ -1293,7 +1337,7 @@ def _cut_kernel(
     STAGES: tl.constexpr, FAST_ONLY: tl.constexpr, TODO: tl.constexpr,
     SCREEN: tl.constexpr, KP: tl.constexpr, FUSE_KP: tl.constexpr, SMALL_F: tl.constexpr,
     SAMPLE_K: tl.constexpr, SPLIT: tl.constexpr, BISECT_K: tl.constexpr, BISECT_P: tl.constexpr,
-    GDC: tl.constexpr = False,
+    LOADS: tl.constexpr = 1, GDC: tl.constexpr = False,
 ):  # fmt: skip
     """A tile of ROWS rows per program; a filtered row gets the top-k cut (the k-th
     largest value), then the top-p cut over the top-k survivors, and its threshold and
@@ -1367,7 +1411,7 @@ def _cut_kernel(
                 logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_k, t, m, V, thr, zmin,
                 m, k, tl.zeros([ROWS], tl.float64), total, p, zmin, False, ROWS, BLOCK, CAP,
                 NBIN, MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE_K, TRIES, LANES, STAGES, FAST_ONLY,
-                FUSE_KP, SMALL_F, BISECT_K,
+                FUSE_KP, SMALL_F, BISECT_K, LOADS,
             )  # fmt: skip
             missed = missed | (ok == 0).to(tl.int32)
             thr = tl.where(use_k, thr_k, thr)
@@ -1384,7 +1428,7 @@ def _cut_kernel(
                 logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_p & (missed == 0), t, m,
                 V, thr, lo, m, tl.zeros([ROWS], tl.int32), target, kept_f, p, zmin, True, ROWS,
                 BLOCK, CAP, NBIN, MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, LANES, STAGES,
-                FAST_ONLY, False, SMALL_F, BISECT_P,
+                FAST_ONLY, False, SMALL_F, BISECT_P, LOADS,
             )  # fmt: skip
             missed = missed | (ok == 0).to(tl.int32)
             thr = tl.where(use_p, thr_p, thr)
@@ -1832,6 +1876,11 @@ class RejectionConfig:
     warps_f: int = 16  # the bracket launch's warps (8: ~230 registers a thread, 16: ~126)
     lanes_f: int = 8  # slots a lane keeps for the bracket's values (at least 1)
     stages_f: int = 1  # the bracket pass's load pipelining depth (lane slots only)
+    # Chunks the bracket pass loads before their lane-slot stores (1 or 4): that many
+    # loads in flight. With 1, the pass waited out each 512-column chunk's load (ncu,
+    # H100, stop 68: ~29% of the cut launch's stall samples in the pass loop, its loads
+    # and stores alternating in the SASS). The same slots, bit for bit. Off until timed.
+    loads_f: int = 1
     row_g: bool = False  # the all-greedy launch: one target row per program (else a
     # request's K + 1 rows); used while B * (K + 1) <= 65535 (the grid's second dimension)
     screen: bool = True  # screen the drafts before the cuts: only the rows whose
@@ -1905,6 +1954,8 @@ class RejectionConfig:
                     f"RejectionConfig.{f.name} must be a power of two"
                     f"{' or 0' if zero else ''}, got {v!r}"
                 )
+        if self.loads_f not in (1, 4):  # the pass has a loop for 1 and for 4 chunks
+            raise ValueError(f"RejectionConfig.loads_f must be 1 or 4, got {self.loads_f!r}")
 
     @property
     def max_passes(self) -> int:
@@ -2356,7 +2407,8 @@ def _plan(
                  min(cfg.small_f, cap_f // 2),
                  (cfg.sample_k or cfg.sample_f) if bracket else cfg.sample_f,
                  split if bracket else 0,
-                 bracket and bisect and not cfg.fuse_kp, bracket and bisect),
+                 bracket and bisect and not cfg.fuse_kp, bracket and bisect,
+                 cfg.loads_f if bracket else 1),
                 cfg.warps_f if fast_only else 8 if cfg.rows_t * cfg.block_t >= 2048 else 4,
                 pdl,
             )  # fmt: skip

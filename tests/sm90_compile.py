@@ -269,10 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.cap_f > 0:
             flip = dataclasses.replace(cfg, fuse_kp=not cfg.fuse_kp)
             variants.append((flip, f" fuse_kp={int(flip.fuse_kp)}", "_cut_kernel"))
-            # the narrow bracket sort and the top-k cut's own sample (small_f, sample_k: off
-            # by default)
-            narrow = dataclasses.replace(cfg, small_f=cfg.small_f or 512, sample_k=512)
-            tag = f" small_f={narrow.small_f} sample_k=512"
+            # the narrow bracket sort, the top-k cut's own sample and the pass's four loads
+            # in flight (small_f, sample_k, loads_f: off by default), in one compile
+            narrow = dataclasses.replace(cfg, small_f=cfg.small_f or 512, sample_k=512, loads_f=4)
+            tag = f" small_f={narrow.small_f} sample_k=512 loads_f=4"
             variants.append((narrow, tag, "_cut_kernel"))
         # the partials read twice or once (one_pass_v: on at large vocabularies); the
         # greedy launch's paired reduction (pair_g: off by default)

@@ -259,6 +259,10 @@ SPLIT_VARIANTS = (SPLIT_TILES, dataclasses.replace(SPLIT_TILES, small_f=32, spli
 BISECT_VARIANTS = (dataclasses.replace(FAST_TILES, bisect_f=True),
                    dataclasses.replace(FUSED_TILES, bisect_f=True),
                    dataclasses.replace(SPLIT_TILES, bisect_f=True))  # fmt: skip
+# The bracket pass loading 4 chunks before their lane-slot stores (loads_f): one-slot lanes
+# that overflow, and the fused top-k / top-p bracket.
+LOADS_VARIANTS = (dataclasses.replace(FAST_SMALL_TILES, loads_f=4),
+                  dataclasses.replace(FUSED_TILES, loads_f=4))  # fmt: skip
 KINDS = [SP(0.0), SP(1.0), SP(0.7, top_k=5), SP(1.3, top_p=0.8), SP(0.5, top_k=9, top_p=0.6),
          SP(2.0, top_k=1), SP(1.0, top_p=0.05), SP(1.0, top_k=40)]  # fmt: skip
 
@@ -564,7 +568,7 @@ def _tile_variants(device: str) -> list:
              FAST_TILES, FAST_SMALL_TILES, FUSED_TILES,
              dataclasses.replace(FAST_SMALL_TILES, fuse_kp=True), SORT32_TILES,
              dataclasses.replace(FAST_TILES, small_f=32), SAMPLE8_TILES, *SPLIT_VARIANTS,
-             *BISECT_VARIANTS)  # fmt: skip
+             *BISECT_VARIANTS, *LOADS_VARIANTS)  # fmt: skip
     return [dataclasses.replace(c, screen=s) for s in (False, True) for c in tiles]
 
 
@@ -587,9 +591,8 @@ def test_tiles_bit_equal_to_one_row_per_program(device, group):
     requests; four race blocks per row, so each request's own ticket picks its last
     program. Thresholds, kept masses, race winners, tokens and counters are the same bit
     for bit; the kept sets are filtered_probs' and the tokens the reference's. The same
-    tiles screened (only the rows a decision needs get a cut), and with the race's loads
-    a slice ahead: the same race winners, tokens and counters. A GPU group takes every
-    TILE_GROUPS-th variant after ROW_TILES."""
+    tiles screened (only the rows a decision needs get a cut): the same race winners,
+    tokens and counters. A GPU group takes every TILE_GROUPS-th variant after ROW_TILES."""
     k, v = 2, 203
     kinds = [*MIXED, SP(1.0, top_k=1), SP(0.7, top_k=v + 5, top_p=0.8), SP(0.9, top_k=v)]
     logits, drafts, q, st, pos = _filter_batch(31, k, v, kinds, 11)
@@ -1367,7 +1370,9 @@ def test_gpu_lossless_mixed_modes_200k():
      ("stages_f", 0, "stages_f must be an int >= 1, got 0"),
      ("stages_g", True, "stages_g must be an int >= 1, got True"),
      ("split_f", 3000, "split_f must be a power of two or 0, got 3000"),
-     ("rows_s", 0, "rows_s must be an int >= 1, got 0")],
+     ("rows_s", 0, "rows_s must be an int >= 1, got 0"),
+     ("loads_f", 3, "loads_f must be a power of two, got 3"),
+     ("loads_f", 2, "loads_f must be 1 or 4, got 2")],
 )  # fmt: skip
 def test_config_refuses_a_bad_tile_or_count(field, value, match):
     # a width the kernels would take to tl.arange, or a count below its floor: refused

@@ -40,6 +40,9 @@ def test_sampler_kernels_compile_for_sm90():
         assert re.search(variant, proc.stdout, re.M), (v, out[-4000:])
         variant = rf"^ok   V {v} B \d+ K \d+ bfloat16 pair_g=1 _greedy_kernel: "
         assert re.search(variant, proc.stdout, re.M), (v, out[-4000:])
+    # the narrow bracket's options (the pass's four loads among them) where it runs
+    variant = r"^ok   V 49152 B \d+ K \d+ bfloat16 small_f=\d+ sample_k=512 loads_f=4 _cut_kernel: "
+    assert re.search(variant, proc.stdout, re.M), out[-4000:]
     assert all(int(size) > 0 for _, _, size in compiled), compiled
 
 
