@@ -974,7 +974,8 @@ def _cut_fast(
     the pass loads that many BLOCK-column chunks before the first of their lane-slot
     stores (_pass_chunk), so that many loads are in flight: the compiler cannot move a
     load above a store it cannot prove apart, and with one chunk an iteration each chunk
-    waited out its load. The same slots in the same order."""
+    waited out its load. The same slots in the same order; their compaction after the
+    pass takes four slots' loads at a time too."""
     base = logits_ptr + row * stride_lm
     cbase = cand_ptr + row * (CAP + LANES * BLOCK)  # CAP dense values, then lane slots
     lbase = cbase + CAP
@@ -1053,9 +1054,21 @@ def _cut_fast(
                 n = CAP + 1  # values were dropped: as if the bracket overflowed
             elif n <= CAP:
                 tl.debug_barrier()  # the slots' stores are visible to every thread
-                for j in tl.static_range(LANES):
-                    vj = tl.load(lbase + j * BLOCK + cols, mask=j < mine, other=0.0)
-                    tl.store(cbase + start + j, vj, mask=j < mine)
+                if (LOADS == 4) & (LANES % 4 == 0):
+                    # four slots' loads before their stores, as in the pass
+                    for j in tl.static_range(0, LANES, 4):
+                        w0 = tl.load(lbase + j * BLOCK + cols, mask=j < mine, other=0.0)
+                        w1 = tl.load(lbase + (j + 1) * BLOCK + cols, mask=j + 1 < mine, other=0.0)
+                        w2 = tl.load(lbase + (j + 2) * BLOCK + cols, mask=j + 2 < mine, other=0.0)
+                        w3 = tl.load(lbase + (j + 3) * BLOCK + cols, mask=j + 3 < mine, other=0.0)
+                        tl.store(cbase + start + j, w0, mask=j < mine)
+                        tl.store(cbase + start + j + 1, w1, mask=j + 1 < mine)
+                        tl.store(cbase + start + j + 2, w2, mask=j + 2 < mine)
+                        tl.store(cbase + start + j + 3, w3, mask=j + 3 < mine)
+                else:
+                    for j in tl.static_range(LANES):
+                        vj = tl.load(lbase + j * BLOCK + cols, mask=j < mine, other=0.0)
+                        tl.store(cbase + start + j, vj, mask=j < mine)
             above_c = tl.sum(above_cv, axis=0)
             above_m = tl.sum(above_mv, axis=0)
             if MASS:
