@@ -565,7 +565,13 @@ def _below(x):
 @triton.jit
 def _row_z(ptrs, mask, t):
     """A row's z = logits / T (correctly rounded), -0 folded into +0; -inf where masked."""
-    x = tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
+    return _row_z_of(tl.load(ptrs, mask=mask, other=float("-inf")), t)
+
+
+@triton.jit
+def _row_z_of(x, t):
+    """_row_z of logits x already loaded (-inf where masked)."""
+    x = x.to(tl.float32)
     if t == 1.0:
         z = x
     else:
@@ -1027,10 +1033,16 @@ def _cut_fast(
                     o1 = o0 + BLOCK
                     o2 = o1 + BLOCK
                     o3 = o2 + BLOCK
-                    z0 = _row_z(base + o0, o0 < V, t)
-                    z1 = _row_z(base + o1, o1 < V, t)
-                    z2 = _row_z(base + o2, o2 < V, t)
-                    z3 = _row_z(base + o3, o3 < V, t)
+                    # the four loads first: a load after a branch (T != 1's division,
+                    # the mask) would wait for the loads before it
+                    x0 = tl.load(base + o0, mask=o0 < V, other=float("-inf"))
+                    x1 = tl.load(base + o1, mask=o1 < V, other=float("-inf"))
+                    x2 = tl.load(base + o2, mask=o2 < V, other=float("-inf"))
+                    x3 = tl.load(base + o3, mask=o3 < V, other=float("-inf"))
+                    z0 = _row_z_of(x0, t)
+                    z1 = _row_z_of(x1, t)
+                    z2 = _row_z_of(x2, t)
+                    z3 = _row_z_of(x3, t)
                     cnt, above_mv, above_cv = _pass_chunk(
                         z0, cnt, above_mv, above_cv, lbase, cols, b_lo, b_hi, m, FXS, LANES,
                         BLOCK,
