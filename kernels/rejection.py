@@ -208,7 +208,7 @@ def _partials_kernel(
     pmax_ptr, parg_ptr, psum_ptr, pmin_ptr, drafts_ptr, stride_db, pabove_ptr, pcnt_ptr,
     num_rows, V, K1, NB,
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr, SCREEN: tl.constexpr,
-    ONE: tl.constexpr = False, GDC: tl.constexpr = False,
+    ONE: tl.constexpr = False, LOADS: tl.constexpr = 1, GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Per (row, vocabulary block) of a call with q (all-greedy calls take
     _greedy_kernel): max, first argmax, sum exp(z - max) and the smallest finite value.
@@ -239,6 +239,7 @@ def _partials_kernel(
         _partials_one_pass(
             rows, rmask, req, t, t1, rowp, lo, out, pmax_ptr, parg_ptr, psum_ptr, pmin_ptr,
             drafts_ptr, stride_db, pabove_ptr, pcnt_ptr, V, K1, ROWS, BLOCK_V, SUB, SCREEN,
+            LOADS,
         )  # fmt: skip
         return
     if SUB == BLOCK_V:
@@ -321,16 +322,43 @@ def _group_argmax(z, offs):
 
 
 @triton.jit
+def _one_pass_slice(x, offs, t, t1, zd, m, where, total, low, above_sum, above_cnt,
+                    SCREEN: tl.constexpr):  # fmt: skip
+    """One slice of _partials_one_pass (x its logits [ROWS, G, 8] at columns offs, -inf
+    where masked): the running values with the slice taken in."""
+    z = _z_of(x, t[:, None, None], t1)
+    # Taken where the group's max beats the lane's (strict: a lane keeps its first index
+    # of a tie).
+    gmax, gidx = _group_argmax(z, offs)
+    up = gmax > m
+    where = tl.where(up, gidx, where)
+    mn = tl.maximum(m, gmax)
+    ref = tl.where(mn == float("-inf"), 0.0, mn)
+    scale = tl.exp(m - ref)  # 1 where the max stands; 0 from an all -inf history
+    ez = tl.exp(z - ref[:, :, None])
+    total = total * scale + tl.sum(ez, axis=2)
+    low = tl.minimum(low, tl.min(tl.where(z > float("-inf"), z, float("inf")), axis=2))
+    if SCREEN:
+        above = z > zd[:, None, None]
+        above_sum = above_sum * scale + tl.sum(tl.where(above, ez, 0.0), axis=2)
+        above_cnt += tl.sum(above.to(tl.int32), axis=2)
+    return mn, where, total, low, above_sum, above_cnt
+
+
+@triton.jit
 def _partials_one_pass(
     rows, rmask, req, t, t1, rowp, lo, out, pmax_ptr, parg_ptr, psum_ptr, pmin_ptr,
     drafts_ptr, stride_db, pabove_ptr, pcnt_ptr, V, K1,
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr, SCREEN: tl.constexpr,
+    LOADS: tl.constexpr = 1,
 ):  # fmt: skip
     """_partials_kernel's block read once. A slice is taken as groups of 8 adjacent
     columns (one thread's vector load); each group position keeps its own running max,
     first argmax, smallest finite value and sums relative to its max, rescaled (one exp a
     group) when a slice raises that max. The max, argmax, smallest value and count are
-    the two-pass kernel's bits; the sums agree to float32 rounding."""
+    the two-pass kernel's bits; the sums agree to float32 rounding. LOADS 2
+    (RejectionConfig.loads_v): two slices loaded an iteration, then taken in one after
+    the other (the same order, so the same bits)."""
     G: tl.constexpr = SUB // 8
     col = tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [G, 8]
     if SCREEN:
@@ -343,27 +371,31 @@ def _partials_one_pass(
     low = tl.full([ROWS, G], float("inf"), tl.float32)
     above_sum = tl.zeros([ROWS, G], tl.float32)
     above_cnt = tl.zeros([ROWS, G], tl.int32)
-    for c in tl.range(0, BLOCK_V, SUB):
-        offs = (lo + c + col)[None, :, :]  # [1, G, 8]
-        mask = rmask[:, None, None] & (offs < V)
-        x = tl.load(rowp[:, None, None] + offs, mask=mask, other=float("-inf"))
-        z = _z_of(x, t[:, None, None], t1)
-        # Taken where the group's max beats the lane's (strict: a lane keeps its first
-        # index of a tie).
-        gmax, gidx = _group_argmax(z, offs)
-        up = gmax > m
-        where = tl.where(up, gidx, where)
-        mn = tl.maximum(m, gmax)
-        ref = tl.where(mn == float("-inf"), 0.0, mn)
-        scale = tl.exp(m - ref)  # 1 where the max stands; 0 from an all -inf history
-        ez = tl.exp(z - ref[:, :, None])
-        total = total * scale + tl.sum(ez, axis=2)
-        low = tl.minimum(low, tl.min(tl.where(z > float("-inf"), z, float("inf")), axis=2))
-        if SCREEN:
-            above = z > zd[:, None, None]
-            above_sum = above_sum * scale + tl.sum(tl.where(above, ez, 0.0), axis=2)
-            above_cnt += tl.sum(above.to(tl.int32), axis=2)
-        m = mn
+    if LOADS == 1:
+        for c in tl.range(0, BLOCK_V, SUB):
+            offs = (lo + c + col)[None, :, :]  # [1, G, 8]
+            mask = rmask[:, None, None] & (offs < V)
+            x = tl.load(rowp[:, None, None] + offs, mask=mask, other=float("-inf"))
+            m, where, total, low, above_sum, above_cnt = _one_pass_slice(
+                x, offs, t, t1, zd, m, where, total, low, above_sum, above_cnt, SCREEN
+            )
+    else:
+        # Two slices' loads before either is reduced: two loads in flight a thread.
+        tl.static_assert(LOADS == 2, "loads_v is 1 or 2")
+        for c in tl.range(0, BLOCK_V, 2 * SUB):
+            offs = (lo + c + col)[None, :, :]
+            offs2 = offs + SUB
+            x = tl.load(rowp[:, None, None] + offs, mask=rmask[:, None, None] & (offs < V),
+                        other=float("-inf"))  # fmt: skip
+            x2 = tl.load(rowp[:, None, None] + offs2,
+                         mask=rmask[:, None, None] & (offs2 < V) & (c + SUB < BLOCK_V),
+                         other=float("-inf"))  # fmt: skip
+            m, where, total, low, above_sum, above_cnt = _one_pass_slice(
+                x, offs, t, t1, zd, m, where, total, low, above_sum, above_cnt, SCREEN
+            )
+            m, where, total, low, above_sum, above_cnt = _one_pass_slice(
+                x2, offs2, t, t1, zd, m, where, total, low, above_sum, above_cnt, SCREEN
+            )
     bmax = tl.max(m, axis=1)
     barg = tl.min(tl.where(m == bmax[:, None], where, 2147483647), axis=1)
     tl.store(pmax_ptr + out, bmax, mask=rmask)
@@ -1950,6 +1982,11 @@ class RejectionConfig:
     # vocabularies: H100, B 64, K 5, V 49152, top-p 0.9, the partials launch 34.2 ->
     # 27.7 µs, the whole sampler 121.66 -> 112.61 (stop 68).
     one_pass_v: bool = False
+    # The one-pass partials load two slices an iteration before taking either in (1 or
+    # 2): two 16-byte loads in flight a thread, not one (offline sm_90, stop 68: one
+    # LDG.128 a loop iteration). The same bits (the slices are taken in order). Off until
+    # timed on a GPU.
+    loads_v: int = 1
     # The all-greedy launch reduces (max, first index) pairs at once instead of a max,
     # then a min over the lanes holding it: half the cross-warp exchanges and barriers
     # at each program's end (ncu, H100, stop 68: 20% of the launch's stall samples wait
@@ -1981,6 +2018,8 @@ class RejectionConfig:
                 )
         if self.loads_f not in (1, 4):  # the pass has a loop for 1 and for 4 chunks
             raise ValueError(f"RejectionConfig.loads_f must be 1 or 4, got {self.loads_f!r}")
+        if self.loads_v > 2:  # the one-pass partials have a loop for 1 and for 2 slices
+            raise ValueError(f"RejectionConfig.loads_v must be 1 or 2, got {self.loads_v!r}")
 
     @property
     def max_passes(self) -> int:
@@ -2384,7 +2423,8 @@ def _plan(
         (triton.cdiv(rows, cfg.rows_p), triton.cdiv(v, cfg.block_v)),
         (target_logits, lm, greedy, temperature, ws.part_max, ws.part_arg, ws.part_sum,
          ws.part_min, draft_tokens, db, ws.part_above, ws.part_cnt, rows, v, k + 1, nb,
-         cfg.rows_p, cfg.block_v, sub_v, screen, one_pass),
+         cfg.rows_p, cfg.block_v, sub_v, screen, one_pass,
+         cfg.loads_v if one_pass and cfg.block_v >= 2 * sub_v else 1),
         # Unless the config says (the sliced GPU tiles do): 8 warps from 4096-element
         # slices, 4 below. Screened or not, a config takes the same warps, so a block's
         # sum is the same bits either way.

@@ -279,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         flip = dataclasses.replace(cfg, one_pass_v=not cfg.one_pass_v)
         variants.append((flip, f" one_pass_v={int(flip.one_pass_v)}", "_partials_kernel"))
         variants.append((dataclasses.replace(cfg, pair_g=True), " pair_g=1", "_greedy_kernel"))
+        # the one-pass partials loading two slices an iteration (loads_v: off by default)
+        two = dataclasses.replace(cfg, one_pass_v=True, loads_v=2)
+        variants.append((two, " one_pass_v=1 loads_v=2", "_partials_kernel"))
         for name, (config, tag, only), sampled in itertools.product(
             args.dtypes.split(","), variants, (True, False)
         ):

@@ -641,7 +641,33 @@ LOOP_TILES = dataclasses.replace(ROW_TILES, rows_p=1, sub_v=8, warps_v=2)
 ONE_PASS_TILES = [
     dataclasses.replace(LOOP_TILES, one_pass_v=True),
     dataclasses.replace(ROW_TILES, sub_v=16, one_pass_v=True),
+    dataclasses.replace(LOOP_TILES, one_pass_v=True, loads_v=2),  # two slices an iteration
 ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_partials_two_slices_an_iteration_are_the_same_bits(device):
+    """loads_v 2 takes the slices in the order loads_v 1 does: every partial (sums
+    included), screened, the same bits, on rows whose last block runs past V."""
+    k, v = 2, 203
+    logits, drafts, q, st, pos = _filter_batch(53, k, v, MIXED, 5)
+    got = []
+    for loads in (1, 2):
+        cfg = dataclasses.replace(LOOP_TILES, one_pass_v=True, loads_v=loads)
+        batch = Batch(logits.to(device), drafts.to(device), q.to(device), _on(st, device),
+                      pos.to(device), cfg)  # fmt: skip
+        ws = batch.ws
+        parts = (ws.part_max, ws.part_arg, ws.part_min, ws.part_cnt, ws.part_sum, ws.part_above)
+        for t in parts:  # poisoned: NaN, or -7 where an index or a count goes
+            t.fill_(float("nan") if t.is_floating_point() else -7)
+        batch.run()
+        got.append([t.cpu().clone() for t in parts])
+    n = drafts.shape[0] * (k + 1)
+    drafted = (torch.arange(n) % (k + 1)) < k  # the counts above a draft: rows with one
+    for i, (a, b) in enumerate(zip(*got)):
+        a, b = (x[:n][drafted if i in (3, 5) else slice(None)] for x in (a, b))
+        assert not (a.isnan() if a.is_floating_point() else a == -7).any(), i
+        assert torch.equal(a, b), i
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -1372,7 +1398,8 @@ def test_gpu_lossless_mixed_modes_200k():
      ("split_f", 3000, "split_f must be a power of two or 0, got 3000"),
      ("rows_s", 0, "rows_s must be an int >= 1, got 0"),
      ("loads_f", 3, "loads_f must be a power of two, got 3"),
-     ("loads_f", 2, "loads_f must be 1 or 4, got 2")],
+     ("loads_f", 2, "loads_f must be 1 or 4, got 2"),
+     ("loads_v", 4, "loads_v must be 1 or 2, got 4")],
 )  # fmt: skip
 def test_config_refuses_a_bad_tile_or_count(field, value, match):
     # a width the kernels would take to tl.arange, or a count below its floor: refused
