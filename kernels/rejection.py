@@ -382,13 +382,13 @@ def _partials_one_pass(
     else:
         # Two slices' loads before either is reduced: two loads in flight a thread.
         tl.static_assert(LOADS == 2, "loads_v is 1 or 2")
+        tl.static_assert(BLOCK_V % (2 * SUB) == 0, "two slices an iteration tile the block")
         for c in tl.range(0, BLOCK_V, 2 * SUB):
             offs = (lo + c + col)[None, :, :]
             offs2 = offs + SUB
             x = tl.load(rowp[:, None, None] + offs, mask=rmask[:, None, None] & (offs < V),
                         other=float("-inf"))  # fmt: skip
-            x2 = tl.load(rowp[:, None, None] + offs2,
-                         mask=rmask[:, None, None] & (offs2 < V) & (c + SUB < BLOCK_V),
+            x2 = tl.load(rowp[:, None, None] + offs2, mask=rmask[:, None, None] & (offs2 < V),
                          other=float("-inf"))  # fmt: skip
             m, where, total, low, above_sum, above_cnt = _one_pass_slice(
                 x, offs, t, t1, zd, m, where, total, low, above_sum, above_cnt, SCREEN
@@ -597,18 +597,7 @@ def _below(x):
 @triton.jit
 def _row_z(ptrs, mask, t):
     """A row's z = logits / T (correctly rounded), -0 folded into +0; -inf where masked."""
-    return _row_z_of(tl.load(ptrs, mask=mask, other=float("-inf")), t)
-
-
-@triton.jit
-def _row_z_of(x, t):
-    """_row_z of logits x already loaded (-inf where masked)."""
-    x = x.to(tl.float32)
-    if t == 1.0:
-        z = x
-    else:
-        z = tl.math.div_rn(x, t)
-    return tl.where(z == 0.0, 0.0, z)
+    return _z_of(tl.load(ptrs, mask=mask, other=float("-inf")), t, t == 1.0)
 
 
 @triton.jit
@@ -1071,10 +1060,10 @@ def _cut_fast(
                     x1 = tl.load(base + o1, mask=o1 < V, other=float("-inf"))
                     x2 = tl.load(base + o2, mask=o2 < V, other=float("-inf"))
                     x3 = tl.load(base + o3, mask=o3 < V, other=float("-inf"))
-                    z0 = _row_z_of(x0, t)
-                    z1 = _row_z_of(x1, t)
-                    z2 = _row_z_of(x2, t)
-                    z3 = _row_z_of(x3, t)
+                    z0 = _z_of(x0, t, t == 1.0)
+                    z1 = _z_of(x1, t, t == 1.0)
+                    z2 = _z_of(x2, t, t == 1.0)
+                    z3 = _z_of(x3, t, t == 1.0)
                     cnt, above_mv, above_cv = _pass_chunk(
                         z0, cnt, above_mv, above_cv, lbase, cols, b_lo, b_hi, m, FXS, LANES,
                         BLOCK,
