@@ -49,8 +49,8 @@ takes only its sample and bracket in the bracket launch, which lists it; the pas
 spread over programs of split_f columns (each sums its chunk's mass above the bracket and
 appends the bracket's values at an offset a per-row counter hands out), and a closing
 launch sorts the bracket and finds the cut, or leaves the row to the narrowing launch.
-Bisect (RejectionConfig.bisect_f, off by default): a bracket's cut is found without the
-sort, by bisecting its values' order keys with exact sums (_bisect_keys).
+Bisect (RejectionConfig.bisect_f, on at large vocabularies): a bracket's cut is found
+without the sort, by bisecting its values' order keys with exact sums (_bisect_keys).
 
 The bracket launch (one row per program; RejectionConfig.cap_f > 0): a strided sample
 of the row (sample_f values), sorted, estimates where the cut lies
@@ -208,7 +208,7 @@ def _partials_kernel(
     pmax_ptr, parg_ptr, psum_ptr, pmin_ptr, drafts_ptr, stride_db, pabove_ptr, pcnt_ptr,
     num_rows, V, K1, NB,
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr, SCREEN: tl.constexpr,
-    ONE: tl.constexpr = False, LOADS: tl.constexpr = 1, GDC: tl.constexpr = False,
+    ONE: tl.constexpr = False, GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Per (row, vocabulary block) of a call with q (all-greedy calls take
     _greedy_kernel): max, first argmax, sum exp(z - max) and the smallest finite value.
@@ -239,7 +239,6 @@ def _partials_kernel(
         _partials_one_pass(
             rows, rmask, req, t, t1, rowp, lo, out, pmax_ptr, parg_ptr, psum_ptr, pmin_ptr,
             drafts_ptr, stride_db, pabove_ptr, pcnt_ptr, V, K1, ROWS, BLOCK_V, SUB, SCREEN,
-            LOADS,
         )  # fmt: skip
         return
     if SUB == BLOCK_V:
@@ -306,14 +305,6 @@ def _draft_z(rows, rmask, req, t, rowp, drafts_ptr, stride_db, V, K1):
 
 
 @triton.jit
-def _argmax_pair(v1, i1, v2, i2):
-    """tl.reduce's combine for (value, index) pairs: the larger value, the smaller index
-    of a tie (no NaN: the running values start at -inf and take only larger ones)."""
-    take = (v2 > v1) | ((v2 == v1) & (i2 < i1))
-    return tl.where(take, v2, v1), tl.where(take, i2, i1)
-
-
-@triton.jit
 def _group_argmax(z, offs):
     """Each group's max (z [ROWS, G, 8], groups along the last axis) and the first of
     its columns (offs) holding it."""
@@ -322,43 +313,16 @@ def _group_argmax(z, offs):
 
 
 @triton.jit
-def _one_pass_slice(x, offs, t, t1, zd, m, where, total, low, above_sum, above_cnt,
-                    SCREEN: tl.constexpr):  # fmt: skip
-    """One slice of _partials_one_pass (x its logits [ROWS, G, 8] at columns offs, -inf
-    where masked): the running values with the slice taken in."""
-    z = _z_of(x, t[:, None, None], t1)
-    # Taken where the group's max beats the lane's (strict: a lane keeps its first index
-    # of a tie).
-    gmax, gidx = _group_argmax(z, offs)
-    up = gmax > m
-    where = tl.where(up, gidx, where)
-    mn = tl.maximum(m, gmax)
-    ref = tl.where(mn == float("-inf"), 0.0, mn)
-    scale = tl.exp(m - ref)  # 1 where the max stands; 0 from an all -inf history
-    ez = tl.exp(z - ref[:, :, None])
-    total = total * scale + tl.sum(ez, axis=2)
-    low = tl.minimum(low, tl.min(tl.where(z > float("-inf"), z, float("inf")), axis=2))
-    if SCREEN:
-        above = z > zd[:, None, None]
-        above_sum = above_sum * scale + tl.sum(tl.where(above, ez, 0.0), axis=2)
-        above_cnt += tl.sum(above.to(tl.int32), axis=2)
-    return mn, where, total, low, above_sum, above_cnt
-
-
-@triton.jit
 def _partials_one_pass(
     rows, rmask, req, t, t1, rowp, lo, out, pmax_ptr, parg_ptr, psum_ptr, pmin_ptr,
     drafts_ptr, stride_db, pabove_ptr, pcnt_ptr, V, K1,
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr, SCREEN: tl.constexpr,
-    LOADS: tl.constexpr = 1,
 ):  # fmt: skip
     """_partials_kernel's block read once. A slice is taken as groups of 8 adjacent
     columns (one thread's vector load); each group position keeps its own running max,
     first argmax, smallest finite value and sums relative to its max, rescaled (one exp a
     group) when a slice raises that max. The max, argmax, smallest value and count are
-    the two-pass kernel's bits; the sums agree to float32 rounding. LOADS 2
-    (RejectionConfig.loads_v): two slices loaded an iteration, then taken in one after
-    the other (the same order, so the same bits)."""
+    the two-pass kernel's bits; the sums agree to float32 rounding."""
     G: tl.constexpr = SUB // 8
     col = tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [G, 8]
     if SCREEN:
@@ -371,31 +335,27 @@ def _partials_one_pass(
     low = tl.full([ROWS, G], float("inf"), tl.float32)
     above_sum = tl.zeros([ROWS, G], tl.float32)
     above_cnt = tl.zeros([ROWS, G], tl.int32)
-    if LOADS == 1:
-        for c in tl.range(0, BLOCK_V, SUB):
-            offs = (lo + c + col)[None, :, :]  # [1, G, 8]
-            mask = rmask[:, None, None] & (offs < V)
-            x = tl.load(rowp[:, None, None] + offs, mask=mask, other=float("-inf"))
-            m, where, total, low, above_sum, above_cnt = _one_pass_slice(
-                x, offs, t, t1, zd, m, where, total, low, above_sum, above_cnt, SCREEN
-            )
-    else:
-        # Two slices' loads before either is reduced: two loads in flight a thread.
-        tl.static_assert(LOADS == 2, "loads_v is 1 or 2")
-        tl.static_assert(BLOCK_V % (2 * SUB) == 0, "two slices an iteration tile the block")
-        for c in tl.range(0, BLOCK_V, 2 * SUB):
-            offs = (lo + c + col)[None, :, :]
-            offs2 = offs + SUB
-            x = tl.load(rowp[:, None, None] + offs, mask=rmask[:, None, None] & (offs < V),
-                        other=float("-inf"))  # fmt: skip
-            x2 = tl.load(rowp[:, None, None] + offs2, mask=rmask[:, None, None] & (offs2 < V),
-                         other=float("-inf"))  # fmt: skip
-            m, where, total, low, above_sum, above_cnt = _one_pass_slice(
-                x, offs, t, t1, zd, m, where, total, low, above_sum, above_cnt, SCREEN
-            )
-            m, where, total, low, above_sum, above_cnt = _one_pass_slice(
-                x2, offs2, t, t1, zd, m, where, total, low, above_sum, above_cnt, SCREEN
-            )
+    for c in tl.range(0, BLOCK_V, SUB):
+        offs = (lo + c + col)[None, :, :]  # [1, G, 8]
+        mask = rmask[:, None, None] & (offs < V)
+        x = tl.load(rowp[:, None, None] + offs, mask=mask, other=float("-inf"))
+        z = _z_of(x, t[:, None, None], t1)
+        # Taken where the group's max beats the lane's (strict: a lane keeps its first
+        # index of a tie).
+        gmax, gidx = _group_argmax(z, offs)
+        up = gmax > m
+        where = tl.where(up, gidx, where)
+        mn = tl.maximum(m, gmax)
+        ref = tl.where(mn == float("-inf"), 0.0, mn)
+        scale = tl.exp(m - ref)  # 1 where the max stands; 0 from an all -inf history
+        ez = tl.exp(z - ref[:, :, None])
+        total = total * scale + tl.sum(ez, axis=2)
+        low = tl.minimum(low, tl.min(tl.where(z > float("-inf"), z, float("inf")), axis=2))
+        if SCREEN:
+            above = z > zd[:, None, None]
+            above_sum = above_sum * scale + tl.sum(tl.where(above, ez, 0.0), axis=2)
+            above_cnt += tl.sum(above.to(tl.int32), axis=2)
+        m = mn
     bmax = tl.max(m, axis=1)
     barg = tl.min(tl.where(m == bmax[:, None], where, 2147483647), axis=1)
     tl.store(pmax_ptr + out, bmax, mask=rmask)
@@ -1828,8 +1788,7 @@ def _greedy_kernel(
     tokens_ptr, stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr,
     K, V, NB,
     KP: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr, NBP: tl.constexpr,
-    STAGES: tl.constexpr, PER_ROW: tl.constexpr, PAIR: tl.constexpr = False,
-    GDC: tl.constexpr = False,
+    STAGES: tl.constexpr, PER_ROW: tl.constexpr, GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Every request greedy, in one launch. A program takes the argmax over vocabulary
     block blk of one target row (PER_ROW: program (blk, row)) or of request b's K + 1
@@ -1840,9 +1799,7 @@ def _greedy_kernel(
     pipelined across iterations), reduced once at the end: the largest value, and the
     smallest index holding it. The partials are laid out [rows, NB] in the workspace
     (NB <= its columns). One row per program keeps a row's programs adjacent in launch
-    order and loads no padding rows (KP > K + 1). PAIR (RejectionConfig.pair_g): the
-    block's max and its first index in one reduction over (value, index) pairs, not a
-    max and then a min over the lanes holding it (one cross-warp exchange, not two)."""
+    order and loads no padding rows (KP > K + 1)."""
     _gdc_enter(GDC)
     if PER_ROW:
         blk = tl.program_id(0)
@@ -1869,11 +1826,8 @@ def _greedy_kernel(
         up = z > best  # strict: a lane keeps its first index of a tie
         best = tl.where(up, z, best)
         where = tl.where(up, offs[None, :], where)
-    if PAIR:
-        bmax, barg = tl.reduce((best, where), 1, _argmax_pair)
-    else:
-        bmax = tl.max(best, axis=1)
-        barg = tl.min(tl.where(best == bmax[:, None], where, 2147483647), axis=1)
+    bmax = tl.max(best, axis=1)
+    barg = tl.min(tl.where(best == bmax[:, None], where, 2147483647), axis=1)
     out = rows * NB + blk
     tl.store(pmax_ptr + out, bmax, mask=rmask)
     tl.store(parg_ptr + out, barg, mask=rmask)
@@ -1925,7 +1879,9 @@ class RejectionConfig:
     # Chunks the bracket pass loads before their lane-slot stores (1 or 4): that many
     # loads in flight. With 1, the pass waited out each 512-column chunk's load (ncu,
     # H100, stop 68: ~29% of the cut launch's stall samples in the pass loop, its loads
-    # and stores alternating in the SASS). The same slots, bit for bit. Off until timed.
+    # and stores alternating in the SASS). The same slots, bit for bit (CPU tests; GPU at
+    # V 49152). choose_rejection_config takes 4 at large vocabularies: H100, B 64, K 5,
+    # V 49152, top-p 0.9, the bracket launch 54.1 -> 46.6 µs (stop 69).
     loads_f: int = 1
     row_g: bool = False  # the all-greedy launch: one target row per program (else a
     # request's K + 1 rows); used while B * (K + 1) <= 65535 (the grid's second dimension)
@@ -1961,8 +1917,11 @@ class RejectionConfig:
     # The bracket's cut found by a bisection over its values' keys (_bisect_keys: at most
     # 32 masked sums over the values in registers) instead of a sort and a running sum
     # (a 2048-value tl.sort is ~13 µs of a program's time on the H100, stop 63's split
-    # close launch); the same cut, bit for bit (CPU tests). Not where the top-k cut's
-    # bracket also gives the top-p cut (fuse_kp), which needs the order. Off until timed.
+    # close launch); the same cut, bit for bit (CPU tests; GPU at V 49152). Not where the
+    # top-k cut's bracket also gives the top-p cut (fuse_kp), which needs the order.
+    # choose_rejection_config turns it on at large vocabularies: H100, B 64, K 5, V 49152,
+    # top-p 0.9, the bracket launch 54.3 -> 51.3 µs alone, 46.6 -> 40.3 with loads_f 4;
+    # the whole sampler 112 -> 101 µs with both (stop 69).
     bisect_f: bool = False
     # The partials read their block once (_partials_one_pass: per-lane running max and sums
     # rescaled as the max rises, one exp a group of 8 columns) instead of twice (the max,
@@ -1971,17 +1930,6 @@ class RejectionConfig:
     # vocabularies: H100, B 64, K 5, V 49152, top-p 0.9, the partials launch 34.2 ->
     # 27.7 µs, the whole sampler 121.66 -> 112.61 (stop 68).
     one_pass_v: bool = False
-    # The one-pass partials load two slices an iteration before taking either in (1 or
-    # 2): two 16-byte loads in flight a thread, not one (offline sm_90, stop 68: one
-    # LDG.128 a loop iteration). The same bits (the slices are taken in order). Off until
-    # timed on a GPU.
-    loads_v: int = 1
-    # The all-greedy launch reduces (max, first index) pairs at once instead of a max,
-    # then a min over the lanes holding it: half the cross-warp exchanges and barriers
-    # at each program's end (ncu, H100, stop 68: 20% of the launch's stall samples wait
-    # at barriers). The same tokens (CPU tests); a block's max may differ in the sign of
-    # a zero, which compares equal. Off until timed on a GPU.
-    pair_g: bool = False
 
     def __post_init__(self) -> None:
         # Every size is a tile width (tl.arange needs a power of two); tries_f, the stages
@@ -2007,8 +1955,6 @@ class RejectionConfig:
                 )
         if self.loads_f not in (1, 4):  # the pass has a loop for 1 and for 4 chunks
             raise ValueError(f"RejectionConfig.loads_f must be 1 or 4, got {self.loads_f!r}")
-        if self.loads_v > 2:  # the one-pass partials have a loop for 1 and for 2 slices
-            raise ValueError(f"RejectionConfig.loads_v must be 1 or 2, got {self.loads_v!r}")
 
     @property
     def max_passes(self) -> int:
@@ -2097,6 +2043,8 @@ def choose_rejection_config(
         cap_f=2048 if wide else 0,
         sample_f=2048,
         lanes_f=lanes_f,
+        loads_f=4 if wide else 1,
+        bisect_f=wide,
         one_pass_v=wide,
     )
 
@@ -2397,7 +2345,7 @@ def _plan(
             (target_logits, lm, draft_tokens, draft_tokens.stride(0), positions, ws.part_max,
              ws.part_arg, ws.done, out_tokens, out_tokens.stride(0), out_num_accepted,
              out_num_emitted, proposed_counts, accepted_counts, k, v, nbg, kp, bg, sub,
-             _p2(nbg), cfg.stages_g, per_row, bool(cfg.pair_g)),
+             _p2(nbg), cfg.stages_g, per_row),
             warps,
             pdl,
         )  # fmt: skip
@@ -2412,8 +2360,7 @@ def _plan(
         (triton.cdiv(rows, cfg.rows_p), triton.cdiv(v, cfg.block_v)),
         (target_logits, lm, greedy, temperature, ws.part_max, ws.part_arg, ws.part_sum,
          ws.part_min, draft_tokens, db, ws.part_above, ws.part_cnt, rows, v, k + 1, nb,
-         cfg.rows_p, cfg.block_v, sub_v, screen, one_pass,
-         cfg.loads_v if one_pass and cfg.block_v >= 2 * sub_v else 1),
+         cfg.rows_p, cfg.block_v, sub_v, screen, one_pass),
         # Unless the config says (the sliced GPU tiles do): 8 warps from 4096-element
         # slices, 4 below. Screened or not, a config takes the same warps, so a block's
         # sum is the same bits either way.

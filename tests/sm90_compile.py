@@ -269,19 +269,19 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.cap_f > 0:
             flip = dataclasses.replace(cfg, fuse_kp=not cfg.fuse_kp)
             variants.append((flip, f" fuse_kp={int(flip.fuse_kp)}", "_cut_kernel"))
-            # the narrow bracket sort, the top-k cut's own sample and the pass's four loads
-            # in flight (small_f, sample_k, loads_f: off by default), in one compile
-            narrow = dataclasses.replace(cfg, small_f=cfg.small_f or 512, sample_k=512, loads_f=4)
-            tag = f" small_f={narrow.small_f} sample_k=512 loads_f=4"
+            # the narrow bracket sort and the top-k cut's own sample (small_f, sample_k: off
+            # by default), with the pass's loads and the bracket's cut the other way
+            # (loads_f 1 / 4, bisect_f: on at large vocabularies), in one compile
+            narrow = dataclasses.replace(
+                cfg, small_f=cfg.small_f or 512, sample_k=512, loads_f=5 - cfg.loads_f,
+                bisect_f=not cfg.bisect_f,
+            )  # fmt: skip
+            tag = (f" small_f={narrow.small_f} sample_k=512 loads_f={narrow.loads_f}"
+                   f" bisect_f={int(narrow.bisect_f)}")  # fmt: skip
             variants.append((narrow, tag, "_cut_kernel"))
-        # the partials read twice or once (one_pass_v: on at large vocabularies); the
-        # greedy launch's paired reduction (pair_g: off by default)
+        # the partials read twice or once (one_pass_v: on at large vocabularies)
         flip = dataclasses.replace(cfg, one_pass_v=not cfg.one_pass_v)
         variants.append((flip, f" one_pass_v={int(flip.one_pass_v)}", "_partials_kernel"))
-        variants.append((dataclasses.replace(cfg, pair_g=True), " pair_g=1", "_greedy_kernel"))
-        # the one-pass partials loading two slices an iteration (loads_v: off by default)
-        two = dataclasses.replace(cfg, one_pass_v=True, loads_v=2)
-        variants.append((two, " one_pass_v=1 loads_v=2", "_partials_kernel"))
         for name, (config, tag, only), sampled in itertools.product(
             args.dtypes.split(","), variants, (True, False)
         ):

@@ -641,33 +641,7 @@ LOOP_TILES = dataclasses.replace(ROW_TILES, rows_p=1, sub_v=8, warps_v=2)
 ONE_PASS_TILES = [
     dataclasses.replace(LOOP_TILES, one_pass_v=True),
     dataclasses.replace(ROW_TILES, sub_v=16, one_pass_v=True),
-    dataclasses.replace(LOOP_TILES, one_pass_v=True, loads_v=2),  # two slices an iteration
 ]
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_partials_two_slices_an_iteration_are_the_same_bits(device):
-    """loads_v 2 takes the slices in the order loads_v 1 does: every partial (sums
-    included), screened, the same bits, on rows whose last block runs past V."""
-    k, v = 2, 203
-    logits, drafts, q, st, pos = _filter_batch(53, k, v, MIXED, 5)
-    got = []
-    for loads in (1, 2):
-        cfg = dataclasses.replace(LOOP_TILES, one_pass_v=True, loads_v=loads)
-        batch = Batch(logits.to(device), drafts.to(device), q.to(device), _on(st, device),
-                      pos.to(device), cfg)  # fmt: skip
-        ws = batch.ws
-        parts = (ws.part_max, ws.part_arg, ws.part_min, ws.part_cnt, ws.part_sum, ws.part_above)
-        for t in parts:  # poisoned: NaN, or -7 where an index or a count goes
-            t.fill_(float("nan") if t.is_floating_point() else -7)
-        batch.run()
-        got.append([t.cpu().clone() for t in parts])
-    n = drafts.shape[0] * (k + 1)
-    drafted = (torch.arange(n) % (k + 1)) < k  # the counts above a draft: rows with one
-    for i, (a, b) in enumerate(zip(*got)):
-        a, b = (x[:n][drafted if i in (3, 5) else slice(None)] for x in (a, b))
-        assert not (a.isnan() if a.is_floating_point() else a == -7).any(), i
-        assert torch.equal(a, b), i
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -1048,26 +1022,24 @@ def test_counters_accumulate_and_padding_writes_nothing(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "block_g, sub_g, row_g, pair_g",
-    [(None, None, False, False), (16, None, False, False), (32, 8, False, False),
-     (16, 4, False, False), (None, None, True, False), (16, 4, True, False),
-     (32, 8, True, False), (32, 8, False, True), (16, 4, True, True)],
+    "block_g, sub_g, row_g",
+    [(None, None, False), (16, None, False), (32, 8, False), (16, 4, False), (None, None, True),
+     (16, 4, True), (32, 8, True)],
 )  # fmt: skip
-def test_greedy_one_launch_resets_its_tickets(device, block_g, sub_g, row_g, pair_g):
+def test_greedy_one_launch_resets_its_tickets(device, block_g, sub_g, row_g):
     """All-greedy batches take the one-launch kernel, whose last program per request
     finishes it: tickets are back to zero after every call, so fresh logits in a second
     call are decided from scratch (padded requests write -1 / 0 both times). sub_g
     below block_g: the block is read in a loop (ties across its lanes and iterations;
     the last block runs past V). row_g: one target row per program, (K + 1) x blocks
-    tickets per request. pair_g: each block's max and first index in one reduction."""
+    tickets per request."""
     b, k, v = 7, 3, 40
     g = torch.Generator().manual_seed(11)
     st = make_params(b, [SP(0.0)], device)
     # 5, 3 or 2 blocks per row
     cfg = kr.RejectionConfig(
-        8, 1, 16, 16, 8, 16, 16, 1, block_g=block_g, sub_g=sub_g, warps_g=2, row_g=row_g,
-        pair_g=pair_g,
-    )  # fmt: skip
+        8, 1, 16, 16, 8, 16, 16, 1, block_g=block_g, sub_g=sub_g, warps_g=2, row_g=row_g
+    )
     assert (cfg.block_g, cfg.sub_g) == (block_g, sub_g)
     batch = None
     for call in range(2):
@@ -1328,15 +1300,13 @@ def test_gpu_bf16_large_vocab_matches_reference(v):
 
 
 @gpu
-@pytest.mark.parametrize("spec", ["loads_f=4", "loads_v=2", "loads_f=4+loads_v=2", "pair_g=1"])
+@pytest.mark.parametrize("spec", ["loads_f=1", "bisect_f=0", "loads_f=1+bisect_f=0"])
 def test_gpu_large_vocab_variants_equal_the_default(spec):
-    """The options that only reorder loads or reductions (off by default), at the
-    wide tiles of V 49152: the default's tokens, counts, thresholds and kept masses, bit
-    for bit. pair_g acts in all-greedy calls (the one-launch kernel), so it gets one."""
+    """The bracket pass's four loads in flight (loads_f) and the bracket's cut by
+    bisection (bisect_f), on by default at the wide tiles of V 49152, turned back off:
+    the default's tokens, counts, thresholds and kept masses, bit for bit."""
     b, k, v = 16, 5, 49152
     logits, drafts, q, st, pos = _gpu_case(b, k, v, seed=29)
-    if spec == "pair_g=1":
-        q, st = None, make_params(b, [SP(0.0)])
     args = (logits.cuda(), drafts.cuda(), None if q is None else q.cuda(), _on(st, "cuda"),
             pos.cuda())  # fmt: skip
     fields = {n: int(x) for n, x in (f.split("=") for f in spec.split("+"))}
@@ -1424,8 +1394,7 @@ def test_gpu_lossless_mixed_modes_200k():
      ("split_f", 3000, "split_f must be a power of two or 0, got 3000"),
      ("rows_s", 0, "rows_s must be an int >= 1, got 0"),
      ("loads_f", 3, "loads_f must be a power of two, got 3"),
-     ("loads_f", 2, "loads_f must be 1 or 4, got 2"),
-     ("loads_v", 4, "loads_v must be 1 or 2, got 4")],
+     ("loads_f", 2, "loads_f must be 1 or 4, got 2")],
 )  # fmt: skip
 def test_config_refuses_a_bad_tile_or_count(field, value, match):
     # a width the kernels would take to tl.arange, or a count below its floor: refused
