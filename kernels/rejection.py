@@ -731,13 +731,18 @@ def _key(x):
 
 
 @triton.jit
-def _bisect_keys(vals, valid, e, above_c, above_m, target_c, target_m, MASS: tl.constexpr):
+def _bisect_keys(vals, valid, e, above_c, above_m, target_c, target_m, MASS: tl.constexpr,
+                 WAYS: tl.constexpr = 2):  # fmt: skip
     """The largest of the valid vals (unordered; e their _fx masses) whose measure at or
     above it (above_m + their masses >= it, or above_c + their count) reaches the target:
     (found, value). The measure only changes at a value, so a bisection over the int32
     keys between the smallest and the largest valid value ends on that value's key (at
     most 32 steps of one masked sum each); exactly the first crossing of the sorted
-    running sum (_bracket_cut), ties included."""
+    running sum (_bracket_cut), ties included. WAYS 4 or 8 (RejectionConfig.ways_f): each
+    step measures WAYS points of the interval in one reduction (a [n, WAYS] masked sum)
+    and keeps the part between the last that reaches and the first that does not, so it
+    takes log2(WAYS) times fewer steps; the answer is the same key, the largest reaching
+    one being unique."""
     keys = _key(vals).to(tl.int64)
     klo = tl.min(tl.where(valid, keys, 2147483647), axis=0)
     khi = tl.max(tl.where(valid, keys, -2147483648), axis=0)
@@ -746,7 +751,22 @@ def _bisect_keys(vals, valid, e, above_c, above_m, target_c, target_m, MASS: tl.
     else:
         found = above_c + tl.sum(valid.to(tl.int32), axis=0) >= target_c
     found = found & (klo <= khi)
-    if found:
+    if found & (WAYS > 2):
+        # Point j of WAYS at klo + ceil(j (khi - klo) / WAYS): point 0 is klo (known to
+        # reach), the others lie above it and at most at khi, non-decreasing, and the
+        # measure does not grow with the key: the points that reach come first.
+        j = tl.arange(0, WAYS).to(tl.int64)
+        while klo < khi:
+            mids = klo + ((khi - klo) * j + (WAYS - 1)) // WAYS
+            ge = valid[:, None] & (keys[:, None] >= mids[None, :])
+            if MASS:
+                got = tl.sum(tl.where(ge, e[:, None], 0), axis=0)
+                reach = (above_m + got).to(tl.float64) >= target_m
+            else:
+                reach = above_c + tl.sum(ge.to(tl.int32), axis=0) >= target_c
+            khi = tl.min(tl.where(reach, khi, mids - 1), axis=0)
+            klo = tl.max(tl.where(reach, mids, klo), axis=0)
+    elif found:
         while klo < khi:
             mid = klo + (khi - klo + 1) // 2
             ge = valid & (keys >= mid)
@@ -766,21 +786,21 @@ def _bracket_cut(
     cbase, n, above_c, above_m, target_c, target_m, m, lo, hi, b_lo, a_hi, ok, fused, thr_p,
     kept_mp, p_top, zmin,
     MASS: tl.constexpr, FXS: tl.constexpr, FUSE_P: tl.constexpr, SIZE: tl.constexpr,
-    BISECT: tl.constexpr = False,
+    BISECT: tl.constexpr = 0,
 ):  # fmt: skip
     """_cut_fast's answer from its compacted bracket: the n <= SIZE values at cbase,
     sorted in a SIZE-wide tile (the first n slots of a wider one: the same values in the
     same order, so the same answer for any SIZE >= n). Returns (thr, kept count, kept
     mass, ok, hi, a_hi, fused, thr_p, kept mass_p) as _cut_fast carries them. BISECT
-    (never with FUSE_P, which needs the order): the same cut without the sort, by
-    _bisect_keys."""
+    (never with FUSE_P, which needs the order; 0 off, else _bisect_keys' WAYS): the same
+    cut without the sort, by _bisect_keys."""
     slots = tl.arange(0, SIZE)
     vals = tl.load(cbase + slots, mask=slots < n, other=float("-inf"))
     if BISECT:
         tl.static_assert(not FUSE_P, "the fused top-p cut needs the sorted bracket")
         e = tl.where(slots < n, _fx(vals, m, FXS), 0)
         found, v_hit = _bisect_keys(vals, slots < n, e, above_c, above_m, target_c, target_m,
-                                    MASS)  # fmt: skip
+                                    MASS, BISECT)  # fmt: skip
     else:
         vals = tl.sort(vals, descending=True)
         e = tl.where(slots < n, _fx(vals, m, FXS), 0)
@@ -935,7 +955,7 @@ def _cut_fast(
     p_top, zmin,
     MASS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, SAMPLE: tl.constexpr,
     TRIES: tl.constexpr, LANES: tl.constexpr, STAGES: tl.constexpr, FXS: tl.constexpr,
-    FUSE_P: tl.constexpr, SMALL: tl.constexpr, BISECT: tl.constexpr = False,
+    FUSE_P: tl.constexpr, SMALL: tl.constexpr, BISECT: tl.constexpr = 0,
     LOADS: tl.constexpr = 1,
 ):  # fmt: skip
     """_cut_row's answer in one pass over the row when a sample places it well.
@@ -1275,7 +1295,7 @@ def _cut(
     NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
     CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr, LANES: tl.constexpr,
     STAGES: tl.constexpr, FAST_ONLY: tl.constexpr, FUSE_P: tl.constexpr, SMALL_F: tl.constexpr,
-    BISECT: tl.constexpr = False, LOADS: tl.constexpr = 1,
+    BISECT: tl.constexpr = 0, LOADS: tl.constexpr = 1,
 ):  # fmt: skip
     """_cut_tile's contract, plus ok [ROWS] (0: not found). One row takes _cut_row
     (scalar state), first trying _cut_fast's pass when CAP_F > 0; FAST_ONLY leaves a
@@ -1923,6 +1943,11 @@ class RejectionConfig:
     # top-p 0.9, the bracket launch 54.3 -> 51.3 µs alone, 46.6 -> 40.3 with loads_f 4;
     # the whole sampler 112 -> 101 µs with both (stop 69).
     bisect_f: bool = False
+    # The points that bisection measures a step (2, 4 or 8; _bisect_keys): WAYS - 1
+    # masked sums in one [n, WAYS] reduction, log2(WAYS) times fewer steps, the same cut
+    # (CPU tests). ncu, H100, stop 69: the binary bisection ~19% of the bracket launch's
+    # stall samples (~9 µs of 47), each step one block-wide reduction. Off (2) until timed.
+    ways_f: int = 2
     # The partials read their block once (_partials_one_pass: per-lane running max and sums
     # rescaled as the max rises, one exp a group of 8 columns) instead of twice (the max,
     # then the sums from L1 / L2). The same max, argmax, smallest value and count; the
@@ -1955,6 +1980,8 @@ class RejectionConfig:
                 )
         if self.loads_f not in (1, 4):  # the pass has a loop for 1 and for 4 chunks
             raise ValueError(f"RejectionConfig.loads_f must be 1 or 4, got {self.loads_f!r}")
+        if self.ways_f not in (2, 4, 8):  # a reduction of WAYS columns a step
+            raise ValueError(f"RejectionConfig.ways_f must be 2, 4 or 8, got {self.ways_f!r}")
 
     @property
     def max_passes(self) -> int:
@@ -2372,7 +2399,7 @@ def _plan(
     # workspace has the split's buffers when the config asks for it)
     fast = cfg.cap_f > 0 and cfg.rows_t == 1
     split = cfg.split_f if fast and any_filter else 0
-    bisect = bool(cfg.bisect_f) and fast
+    bisect = cfg.ways_f if cfg.bisect_f and fast else 0  # the bisection's ways, 0: off
     # At most 32 rows a program on the GPU: a row's screen is a few hundred instructions,
     # and few partials a row (wide blocks) must not put the whole batch in one program.
     rows_i = max(1, min((1 << 16) // nbp if INTERPRET else min(2048 // nbp, 32), _p2(rows)))
@@ -2408,7 +2435,7 @@ def _plan(
                  min(cfg.small_f, cap_f // 2),
                  (cfg.sample_k or cfg.sample_f) if bracket else cfg.sample_f,
                  split if bracket else 0,
-                 bracket and bisect and not cfg.fuse_kp, bracket and bisect,
+                 bisect if bracket and not cfg.fuse_kp else 0, bisect if bracket else 0,
                  cfg.loads_f if bracket else 1),
                 cfg.warps_f if fast_only else 8 if cfg.rows_t * cfg.block_t >= 2048 else 4,
                 pdl,

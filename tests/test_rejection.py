@@ -255,10 +255,12 @@ SPLIT_VARIANTS = (SPLIT_TILES, dataclasses.replace(SPLIT_TILES, small_f=32, spli
                   dataclasses.replace(FAST_SMALL_TILES, split_f=64))  # fmt: skip
 # The brackets' cuts by bisection over their values (bisect_f): the one-row bracket (top-k
 # and top-p, sorted where fuse_kp takes the top-p cut from the top-k bracket) and the
-# split close
+# split close; and 4 / 8 points measured a step (ways_f)
 BISECT_VARIANTS = (dataclasses.replace(FAST_TILES, bisect_f=True),
                    dataclasses.replace(FUSED_TILES, bisect_f=True),
-                   dataclasses.replace(SPLIT_TILES, bisect_f=True))  # fmt: skip
+                   dataclasses.replace(SPLIT_TILES, bisect_f=True),
+                   dataclasses.replace(FAST_TILES, bisect_f=True, ways_f=4),
+                   dataclasses.replace(SPLIT_TILES, bisect_f=True, ways_f=8))  # fmt: skip
 # The bracket pass loading 4 chunks before their lane-slot stores (loads_f): one-slot lanes
 # that overflow, and the fused top-k / top-p bracket.
 LOADS_VARIANTS = (dataclasses.replace(FAST_SMALL_TILES, loads_f=4),
@@ -1394,7 +1396,9 @@ def test_gpu_lossless_mixed_modes_200k():
      ("split_f", 3000, "split_f must be a power of two or 0, got 3000"),
      ("rows_s", 0, "rows_s must be an int >= 1, got 0"),
      ("loads_f", 3, "loads_f must be a power of two, got 3"),
-     ("loads_f", 2, "loads_f must be 1 or 4, got 2")],
+     ("loads_f", 2, "loads_f must be 1 or 4, got 2"),
+     ("ways_f", 6, "ways_f must be a power of two, got 6"),
+     ("ways_f", 16, "ways_f must be 2, 4 or 8, got 16")],
 )  # fmt: skip
 def test_config_refuses_a_bad_tile_or_count(field, value, match):
     # a width the kernels would take to tl.arange, or a count below its floor: refused
