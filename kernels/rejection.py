@@ -950,6 +950,22 @@ def _pass_chunk(z, cnt, above_mv, above_cv, lbase, cols, b_lo, b_hi, m, FXS: tl.
 
 
 @triton.jit
+def _pass_vec_chunk(z, cnt, above_mv, above_cv, lbase, cols, b_lo, b_hi, m, FXS: tl.constexpr,
+                    LANES: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """_pass_chunk for a chunk of 8 adjacent columns a lane (z [BLOCK, 8], one lane's
+    columns along the last axis, in its registers): the lane's sums over its 8 values, and
+    its bracket values into its next slots in column order (an in-lane running count)."""
+    up = z > b_hi
+    above_mv += tl.sum(tl.where(up, _fx(z, m, FXS), 0), axis=1)
+    above_cv += tl.sum(up.to(tl.int32), axis=1)
+    inb = (z >= b_lo) & (z <= b_hi)
+    w = inb.to(tl.int32)
+    slot = cnt[:, None] + tl.cumsum(w, axis=1) - w
+    tl.store(lbase + slot * BLOCK + cols[:, None], z, mask=inb & (slot < LANES))
+    return cnt + tl.sum(w, axis=1), above_mv, above_cv
+
+
+@triton.jit
 def _cut_fast(
     logits_ptr, stride_lm, cand_ptr, row, t, m, V, floor_v, lo, hi, target_c, target_m, total,
     p_top, zmin,
@@ -982,7 +998,10 @@ def _cut_fast(
     stores (_pass_chunk), so that many loads are in flight: the compiler cannot move a
     load above a store it cannot prove apart, and with one chunk an iteration each chunk
     waited out its load. The same slots in the same order; their compaction after the
-    pass takes four slots' loads at a time too."""
+    pass takes four slots' loads at a time too. LOADS 16: two chunks of 8 adjacent
+    columns a lane an iteration (_pass_vec_chunk), one vector load each; a lane's slots
+    then hold other columns than with one column a lane, so a bracket may overflow a
+    lane where the other layout did not (the next try then takes it: the same cut)."""
     base = logits_ptr + row * stride_lm
     cbase = cand_ptr + row * (CAP + LANES * BLOCK)  # CAP dense values, then lane slots
     lbase = cbase + CAP
@@ -1019,7 +1038,27 @@ def _cut_fast(
             # own: no block-wide step inside the loop. The slots are made dense
             # after it (one scan); a lane with more values overflows the try.
             cnt = tl.zeros([BLOCK], tl.int32)
-            if LOADS == 1:
+            if LOADS == 16:
+                # Two chunks of 8 adjacent columns a lane (one 16-byte load each for 16-bit
+                # logits) an iteration: 16 columns a lane in flight in two loads, where 4
+                # one-column chunks took four.
+                vec = cols[:, None] * 8 + tl.arange(0, 8)[None, :]
+                for v0 in tl.range(0, V, 16 * BLOCK, num_stages=STAGES):
+                    o0 = v0 + vec
+                    o1 = o0 + 8 * BLOCK
+                    x0 = tl.load(base + o0, mask=o0 < V, other=float("-inf"))
+                    x1 = tl.load(base + o1, mask=o1 < V, other=float("-inf"))
+                    z0 = _z_of(x0, t, t == 1.0)
+                    z1 = _z_of(x1, t, t == 1.0)
+                    cnt, above_mv, above_cv = _pass_vec_chunk(
+                        z0, cnt, above_mv, above_cv, lbase, cols, b_lo, b_hi, m, FXS, LANES,
+                        BLOCK,
+                    )  # fmt: skip
+                    cnt, above_mv, above_cv = _pass_vec_chunk(
+                        z1, cnt, above_mv, above_cv, lbase, cols, b_lo, b_hi, m, FXS, LANES,
+                        BLOCK,
+                    )  # fmt: skip
+            elif LOADS == 1:
                 for v0 in tl.range(0, V, BLOCK, num_stages=STAGES):
                     offs = v0 + cols
                     z = _row_z(base + offs, offs < V, t)
@@ -1028,7 +1067,7 @@ def _cut_fast(
                         BLOCK,
                     )  # fmt: skip
             else:
-                tl.static_assert(LOADS == 4, "loads_f is 1 or 4")
+                tl.static_assert(LOADS == 4, "loads_f is 1, 4 or 16")
                 for v0 in tl.range(0, V, 4 * BLOCK, num_stages=STAGES):
                     o0 = v0 + cols
                     o1 = o0 + BLOCK
@@ -1067,7 +1106,7 @@ def _cut_fast(
                 n = CAP + 1  # values were dropped: as if the bracket overflowed
             elif n <= CAP:
                 tl.debug_barrier()  # the slots' stores are visible to every thread
-                if (LOADS == 4) & (LANES % 4 == 0):
+                if (LOADS >= 4) & (LANES % 4 == 0):
                     # four slots' loads before their stores, as in the pass
                     for j in tl.static_range(0, LANES, 4):
                         w0 = tl.load(lbase + j * BLOCK + cols, mask=j < mine, other=0.0)
@@ -1901,7 +1940,10 @@ class RejectionConfig:
     # H100, stop 68: ~29% of the cut launch's stall samples in the pass loop, its loads
     # and stores alternating in the SASS). The same slots, bit for bit (CPU tests; GPU at
     # V 49152). choose_rejection_config takes 4 at large vocabularies: H100, B 64, K 5,
-    # V 49152, top-p 0.9, the bracket launch 54.1 -> 46.6 µs (stop 69).
+    # V 49152, top-p 0.9, the bracket launch 54.1 -> 46.6 µs (stop 69). 16: two chunks of
+    # 8 adjacent columns a lane an iteration, one 16-byte load each (ncu, stop 69: with 4,
+    # the loop's hottest stalls still wait on its loads, 4 KB in flight an SM). Off until
+    # timed.
     loads_f: int = 1
     row_g: bool = False  # the all-greedy launch: one target row per program (else a
     # request's K + 1 rows); used while B * (K + 1) <= 65535 (the grid's second dimension)
@@ -1978,8 +2020,8 @@ class RejectionConfig:
                     f"RejectionConfig.{f.name} must be a power of two"
                     f"{' or 0' if zero else ''}, got {v!r}"
                 )
-        if self.loads_f not in (1, 4):  # the pass has a loop for 1 and for 4 chunks
-            raise ValueError(f"RejectionConfig.loads_f must be 1 or 4, got {self.loads_f!r}")
+        if self.loads_f not in (1, 4, 16):  # the pass's loops: 1 or 4 chunks, or 2 x 8 columns
+            raise ValueError(f"RejectionConfig.loads_f must be 1, 4 or 16, got {self.loads_f!r}")
         if self.ways_f not in (2, 4, 8):  # a reduction of WAYS columns a step
             raise ValueError(f"RejectionConfig.ways_f must be 2, 4 or 8, got {self.ways_f!r}")
 

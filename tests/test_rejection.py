@@ -262,9 +262,14 @@ BISECT_VARIANTS = (dataclasses.replace(FAST_TILES, bisect_f=True),
                    dataclasses.replace(FAST_TILES, bisect_f=True, ways_f=4),
                    dataclasses.replace(SPLIT_TILES, bisect_f=True, ways_f=8))  # fmt: skip
 # The bracket pass loading 4 chunks before their lane-slot stores (loads_f): one-slot lanes
-# that overflow, and the fused top-k / top-p bracket.
+# that overflow, and the fused top-k / top-p bracket; and two chunks of 8 columns a lane
+# (loads_f 16) over 8 lanes, so that a row takes two iterations, the last one part past V.
 LOADS_VARIANTS = (dataclasses.replace(FAST_SMALL_TILES, loads_f=4),
-                  dataclasses.replace(FUSED_TILES, loads_f=4))  # fmt: skip
+                  dataclasses.replace(FUSED_TILES, loads_f=4),
+                  dataclasses.replace(FAST_SMALL_TILES, loads_f=16, block_t=8),
+                  dataclasses.replace(FAST_TILES, loads_f=16, block_t=8, lanes_f=16,
+                                      bisect_f=True),
+                  dataclasses.replace(FUSED_TILES, loads_f=16, block_t=8))  # fmt: skip
 KINDS = [SP(0.0), SP(1.0), SP(0.7, top_k=5), SP(1.3, top_p=0.8), SP(0.5, top_k=9, top_p=0.6),
          SP(2.0, top_k=1), SP(1.0, top_p=0.05), SP(1.0, top_k=40)]  # fmt: skip
 
@@ -1302,11 +1307,15 @@ def test_gpu_bf16_large_vocab_matches_reference(v):
 
 
 @gpu
-@pytest.mark.parametrize("spec", ["loads_f=1", "bisect_f=0", "loads_f=1+bisect_f=0"])
+@pytest.mark.parametrize(
+    "spec", ["loads_f=1", "bisect_f=0", "loads_f=1+bisect_f=0", "loads_f=16", "ways_f=4"]
+)
 def test_gpu_large_vocab_variants_equal_the_default(spec):
     """The bracket pass's four loads in flight (loads_f) and the bracket's cut by
-    bisection (bisect_f), on by default at the wide tiles of V 49152, turned back off:
-    the default's tokens, counts, thresholds and kept masses, bit for bit."""
+    bisection (bisect_f), on by default at the wide tiles of V 49152, turned back off;
+    the pass's 8-column vector chunks (loads_f 16) and 4 points a bisection step (ways_f
+    4), off by default: the default's tokens, counts, thresholds and kept masses, bit for
+    bit."""
     b, k, v = 16, 5, 49152
     logits, drafts, q, st, pos = _gpu_case(b, k, v, seed=29)
     args = (logits.cuda(), drafts.cuda(), None if q is None else q.cuda(), _on(st, "cuda"),
@@ -1396,7 +1405,7 @@ def test_gpu_lossless_mixed_modes_200k():
      ("split_f", 3000, "split_f must be a power of two or 0, got 3000"),
      ("rows_s", 0, "rows_s must be an int >= 1, got 0"),
      ("loads_f", 3, "loads_f must be a power of two, got 3"),
-     ("loads_f", 2, "loads_f must be 1 or 4, got 2"),
+     ("loads_f", 2, "loads_f must be 1, 4 or 16, got 2"),
      ("ways_f", 6, "ways_f must be a power of two, got 6"),
      ("ways_f", 16, "ways_f must be 2, 4 or 8, got 16")],
 )  # fmt: skip
