@@ -731,6 +731,12 @@ def _key(x):
 
 
 @triton.jit
+def _sum_min_max(s1, lo1, hi1, s2, lo2, hi2):
+    """tl.reduce's combine for (sum, min, max) triples."""
+    return s1 + s2, tl.minimum(lo1, lo2), tl.maximum(hi1, hi2)
+
+
+@triton.jit
 def _bisect_keys(vals, valid, e, above_c, above_m, target_c, target_m, MASS: tl.constexpr,
                  WAYS: tl.constexpr = 2):  # fmt: skip
     """The largest of the valid vals (unordered; e their _fx masses) whose measure at or
@@ -742,7 +748,11 @@ def _bisect_keys(vals, valid, e, above_c, above_m, target_c, target_m, MASS: tl.
     step measures WAYS points of the interval in one reduction (a [n, WAYS] masked sum)
     and keeps the part between the last that reaches and the first that does not, so it
     takes log2(WAYS) times fewer steps; the answer is the same key, the largest reaching
-    one being unique."""
+    one being unique. WAYS 1 (RejectionConfig.interp_f): one point a step where the
+    measure, taken as linear in the key between the two ends, crosses the target; the end
+    it replaces moves on to the nearest value's key (the measure is the same there), so
+    the search runs over values rather than keys. A step that does not halve the interval
+    is followed by a midpoint step: at most about twice the bisection's steps."""
     keys = _key(vals).to(tl.int64)
     klo = tl.min(tl.where(valid, keys, 2147483647), axis=0)
     khi = tl.max(tl.where(valid, keys, -2147483648), axis=0)
@@ -751,7 +761,45 @@ def _bisect_keys(vals, valid, e, above_c, above_m, target_c, target_m, MASS: tl.
     else:
         found = above_c + tl.sum(valid.to(tl.int32), axis=0) >= target_c
     found = found & (klo <= khi)
-    if found & (WAYS > 2):
+    if found & (WAYS == 1):
+        if MASS:
+            m_lo = (above_m + tl.sum(e, axis=0)).to(tl.float64)  # the measure at klo
+            m_hi = above_m.to(tl.float64)  # and past khi
+            goal = target_m
+        else:
+            m_lo = (above_c + tl.sum(valid.to(tl.int32), axis=0)).to(tl.float64)
+            m_hi = above_c.to(tl.float64)
+            goal = target_c.to(tl.float64)
+        interp = True
+        while klo < khi:
+            span = khi - klo
+            mid = klo + (span + 1) // 2
+            if interp:
+                f = tl.where(m_lo > m_hi, (m_lo - goal) / (m_lo - m_hi), 0.5)
+                f = tl.minimum(tl.maximum(f, 0.0), 1.0)
+                off = (f * (span + 1).to(tl.float64)).to(tl.int64)
+                mid = klo + tl.minimum(tl.maximum(off, 1), span)
+            ge = valid & (keys >= mid)
+            if MASS:
+                w = tl.where(ge, e, 0)
+            else:
+                w = ge.to(tl.int64)
+            got, up, down = tl.reduce(
+                (w, tl.where(ge, keys, 2147483647), tl.where(valid & ~ge, keys, -2147483648)),
+                0, _sum_min_max,
+            )  # fmt: skip
+            if MASS:
+                here = (above_m + got).to(tl.float64)
+            else:
+                here = (above_c + got).to(tl.float64)
+            if here >= goal:
+                klo = up  # the smallest value at or above mid: the same measure
+                m_lo = here
+            else:
+                khi = down  # the largest value below mid: every key past it fails
+                m_hi = here
+            interp = 2 * (khi - klo) <= span
+    elif found & (WAYS > 2):
         # Point j of WAYS at klo + ceil(j (khi - klo) / WAYS): point 0 is klo (known to
         # reach), the others lie above it and at most at khi, non-decreasing, and the
         # measure does not grow with the key: the points that reach come first.
@@ -1990,6 +2038,12 @@ class RejectionConfig:
     # (CPU tests). ncu, H100, stop 69: the binary bisection ~19% of the bracket launch's
     # stall samples (~9 µs of 47), each step one block-wide reduction. Off (2) until timed.
     ways_f: int = 2
+    # The bisection's point placed where the measure, linear in the key between the ends,
+    # crosses the target, its ends moved on to the nearest values (_bisect_keys, WAYS 1;
+    # ways_f then unused): the brackets' ~1000 values with near-linear measures should
+    # take a few steps instead of ~20, at a (sum, min, max) reduction a step. The same
+    # cut (CPU tests). Off until timed.
+    interp_f: bool = False
     # The partials read their block once (_partials_one_pass: per-lane running max and sums
     # rescaled as the max rises, one exp a group of 8 columns) instead of twice (the max,
     # then the sums from L1 / L2). The same max, argmax, smallest value and count; the
@@ -2441,7 +2495,8 @@ def _plan(
     # workspace has the split's buffers when the config asks for it)
     fast = cfg.cap_f > 0 and cfg.rows_t == 1
     split = cfg.split_f if fast and any_filter else 0
-    bisect = cfg.ways_f if cfg.bisect_f and fast else 0  # the bisection's ways, 0: off
+    # the bisection's points a step (1: interpolated), 0: no bisection
+    bisect = (1 if cfg.interp_f else cfg.ways_f) if cfg.bisect_f and fast else 0
     # At most 32 rows a program on the GPU: a row's screen is a few hundred instructions,
     # and few partials a row (wide blocks) must not put the whole batch in one program.
     rows_i = max(1, min((1 << 16) // nbp if INTERPRET else min(2048 // nbp, 32), _p2(rows)))

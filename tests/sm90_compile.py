@@ -264,11 +264,18 @@ def main(argv: list[str] | None = None) -> int:
         v, b, k = map(int, case.split(","))
         cfg = kr.choose_rejection_config(v, b, k)
         # the default tiles; and where the one-pass bracket runs, its cut with fuse_kp
-        # the other way (so that flipping it cannot fail on the GPU only)
+        # the other way (so that flipping it cannot fail on the GPU only), with the pass's
+        # vector chunks and, at one request, interpolated bisection steps, else 4 points a
+        # step (loads_f 16, interp_f, ways_f 4: off by default; without fuse_kp both cuts
+        # bisect), in one compile
         variants = [(None, "", None)]
         if cfg.cap_f > 0:
-            flip = dataclasses.replace(cfg, fuse_kp=not cfg.fuse_kp)
-            variants.append((flip, f" fuse_kp={int(flip.fuse_kp)}", "_cut_kernel"))
+            search = {"interp_f": True} if b == 1 else {"ways_f": 4}
+            flip = dataclasses.replace(cfg, fuse_kp=not cfg.fuse_kp, loads_f=16, **search)
+            tag = f" fuse_kp={int(flip.fuse_kp)} loads_f=16 " + " ".join(
+                f"{n}={int(x)}" for n, x in search.items()
+            )
+            variants.append((flip, tag, "_cut_kernel"))
             # the narrow bracket sort and the top-k cut's own sample (small_f, sample_k: off
             # by default), with the pass's loads and the bracket's cut the other way
             # (loads_f 1 / 4, bisect_f: on at large vocabularies), in one compile

@@ -255,12 +255,14 @@ SPLIT_VARIANTS = (SPLIT_TILES, dataclasses.replace(SPLIT_TILES, small_f=32, spli
                   dataclasses.replace(FAST_SMALL_TILES, split_f=64))  # fmt: skip
 # The brackets' cuts by bisection over their values (bisect_f): the one-row bracket (top-k
 # and top-p, sorted where fuse_kp takes the top-p cut from the top-k bracket) and the
-# split close; and 4 / 8 points measured a step (ways_f)
+# split close; and 4 / 8 points measured a step (ways_f), or one interpolated (interp_f)
 BISECT_VARIANTS = (dataclasses.replace(FAST_TILES, bisect_f=True),
                    dataclasses.replace(FUSED_TILES, bisect_f=True),
                    dataclasses.replace(SPLIT_TILES, bisect_f=True),
                    dataclasses.replace(FAST_TILES, bisect_f=True, ways_f=4),
-                   dataclasses.replace(SPLIT_TILES, bisect_f=True, ways_f=8))  # fmt: skip
+                   dataclasses.replace(SPLIT_TILES, bisect_f=True, ways_f=8),
+                   dataclasses.replace(FAST_TILES, bisect_f=True, interp_f=True),
+                   dataclasses.replace(SPLIT_TILES, bisect_f=True, interp_f=True))  # fmt: skip
 # The bracket pass loading 4 chunks before their lane-slot stores (loads_f): one-slot lanes
 # that overflow, and the fused top-k / top-p bracket; and two chunks of 8 columns a lane
 # (loads_f 16) over 8 lanes, so that a row takes two iterations, the last one part past V.
@@ -1308,14 +1310,15 @@ def test_gpu_bf16_large_vocab_matches_reference(v):
 
 @gpu
 @pytest.mark.parametrize(
-    "spec", ["loads_f=1", "bisect_f=0", "loads_f=1+bisect_f=0", "loads_f=16", "ways_f=4"]
+    "spec",
+    ["loads_f=1", "bisect_f=0", "loads_f=1+bisect_f=0", "loads_f=16", "ways_f=4", "interp_f=1"],
 )
 def test_gpu_large_vocab_variants_equal_the_default(spec):
     """The bracket pass's four loads in flight (loads_f) and the bracket's cut by
     bisection (bisect_f), on by default at the wide tiles of V 49152, turned back off;
-    the pass's 8-column vector chunks (loads_f 16) and 4 points a bisection step (ways_f
-    4), off by default: the default's tokens, counts, thresholds and kept masses, bit for
-    bit."""
+    the pass's 8-column vector chunks (loads_f 16), 4 points a bisection step (ways_f 4)
+    and interpolated steps (interp_f), off by default: the default's tokens, counts,
+    thresholds and kept masses, bit for bit."""
     b, k, v = 16, 5, 49152
     logits, drafts, q, st, pos = _gpu_case(b, k, v, seed=29)
     args = (logits.cuda(), drafts.cuda(), None if q is None else q.cuda(), _on(st, "cuda"),
@@ -1391,6 +1394,70 @@ def test_gpu_lossless_mixed_modes_200k():
     out = lossless_trials(200000, 4, SP(0.7, top_k=8, top_p=0.9), SP(1.2, top_k=5), "random",
                           seed=105, greedy_every=4, device="cuda")  # fmt: skip
     _assert_lossless(out, "mixed")
+
+
+@triton.jit
+def _bisect_probe_kernel(vals_ptr, e_ptr, n_ptr, above_ptr, target_ptr, out_ptr, found_ptr,
+                         SIZE: tl.constexpr, MASS: tl.constexpr, WAYS: tl.constexpr):  # fmt: skip
+    # one case a program: _bisect_keys over its first n of SIZE values
+    i = tl.program_id(0)
+    slots = tl.arange(0, SIZE)
+    valid = slots < tl.load(n_ptr + i)
+    vals = tl.load(vals_ptr + i * SIZE + slots, mask=valid, other=float("-inf"))
+    e = tl.load(e_ptr + i * SIZE + slots, mask=valid, other=0)
+    above = tl.load(above_ptr + i)
+    target = tl.load(target_ptr + i)
+    found, v = kr._bisect_keys(vals, valid, e, above.to(tl.int32), above, target.to(tl.int32),
+                               target.to(tl.float64), MASS, WAYS)  # fmt: skip
+    tl.store(out_ptr + i, v)
+    tl.store(found_ptr + i, found.to(tl.int32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mass", [True, False])
+@pytest.mark.parametrize("ways", [1, 2, 4, 8])
+def test_bisect_keys_finds_the_sorted_running_sums_crossing(ways, mass, device):
+    """_bisect_keys (2, 4 or 8 points a step, or 1: interpolated) against the sort: the
+    largest value whose measure at or above it (above + the masses, or the count, of the
+    values >= it) reaches the target, over cases of 1-64 values with tie groups, negative
+    and zero values, masses spanning 2^0-2^40, and targets at, between and past the running
+    sums (past the total: not found)."""
+    g = torch.Generator().manual_seed(71 + ways + 10 * mass)
+    cases, size = 96, 64
+    n = torch.randint(1, size + 1, (cases,), generator=g)
+    vals = torch.full((cases, size), -math.inf)
+    e = torch.zeros(cases, size, dtype=torch.int64)
+    above = torch.randint(0, 1000, (cases,), generator=g)
+    target = torch.zeros(cases, dtype=torch.int64)
+    want = torch.full((cases,), math.nan)
+    for c in range(cases):
+        k = int(n[c])
+        pool = torch.randn(max(1, k // 3), generator=g) * 4  # tie groups
+        v = torch.where(torch.rand(k, generator=g) < 0.5,
+                        pool[torch.randint(0, len(pool), (k,), generator=g)],
+                        torch.randn(k, generator=g) * 4)  # fmt: skip
+        v[torch.rand(k, generator=g) < 0.1] = 0.0
+        w = (2.0 ** (torch.rand(k, generator=g) * 40)).long() if mass else torch.ones(k).long()
+        vals[c, :k], e[c, :k] = v, w
+        order = torch.argsort(v, descending=True, stable=True)
+        run = int(above[c]) + torch.cumsum(w[order], 0)
+        # at a running sum, just past one, or past the total
+        pick = int(torch.randint(0, k + 1, (1,), generator=g))
+        step = 1 if pick == k else int(torch.randint(0, 2, (1,), generator=g))
+        t = int(run[min(pick, k - 1)]) + step
+        target[c] = t
+        hit = torch.nonzero(run >= t).flatten()
+        if len(hit):
+            want[c] = float(v[order][hit[0]])
+    out = torch.full((cases,), math.nan, device=device)
+    found = torch.full((cases,), -1, dtype=torch.int32, device=device)
+    _bisect_probe_kernel[(cases,)](
+        vals.to(device), e.to(device), n.to(device), above.to(device), target.to(device), out,
+        found, size, mass, ways,
+    )  # fmt: skip
+    got_found = found.cpu() == 1
+    assert torch.equal(got_found, ~want.isnan()), (got_found, want)
+    assert torch.equal(out.cpu()[got_found], want[got_found])
 
 
 @pytest.mark.parametrize(

@@ -43,6 +43,10 @@ def test_sampler_kernels_compile_for_sm90():
     variant = (r"^ok   V 49152 B \d+ K \d+ bfloat16 small_f=\d+ sample_k=512 loads_f=1"
                r" bisect_f=0 _cut_kernel: ")  # fmt: skip
     assert re.search(variant, proc.stdout, re.M), out[-4000:]
+    # fuse_kp flipped, with the pass's vector chunks and interpolated bisection steps (the
+    # 4-point steps compile where a case has more than one request: --cases 49152,64,5)
+    variant = r"^ok   V 49152 B 1 K 3 bfloat16 fuse_kp=0 loads_f=16 interp_f=1 _cut_kernel: "
+    assert re.search(variant, proc.stdout, re.M), out[-4000:]
     assert all(int(size) > 0 for _, _, size in compiled), compiled
 
 
