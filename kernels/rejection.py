@@ -154,6 +154,12 @@ def _div_nonneg(a, b):
 if INTERPRET:
 
     @triton.jit
+    def _exp_ftz(x):
+        """exp(x), results below 2^-126 flushed to 0 (the GPU form's ex2.approx.ftz)."""
+        e = tl.exp(x)
+        return tl.where(e < 1.1754943508222875e-38, 0.0, e)
+
+    @triton.jit
     def _exponential(u):
         """-log1p(-u) rounded to float32: float64 series below 2^-12 (where 1 - u is not
         exact), -log(1 - u) above (exact 1 - u). libdevice is not in the interpreter."""
@@ -163,6 +169,17 @@ if INTERPRET:
 
 else:
     from triton.language.extra import libdevice
+
+    @triton.jit
+    def _exp_ftz(x):
+        """exp(x) as tl.exp computes it (x times log2(e) in float32, then ex2.approx),
+        but with ex2.approx.ftz: results below 2^-126 are 0, not subnormal, and the three
+        instructions tl.exp spends on that range (a compare and two predicated
+        multiplies) are gone. The same bits wherever the result is normal."""
+        return tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * 1.4426950408889634],
+            dtype=tl.float32, is_pure=True, pack=1,
+        )  # fmt: skip
 
     @triton.jit
     def _exponential(u):
@@ -208,7 +225,7 @@ def _partials_kernel(
     pmax_ptr, parg_ptr, psum_ptr, pmin_ptr, drafts_ptr, stride_db, pabove_ptr, pcnt_ptr,
     num_rows, V, K1, NB,
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr, SCREEN: tl.constexpr,
-    ONE: tl.constexpr = False, GDC: tl.constexpr = False,
+    ONE: tl.constexpr = False, FTZ: tl.constexpr = False, GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Per (row, vocabulary block) of a call with q (all-greedy calls take
     _greedy_kernel): max, first argmax, sum exp(z - max) and the smallest finite value.
@@ -222,7 +239,7 @@ def _partials_kernel(
     sums relative to the block's max. A reduction a value per block, not per SUB slice:
     at SUB = BLOCK_V the block is read once, into registers both reductions use.
     ONE (RejectionConfig.one_pass_v): the block is read once, in slices, by
-    _partials_one_pass."""
+    _partials_one_pass (FTZ, RejectionConfig.ftz_v: its exps by _exp_ftz)."""
     _gdc_enter(GDC)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     blk = tl.program_id(1)
@@ -239,6 +256,7 @@ def _partials_kernel(
         _partials_one_pass(
             rows, rmask, req, t, t1, rowp, lo, out, pmax_ptr, parg_ptr, psum_ptr, pmin_ptr,
             drafts_ptr, stride_db, pabove_ptr, pcnt_ptr, V, K1, ROWS, BLOCK_V, SUB, SCREEN,
+            FTZ,
         )  # fmt: skip
         return
     if SUB == BLOCK_V:
@@ -317,12 +335,15 @@ def _partials_one_pass(
     rows, rmask, req, t, t1, rowp, lo, out, pmax_ptr, parg_ptr, psum_ptr, pmin_ptr,
     drafts_ptr, stride_db, pabove_ptr, pcnt_ptr, V, K1,
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr, SCREEN: tl.constexpr,
+    FTZ: tl.constexpr = False,
 ):  # fmt: skip
     """_partials_kernel's block read once. A slice is taken as groups of 8 adjacent
     columns (one thread's vector load); each group position keeps its own running max,
     first argmax, smallest finite value and sums relative to its max, rescaled (one exp a
     group) when a slice raises that max. The max, argmax, smallest value and count are
-    the two-pass kernel's bits; the sums agree to float32 rounding."""
+    the two-pass kernel's bits; the sums agree to float32 rounding. FTZ: the exps by
+    _exp_ftz (a subnormal term becomes 0: each lane's total holds its max's 1, so only
+    the masses above a draft can tell, by less than 2^-126)."""
     G: tl.constexpr = SUB // 8
     col = tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [G, 8]
     if SCREEN:
@@ -347,8 +368,12 @@ def _partials_one_pass(
         where = tl.where(up, gidx, where)
         mn = tl.maximum(m, gmax)
         ref = tl.where(mn == float("-inf"), 0.0, mn)
-        scale = tl.exp(m - ref)  # 1 where the max stands; 0 from an all -inf history
-        ez = tl.exp(z - ref[:, :, None])
+        if FTZ:
+            scale = _exp_ftz(m - ref)
+            ez = _exp_ftz(z - ref[:, :, None])
+        else:
+            scale = tl.exp(m - ref)  # 1 where the max stands; 0 from an all -inf history
+            ez = tl.exp(z - ref[:, :, None])
         total = total * scale + tl.sum(ez, axis=2)
         low = tl.minimum(low, tl.min(tl.where(z > float("-inf"), z, float("inf")), axis=2))
         if SCREEN:
@@ -2051,6 +2076,12 @@ class RejectionConfig:
     # vocabularies: H100, B 64, K 5, V 49152, top-p 0.9, the partials launch 34.2 ->
     # 27.7 µs, the whole sampler 121.66 -> 112.61 (stop 68).
     one_pass_v: bool = False
+    # The one-pass partials' exps flush subnormal results to 0 (_exp_ftz: ex2.approx.ftz,
+    # three instructions an element fewer than tl.exp's range handling; offline sm_90,
+    # stop 69: the loop's ~24 executed instructions an element, issue-bound at ~15 µs of
+    # the launch's 27.7). The same max, argmax, smallest value and count; sums that differ
+    # only where a term was subnormal (CPU tests). Off until timed on a GPU.
+    ftz_v: bool = False
 
     def __post_init__(self) -> None:
         # Every size is a tile width (tl.arange needs a power of two); tries_f, the stages
@@ -2483,7 +2514,7 @@ def _plan(
         (triton.cdiv(rows, cfg.rows_p), triton.cdiv(v, cfg.block_v)),
         (target_logits, lm, greedy, temperature, ws.part_max, ws.part_arg, ws.part_sum,
          ws.part_min, draft_tokens, db, ws.part_above, ws.part_cnt, rows, v, k + 1, nb,
-         cfg.rows_p, cfg.block_v, sub_v, screen, one_pass),
+         cfg.rows_p, cfg.block_v, sub_v, screen, one_pass, one_pass and bool(cfg.ftz_v)),
         # Unless the config says (the sliced GPU tiles do): 8 warps from 4096-element
         # slices, 4 below. Screened or not, a config takes the same warps, so a block's
         # sum is the same bits either way.

@@ -650,6 +650,7 @@ LOOP_TILES = dataclasses.replace(ROW_TILES, rows_p=1, sub_v=8, warps_v=2)
 ONE_PASS_TILES = [
     dataclasses.replace(LOOP_TILES, one_pass_v=True),
     dataclasses.replace(ROW_TILES, sub_v=16, one_pass_v=True),
+    dataclasses.replace(LOOP_TILES, one_pass_v=True, ftz_v=True),  # subnormal exps to 0
 ]
 
 

@@ -33,10 +33,10 @@ def test_sampler_kernels_compile_for_sm90():
             for name in ("_partials_kernel", "_cut_kernel", "_resample_kernel", "_greedy_kernel"):
                 assert (v, dtype, name) in defaults, (v, dtype, name, out[-4000:])
     assert {"_partials_kernel", "_resample_kernel", "_greedy_kernel"} <= names, names
-    # The partials' other read (one_pass_v flipped from its default) compiles too (bf16,
-    # both vocabularies)
+    # The partials' other read (one_pass_v flipped from its default; the one-pass form
+    # with ftz_v) compiles too (bf16, both vocabularies)
     for v in ("16", "49152"):
-        variant = rf"^ok   V {v} B \d+ K \d+ bfloat16 one_pass_v=[01] _partials_kernel: "
+        variant = rf"^ok   V {v} B \d+ K \d+ bfloat16 one_pass_v=[01] ftz_v=1 _partials_kernel: "
         assert re.search(variant, proc.stdout, re.M), (v, out[-4000:])
     # the narrow bracket's options, with the pass's loads and the bracket's cut the other
     # way from the default, where it runs
