@@ -2058,10 +2058,11 @@ class RejectionConfig:
     # top-p 0.9, the bracket launch 54.3 -> 51.3 µs alone, 46.6 -> 40.3 with loads_f 4;
     # the whole sampler 112 -> 101 µs with both (stop 69).
     bisect_f: bool = False
-    # The points that bisection measures a step (2, 4 or 8; _bisect_keys): WAYS - 1
-    # masked sums in one [n, WAYS] reduction, log2(WAYS) times fewer steps, the same cut
-    # (CPU tests). ncu, H100, stop 69: the binary bisection ~19% of the bracket launch's
-    # stall samples (~9 µs of 47), each step one block-wide reduction. Off (2) until timed.
+    # The parts the bisection splits its interval into a step (2, 4 or 8; _bisect_keys):
+    # WAYS masked sums (the first at the interval's known end) in one [n, WAYS]
+    # reduction, log2(WAYS) times fewer steps, the same cut (CPU tests). ncu, H100, stop
+    # 69: the binary bisection ~18% of the bracket launch's stall samples (~8.4 µs of
+    # 46.9), each step one block-wide reduction. Off (2) until timed.
     ways_f: int = 2
     # The bisection's point placed where the measure, linear in the key between the ends,
     # crosses the target, its ends moved on to the nearest values (_bisect_keys, WAYS 1;
