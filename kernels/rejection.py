@@ -781,18 +781,20 @@ def _bisect_keys(vals, valid, e, above_c, above_m, target_c, target_m, MASS: tl.
     keys = _key(vals).to(tl.int64)
     klo = tl.min(tl.where(valid, keys, 2147483647), axis=0)
     khi = tl.max(tl.where(valid, keys, -2147483648), axis=0)
+    # the measure at the smallest value (every value counted)
     if MASS:
-        found = (above_m + tl.sum(e, axis=0)).to(tl.float64) >= target_m
+        at_lo = above_m + tl.sum(e, axis=0)
+        found = at_lo.to(tl.float64) >= target_m
     else:
-        found = above_c + tl.sum(valid.to(tl.int32), axis=0) >= target_c
+        at_lo = above_c + tl.sum(valid.to(tl.int32), axis=0)
+        found = at_lo >= target_c
     found = found & (klo <= khi)
     if found & (WAYS == 1):
+        m_lo = at_lo.to(tl.float64)  # the measure at klo
         if MASS:
-            m_lo = (above_m + tl.sum(e, axis=0)).to(tl.float64)  # the measure at klo
             m_hi = above_m.to(tl.float64)  # and past khi
             goal = target_m
         else:
-            m_lo = (above_c + tl.sum(valid.to(tl.int32), axis=0)).to(tl.float64)
             m_hi = above_c.to(tl.float64)
             goal = target_c.to(tl.float64)
         interp = True
