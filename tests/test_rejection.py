@@ -1312,13 +1312,17 @@ def test_gpu_bf16_large_vocab_matches_reference(v):
 @gpu
 @pytest.mark.parametrize(
     "spec",
-    ["loads_f=1", "bisect_f=0", "loads_f=1+bisect_f=0", "loads_f=16", "ways_f=4", "interp_f=1"],
-)
+    [
+        "loads_f=1", "bisect_f=0", "loads_f=1+bisect_f=0", "loads_f=16", "ways_f=4", "interp_f=1",
+        "sample_f=512+cap_f=4096+interp_f=1",
+    ],
+)  # fmt: skip
 def test_gpu_large_vocab_variants_equal_the_default(spec):
     """The bracket pass's four loads in flight (loads_f) and the bracket's cut by
     bisection (bisect_f), on by default at the wide tiles of V 49152, turned back off;
     the pass's 8-column vector chunks (loads_f 16), 4 points a bisection step (ways_f 4)
-    and interpolated steps (interp_f), off by default: the default's tokens, counts,
+    and interpolated steps (interp_f), off by default, and a 512-value sample placing
+    brackets of up to 4096 values: the default's tokens, counts,
     thresholds and kept masses, bit for bit."""
     b, k, v = 16, 5, 49152
     logits, drafts, q, st, pos = _gpu_case(b, k, v, seed=29)
