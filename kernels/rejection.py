@@ -763,21 +763,18 @@ def _sum_min_max(s1, lo1, hi1, s2, lo2, hi2):
 
 @triton.jit
 def _bisect_keys(vals, valid, e, above_c, above_m, target_c, target_m, MASS: tl.constexpr,
-                 WAYS: tl.constexpr = 2):  # fmt: skip
+                 INTERP: tl.constexpr = False):  # fmt: skip
     """The largest of the valid vals (unordered; e their _fx masses) whose measure at or
     above it (above_m + their masses >= it, or above_c + their count) reaches the target:
     (found, value). The measure only changes at a value, so a bisection over the int32
     keys between the smallest and the largest valid value ends on that value's key (at
     most 32 steps of one masked sum each); exactly the first crossing of the sorted
-    running sum (_bracket_cut), ties included. WAYS 4 or 8 (RejectionConfig.ways_f): each
-    step measures WAYS points of the interval in one reduction (a [n, WAYS] masked sum)
-    and keeps the part between the last that reaches and the first that does not, so it
-    takes log2(WAYS) times fewer steps; the answer is the same key, the largest reaching
-    one being unique. WAYS 1 (RejectionConfig.interp_f): one point a step where the
-    measure, taken as linear in the key between the two ends, crosses the target; the end
-    it replaces moves on to the nearest value's key (the measure is the same there), so
-    the search runs over values rather than keys. A step that does not halve the interval
-    is followed by a midpoint step: at most about twice the bisection's steps."""
+    running sum (_bracket_cut), ties included. INTERP (RejectionConfig.interp_f): one
+    point a step where the measure, taken as linear in the key between the two ends,
+    crosses the target; the end it replaces moves on to the nearest value's key (the
+    measure is the same there), so the search runs over values rather than keys. A step
+    that does not halve the interval is followed by a midpoint step: at most about twice
+    the bisection's steps."""
     keys = _key(vals).to(tl.int64)
     klo = tl.min(tl.where(valid, keys, 2147483647), axis=0)
     khi = tl.max(tl.where(valid, keys, -2147483648), axis=0)
@@ -789,7 +786,7 @@ def _bisect_keys(vals, valid, e, above_c, above_m, target_c, target_m, MASS: tl.
         at_lo = above_c + tl.sum(valid.to(tl.int32), axis=0)
         found = at_lo >= target_c
     found = found & (klo <= khi)
-    if found & (WAYS == 1):
+    if found & INTERP:
         m_lo = at_lo.to(tl.float64)  # the measure at klo
         if MASS:
             m_hi = above_m.to(tl.float64)  # and past khi
@@ -826,21 +823,6 @@ def _bisect_keys(vals, valid, e, above_c, above_m, target_c, target_m, MASS: tl.
                 khi = down  # the largest value below mid: every key past it fails
                 m_hi = here
             interp = 2 * (khi - klo) <= span
-    elif found & (WAYS > 2):
-        # Point j of WAYS at klo + ceil(j (khi - klo) / WAYS): point 0 is klo (known to
-        # reach), the others lie above it and at most at khi, non-decreasing, and the
-        # measure does not grow with the key: the points that reach come first.
-        j = tl.arange(0, WAYS).to(tl.int64)
-        while klo < khi:
-            mids = klo + ((khi - klo) * j + (WAYS - 1)) // WAYS
-            ge = valid[:, None] & (keys[:, None] >= mids[None, :])
-            if MASS:
-                got = tl.sum(tl.where(ge, e[:, None], 0), axis=0)
-                reach = (above_m + got).to(tl.float64) >= target_m
-            else:
-                reach = above_c + tl.sum(ge.to(tl.int32), axis=0) >= target_c
-            khi = tl.min(tl.where(reach, khi, mids - 1), axis=0)
-            klo = tl.max(tl.where(reach, mids, klo), axis=0)
     elif found:
         while klo < khi:
             mid = klo + (khi - klo + 1) // 2
@@ -867,15 +849,15 @@ def _bracket_cut(
     sorted in a SIZE-wide tile (the first n slots of a wider one: the same values in the
     same order, so the same answer for any SIZE >= n). Returns (thr, kept count, kept
     mass, ok, hi, a_hi, fused, thr_p, kept mass_p) as _cut_fast carries them. BISECT
-    (never with FUSE_P, which needs the order; 0 off, else _bisect_keys' WAYS): the same
-    cut without the sort, by _bisect_keys."""
+    (never with FUSE_P, which needs the order; 0 off, 1 interpolated steps, 2 binary ones):
+    the same cut without the sort, by _bisect_keys."""
     slots = tl.arange(0, SIZE)
     vals = tl.load(cbase + slots, mask=slots < n, other=float("-inf"))
     if BISECT:
         tl.static_assert(not FUSE_P, "the fused top-p cut needs the sorted bracket")
         e = tl.where(slots < n, _fx(vals, m, FXS), 0)
         found, v_hit = _bisect_keys(vals, slots < n, e, above_c, above_m, target_c, target_m,
-                                    MASS, BISECT)  # fmt: skip
+                                    MASS, BISECT == 1)  # fmt: skip
     else:
         vals = tl.sort(vals, descending=True)
         e = tl.where(slots < n, _fx(vals, m, FXS), 0)
@@ -1068,15 +1050,14 @@ def _cut_fast(
     _cut_kernel's own top-p cut would set it up and find it: the same lower bound, goal,
     threshold and kept mass, bit for bit. Also returns (fused, thr_p, kept mass_p);
     fused 0 leaves the top-p cut to its own call. SMALL > 0: a bracket of at most SMALL
-    values is sorted SMALL wide, not CAP (_bracket_cut: the same answer). LOADS (1 or 4):
-    the pass loads that many BLOCK-column chunks before the first of their lane-slot
-    stores (_pass_chunk), so that many loads are in flight: the compiler cannot move a
-    load above a store it cannot prove apart, and with one chunk an iteration each chunk
-    waited out its load. The same slots in the same order; their compaction after the
-    pass takes four slots' loads at a time too. LOADS 16: two chunks of 8 adjacent
-    columns a lane an iteration (_pass_vec_chunk), one vector load each; a lane's slots
-    then hold other columns than with one column a lane, so a bracket may overflow a
-    lane where the other layout did not (the next try then takes it: the same cut)."""
+    values is sorted SMALL wide, not CAP (_bracket_cut: the same answer). LOADS 1: one
+    BLOCK-column chunk an iteration (_pass_chunk), its load waited out before its
+    lane-slot stores (the compiler cannot move a load above a store it cannot prove
+    apart). LOADS 16: two chunks of 8 adjacent columns a lane an iteration
+    (_pass_vec_chunk), both vector loads issued before the first store, and the
+    compaction after the pass takes four slots' loads at a time; a lane's slots then
+    hold other columns than with one column a lane, so a bracket may overflow a lane
+    where the other layout did not (the next try then takes it: the same cut)."""
     base = logits_ptr + row * stride_lm
     cbase = cand_ptr + row * (CAP + LANES * BLOCK)  # CAP dense values, then lane slots
     lbase = cbase + CAP
@@ -1133,45 +1114,13 @@ def _cut_fast(
                         z1, cnt, above_mv, above_cv, lbase, cols, b_lo, b_hi, m, FXS, LANES,
                         BLOCK,
                     )  # fmt: skip
-            elif LOADS == 1:
+            else:
+                tl.static_assert(LOADS == 1, "loads_f is 1 or 16")
                 for v0 in tl.range(0, V, BLOCK, num_stages=STAGES):
                     offs = v0 + cols
                     z = _row_z(base + offs, offs < V, t)
                     cnt, above_mv, above_cv = _pass_chunk(
                         z, cnt, above_mv, above_cv, lbase, cols, b_lo, b_hi, m, FXS, LANES,
-                        BLOCK,
-                    )  # fmt: skip
-            else:
-                tl.static_assert(LOADS == 4, "loads_f is 1, 4 or 16")
-                for v0 in tl.range(0, V, 4 * BLOCK, num_stages=STAGES):
-                    o0 = v0 + cols
-                    o1 = o0 + BLOCK
-                    o2 = o1 + BLOCK
-                    o3 = o2 + BLOCK
-                    # the four loads first: a load after a branch (T != 1's division,
-                    # the mask) would wait for the loads before it
-                    x0 = tl.load(base + o0, mask=o0 < V, other=float("-inf"))
-                    x1 = tl.load(base + o1, mask=o1 < V, other=float("-inf"))
-                    x2 = tl.load(base + o2, mask=o2 < V, other=float("-inf"))
-                    x3 = tl.load(base + o3, mask=o3 < V, other=float("-inf"))
-                    z0 = _z_of(x0, t, t == 1.0)
-                    z1 = _z_of(x1, t, t == 1.0)
-                    z2 = _z_of(x2, t, t == 1.0)
-                    z3 = _z_of(x3, t, t == 1.0)
-                    cnt, above_mv, above_cv = _pass_chunk(
-                        z0, cnt, above_mv, above_cv, lbase, cols, b_lo, b_hi, m, FXS, LANES,
-                        BLOCK,
-                    )  # fmt: skip
-                    cnt, above_mv, above_cv = _pass_chunk(
-                        z1, cnt, above_mv, above_cv, lbase, cols, b_lo, b_hi, m, FXS, LANES,
-                        BLOCK,
-                    )  # fmt: skip
-                    cnt, above_mv, above_cv = _pass_chunk(
-                        z2, cnt, above_mv, above_cv, lbase, cols, b_lo, b_hi, m, FXS, LANES,
-                        BLOCK,
-                    )  # fmt: skip
-                    cnt, above_mv, above_cv = _pass_chunk(
-                        z3, cnt, above_mv, above_cv, lbase, cols, b_lo, b_hi, m, FXS, LANES,
                         BLOCK,
                     )  # fmt: skip
             mine = tl.minimum(cnt, LANES)
@@ -1181,7 +1130,7 @@ def _cut_fast(
                 n = CAP + 1  # values were dropped: as if the bracket overflowed
             elif n <= CAP:
                 tl.debug_barrier()  # the slots' stores are visible to every thread
-                if (LOADS >= 4) & (LANES % 4 == 0):
+                if (LOADS == 16) & (LANES % 4 == 0):
                     # four slots' loads before their stores, as in the pass
                     for j in tl.static_range(0, LANES, 4):
                         w0 = tl.load(lbase + j * BLOCK + cols, mask=j < mine, other=0.0)
@@ -2010,15 +1959,16 @@ class RejectionConfig:
     warps_f: int = 16  # the bracket launch's warps (8: ~230 registers a thread, 16: ~126)
     lanes_f: int = 8  # slots a lane keeps for the bracket's values (at least 1)
     stages_f: int = 1  # the bracket pass's load pipelining depth (lane slots only)
-    # Chunks the bracket pass loads before their lane-slot stores (1 or 4): that many
-    # loads in flight. With 1, the pass waited out each 512-column chunk's load (ncu,
-    # H100, stop 68: ~29% of the cut launch's stall samples in the pass loop, its loads
-    # and stores alternating in the SASS). The same slots, bit for bit (CPU tests; GPU at
-    # V 49152). choose_rejection_config takes 4 at large vocabularies: H100, B 64, K 5,
-    # V 49152, top-p 0.9, the bracket launch 54.1 -> 46.6 µs (stop 69). 16: two chunks of
-    # 8 adjacent columns a lane an iteration, one 16-byte load each (ncu, stop 69: with 4,
-    # the loop's hottest stalls still wait on its loads, 4 KB in flight an SM). Off until
-    # timed.
+    # Columns a lane of the bracket pass has in flight (1 or 16). 1: one chunk an
+    # iteration, its load waited out before its lane-slot stores (ncu, H100, stop 68: ~29%
+    # of the cut launch's stall samples in the pass loop). 16: two chunks of 8 adjacent
+    # columns a lane an iteration, one 16-byte load each, both loaded before the first
+    # store. The same cut, bit for bit (CPU tests; GPU at V 49152); the lanes' slots hold
+    # other columns, so a bracket may overflow a lane where one column a lane did not (a
+    # miss the next try takes). On at large vocabularies: H100, B 64, K 5, V 49152, top-p
+    # 0.9, four one-column chunks (stop 69's form) took the bracket launch 54.1 -> 46.6 µs;
+    # 16 columns with interp_f, sample_f 1024 and cap_f 4096 the sampler 96.9 -> 94.6
+    # (stop 70; the four-chunk form is gone).
     loads_f: int = 1
     row_g: bool = False  # the all-greedy launch: one target row per program (else a
     # request's K + 1 rows); used while B * (K + 1) <= 65535 (the grid's second dimension)
@@ -2057,20 +2007,14 @@ class RejectionConfig:
     # close launch); the same cut, bit for bit (CPU tests; GPU at V 49152). Not where the
     # top-k cut's bracket also gives the top-p cut (fuse_kp), which needs the order.
     # choose_rejection_config turns it on at large vocabularies: H100, B 64, K 5, V 49152,
-    # top-p 0.9, the bracket launch 54.3 -> 51.3 µs alone, 46.6 -> 40.3 with loads_f 4;
+    # top-p 0.9, the bracket launch 54.3 -> 51.3 µs alone, 46.6 -> 40.3 with four-chunk loads;
     # the whole sampler 112 -> 101 µs with both (stop 69).
     bisect_f: bool = False
-    # The parts the bisection splits its interval into a step (2, 4 or 8; _bisect_keys):
-    # WAYS masked sums (the first at the interval's known end) in one [n, WAYS]
-    # reduction, log2(WAYS) times fewer steps, the same cut (CPU tests). ncu, H100, stop
-    # 69: the binary bisection ~18% of the bracket launch's stall samples (~8.4 µs of
-    # 46.9), each step one block-wide reduction. Off (2) until timed.
-    ways_f: int = 2
     # The bisection's point placed where the measure, linear in the key between the ends,
-    # crosses the target, its ends moved on to the nearest values (_bisect_keys, WAYS 1;
-    # ways_f then unused): the brackets' ~1000 values with near-linear measures should
-    # take a few steps instead of ~20, at a (sum, min, max) reduction a step. The same
-    # cut (CPU tests). Off until timed.
+    # crosses the target, its ends moved on to the nearest values (_bisect_keys, INTERP):
+    # gaussian brackets take ~3.4 steps instead of ~20.6 (a PyTorch model, stop 69), at a
+    # (sum, min, max) reduction a step. The same cut, bit for bit (CPU tests; GPU at V
+    # 49152). On at large vocabularies (choose_rejection_config).
     interp_f: bool = False
     # The partials read their block once (_partials_one_pass: per-lane running max and sums
     # rescaled as the max rises, one exp a group of 8 columns) instead of twice (the max,
@@ -2083,7 +2027,9 @@ class RejectionConfig:
     # three instructions an element fewer than tl.exp's range handling; offline sm_90,
     # stop 69: the loop's ~24 executed instructions an element, issue-bound at ~15 µs of
     # the launch's 27.7). The same max, argmax, smallest value and count; sums that differ
-    # only where a term was subnormal (CPU tests). Off until timed on a GPU.
+    # only where a term was subnormal (CPU tests; GPU bit for bit at V 49152). On at
+    # large vocabularies: H100, B 64, K 5, V 49152, top-p 0.9, the partials launch 27.7
+    # -> 26.3 µs (stop 70).
     ftz_v: bool = False
 
     def __post_init__(self) -> None:
@@ -2108,10 +2054,8 @@ class RejectionConfig:
                     f"RejectionConfig.{f.name} must be a power of two"
                     f"{' or 0' if zero else ''}, got {v!r}"
                 )
-        if self.loads_f not in (1, 4, 16):  # the pass's loops: 1 or 4 chunks, or 2 x 8 columns
-            raise ValueError(f"RejectionConfig.loads_f must be 1, 4 or 16, got {self.loads_f!r}")
-        if self.ways_f not in (2, 4, 8):  # a reduction of WAYS columns a step
-            raise ValueError(f"RejectionConfig.ways_f must be 2, 4 or 8, got {self.ways_f!r}")
+        if self.loads_f not in (1, 16):  # the pass's loops: one chunk, or 2 x 8 columns
+            raise ValueError(f"RejectionConfig.loads_f must be 1 or 16, got {self.loads_f!r}")
 
     @property
     def max_passes(self) -> int:
@@ -2197,11 +2141,20 @@ def choose_rejection_config(
         rows_t=1 if wide else max(1, min(rows_t, _p2(rows))),
         rows_r=1 if wide else max(1, min(rows_r, _p2(num_reqs))),
         row_g=not INTERPRET and rows >= 16,
-        cap_f=2048 if wide else 0,
-        sample_f=2048,
+        # Wide: a 1024-value sample placing brackets of up to 4096 values (a PyTorch model
+        # of gaussian rows: 1490 on average, at most 2363), 16 columns a lane in flight,
+        # the cut by interpolated bisection. H100, B 64, K 5, V 49152, top-p 0.9 (stop
+        # 70): the sampler 101 -> 94.6 µs; a 512-value sample 97.8, but 210 with loads_f
+        # 16 (rows to the narrowing launch).
+        cap_f=4096 if wide else 0,
+        sample_f=1024 if wide else 2048,
         lanes_f=lanes_f,
-        loads_f=4 if wide else 1,
+        loads_f=16 if wide else 1,
         bisect_f=wide,
+        interp_f=wide,
+        # The one-pass partials' exps flush subnormal results (same bits wherever a
+        # result is normal): H100, stop 70, partials 27.7 -> 26.3 µs.
+        ftz_v=wide,
         one_pass_v=wide,
     )
 
@@ -2529,8 +2482,8 @@ def _plan(
     # workspace has the split's buffers when the config asks for it)
     fast = cfg.cap_f > 0 and cfg.rows_t == 1
     split = cfg.split_f if fast and any_filter else 0
-    # the bisection's points a step (1: interpolated), 0: no bisection
-    bisect = (1 if cfg.interp_f else cfg.ways_f) if cfg.bisect_f and fast else 0
+    # the bracket's cut by bisection: 1 interpolated steps, 2 binary ones, 0 sorted
+    bisect = (1 if cfg.interp_f else 2) if cfg.bisect_f and fast else 0
     # At most 32 rows a program on the GPU: a row's screen is a few hundred instructions,
     # and few partials a row (wide blocks) must not put the whole batch in one program.
     rows_i = max(1, min((1 << 16) // nbp if INTERPRET else min(2048 // nbp, 32), _p2(rows)))

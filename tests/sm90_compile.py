@@ -264,32 +264,29 @@ def main(argv: list[str] | None = None) -> int:
         v, b, k = map(int, case.split(","))
         cfg = kr.choose_rejection_config(v, b, k)
         # the default tiles; and where the one-pass bracket runs, its cut with fuse_kp
-        # the other way (so that flipping it cannot fail on the GPU only), with the pass's
-        # vector chunks and, at one request, interpolated bisection steps, else 4 points a
-        # step (loads_f 16, interp_f, ways_f 4: off by default; without fuse_kp both cuts
-        # bisect), in one compile
+        # the other way (so that flipping it cannot fail on the GPU only) and, at one
+        # request, binary bisection steps (interp_f: on at large vocabularies), else the
+        # 2048-value sample and scratch (sample_f, cap_f), in one compile
         variants = [(None, "", None)]
         if cfg.cap_f > 0:
-            search = {"interp_f": True} if b == 1 else {"ways_f": 4}
-            flip = dataclasses.replace(cfg, fuse_kp=not cfg.fuse_kp, loads_f=16, **search)
-            tag = f" fuse_kp={int(flip.fuse_kp)} loads_f=16 " + " ".join(
-                f"{n}={int(x)}" for n, x in search.items()
-            )
+            other = {"interp_f": 0} if b == 1 else {"sample_f": 2048, "cap_f": 2048}
+            flip = dataclasses.replace(cfg, fuse_kp=not cfg.fuse_kp, **other)
+            tag = f" fuse_kp={int(flip.fuse_kp)} " + " ".join(f"{n}={x}" for n, x in other.items())
             variants.append((flip, tag, "_cut_kernel"))
             # the narrow bracket sort and the top-k cut's own sample (small_f, sample_k: off
-            # by default), with the pass's loads and the bracket's cut the other way
-            # (loads_f 1 / 4, bisect_f: on at large vocabularies), in one compile
+            # by default), with one column a lane in flight and the bracket's cut sorted
+            # (loads_f 16, bisect_f: on at large vocabularies), in one compile
             narrow = dataclasses.replace(
-                cfg, small_f=cfg.small_f or 512, sample_k=512, loads_f=5 - cfg.loads_f,
+                cfg, small_f=cfg.small_f or 512, sample_k=512, loads_f=17 - cfg.loads_f,
                 bisect_f=not cfg.bisect_f,
             )  # fmt: skip
             tag = (f" small_f={narrow.small_f} sample_k=512 loads_f={narrow.loads_f}"
                    f" bisect_f={int(narrow.bisect_f)}")  # fmt: skip
             variants.append((narrow, tag, "_cut_kernel"))
-        # the partials read twice or once (one_pass_v: on at large vocabularies), the
-        # one-pass form with its subnormal exps flushed (ftz_v: off by default)
-        flip = dataclasses.replace(cfg, one_pass_v=not cfg.one_pass_v, ftz_v=True)
-        tag = f" one_pass_v={int(flip.one_pass_v)} ftz_v=1"
+        # the partials read twice or once (one_pass_v), the one-pass form with its exps
+        # flushed or not (ftz_v): both on at large vocabularies, off at small ones
+        flip = dataclasses.replace(cfg, one_pass_v=not cfg.one_pass_v, ftz_v=not cfg.ftz_v)
+        tag = f" one_pass_v={int(flip.one_pass_v)} ftz_v={int(flip.ftz_v)}"
         variants.append((flip, tag, "_partials_kernel"))
         for name, (config, tag, only), sampled in itertools.product(
             args.dtypes.split(","), variants, (True, False)

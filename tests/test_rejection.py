@@ -255,20 +255,16 @@ SPLIT_VARIANTS = (SPLIT_TILES, dataclasses.replace(SPLIT_TILES, small_f=32, spli
                   dataclasses.replace(FAST_SMALL_TILES, split_f=64))  # fmt: skip
 # The brackets' cuts by bisection over their values (bisect_f): the one-row bracket (top-k
 # and top-p, sorted where fuse_kp takes the top-p cut from the top-k bracket) and the
-# split close; and 4 / 8 points measured a step (ways_f), or one interpolated (interp_f)
+# split close; binary steps, or interpolated ones (interp_f)
 BISECT_VARIANTS = (dataclasses.replace(FAST_TILES, bisect_f=True),
                    dataclasses.replace(FUSED_TILES, bisect_f=True),
                    dataclasses.replace(SPLIT_TILES, bisect_f=True),
-                   dataclasses.replace(FAST_TILES, bisect_f=True, ways_f=4),
-                   dataclasses.replace(SPLIT_TILES, bisect_f=True, ways_f=8),
                    dataclasses.replace(FAST_TILES, bisect_f=True, interp_f=True),
                    dataclasses.replace(SPLIT_TILES, bisect_f=True, interp_f=True))  # fmt: skip
-# The bracket pass loading 4 chunks before their lane-slot stores (loads_f): one-slot lanes
-# that overflow, and the fused top-k / top-p bracket; and two chunks of 8 columns a lane
-# (loads_f 16) over 8 lanes, so that a row takes two iterations, the last one part past V.
-LOADS_VARIANTS = (dataclasses.replace(FAST_SMALL_TILES, loads_f=4),
-                  dataclasses.replace(FUSED_TILES, loads_f=4),
-                  dataclasses.replace(FAST_SMALL_TILES, loads_f=16, block_t=8),
+# The bracket pass taking two chunks of 8 columns a lane an iteration (loads_f 16) over 8
+# lanes, so that a row takes two iterations, the last one part past V: one-slot lanes that
+# overflow, 16-slot lanes with the bisection, and the fused top-k / top-p bracket.
+LOADS_VARIANTS = (dataclasses.replace(FAST_SMALL_TILES, loads_f=16, block_t=8),
                   dataclasses.replace(FAST_TILES, loads_f=16, block_t=8, lanes_f=16,
                                       bisect_f=True),
                   dataclasses.replace(FUSED_TILES, loads_f=16, block_t=8))  # fmt: skip
@@ -1312,18 +1308,16 @@ def test_gpu_bf16_large_vocab_matches_reference(v):
 @gpu
 @pytest.mark.parametrize(
     "spec",
-    [
-        "loads_f=1", "bisect_f=0", "loads_f=1+bisect_f=0", "loads_f=16", "ways_f=4", "interp_f=1",
-        "sample_f=512+cap_f=4096+interp_f=1",
-    ],
+    ["loads_f=1", "bisect_f=0", "loads_f=1+bisect_f=0", "interp_f=0", "sample_f=512",
+     "sample_f=2048+cap_f=2048", "ftz_v=0"],
 )  # fmt: skip
 def test_gpu_large_vocab_variants_equal_the_default(spec):
-    """The bracket pass's four loads in flight (loads_f) and the bracket's cut by
-    bisection (bisect_f), on by default at the wide tiles of V 49152, turned back off;
-    the pass's 8-column vector chunks (loads_f 16), 4 points a bisection step (ways_f 4)
-    and interpolated steps (interp_f), off by default, and a 512-value sample placing
-    brackets of up to 4096 values: the default's tokens, counts,
-    thresholds and kept masses, bit for bit."""
+    """The wide tiles' defaults at V 49152 turned back one at a time: the bracket pass's
+    16 columns a lane in flight (loads_f), the bracket's cut by bisection (bisect_f) and
+    its interpolated steps (interp_f), the 1024-value sample with its 4096-value brackets
+    (sample_f, cap_f: 2048 and 2048, and a 512-value sample whose wider brackets overflow
+    lanes and send rows to the narrowing launch), and the partials' flushed exps (ftz_v):
+    the default's tokens, counts, thresholds and kept masses, bit for bit."""
     b, k, v = 16, 5, 49152
     logits, drafts, q, st, pos = _gpu_case(b, k, v, seed=29)
     args = (logits.cuda(), drafts.cuda(), None if q is None else q.cuda(), _on(st, "cuda"),
@@ -1403,7 +1397,7 @@ def test_gpu_lossless_mixed_modes_200k():
 
 @triton.jit
 def _bisect_probe_kernel(vals_ptr, e_ptr, n_ptr, above_ptr, target_ptr, out_ptr, found_ptr,
-                         SIZE: tl.constexpr, MASS: tl.constexpr, WAYS: tl.constexpr):  # fmt: skip
+                         SIZE: tl.constexpr, MASS: tl.constexpr, INTERP: tl.constexpr):  # fmt: skip
     # one case a program: _bisect_keys over its first n of SIZE values
     i = tl.program_id(0)
     slots = tl.arange(0, SIZE)
@@ -1413,21 +1407,21 @@ def _bisect_probe_kernel(vals_ptr, e_ptr, n_ptr, above_ptr, target_ptr, out_ptr,
     above = tl.load(above_ptr + i)
     target = tl.load(target_ptr + i)
     found, v = kr._bisect_keys(vals, valid, e, above.to(tl.int32), above, target.to(tl.int32),
-                               target.to(tl.float64), MASS, WAYS)  # fmt: skip
+                               target.to(tl.float64), MASS, INTERP)  # fmt: skip
     tl.store(out_ptr + i, v)
     tl.store(found_ptr + i, found.to(tl.int32))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mass", [True, False])
-@pytest.mark.parametrize("ways", [1, 2, 4, 8])
-def test_bisect_keys_finds_the_sorted_running_sums_crossing(ways, mass, device):
-    """_bisect_keys (2, 4 or 8 points a step, or 1: interpolated) against the sort: the
+@pytest.mark.parametrize("interp", [False, True])
+def test_bisect_keys_finds_the_sorted_running_sums_crossing(interp, mass, device):
+    """_bisect_keys (binary or interpolated steps) against the sort: the
     largest value whose measure at or above it (above + the masses, or the count, of the
     values >= it) reaches the target, over cases of 1-64 values with tie groups, negative
     and zero values, masses spanning 2^0-2^40, and targets at, between and past the running
     sums (past the total: not found)."""
-    g = torch.Generator().manual_seed(71 + ways + 10 * mass)
+    g = torch.Generator().manual_seed(71 + interp + 10 * mass)
     cases, size = 96, 64
     n = torch.randint(1, size + 1, (cases,), generator=g)
     vals = torch.full((cases, size), -math.inf)
@@ -1458,7 +1452,7 @@ def test_bisect_keys_finds_the_sorted_running_sums_crossing(ways, mass, device):
     found = torch.full((cases,), -1, dtype=torch.int32, device=device)
     _bisect_probe_kernel[(cases,)](
         vals.to(device), e.to(device), n.to(device), above.to(device), target.to(device), out,
-        found, size, mass, ways,
+        found, size, mass, interp,
     )  # fmt: skip
     got_found = found.cpu() == 1
     assert torch.equal(got_found, ~want.isnan()), (got_found, want)
@@ -1477,9 +1471,7 @@ def test_bisect_keys_finds_the_sorted_running_sums_crossing(ways, mass, device):
      ("split_f", 3000, "split_f must be a power of two or 0, got 3000"),
      ("rows_s", 0, "rows_s must be an int >= 1, got 0"),
      ("loads_f", 3, "loads_f must be a power of two, got 3"),
-     ("loads_f", 2, "loads_f must be 1, 4 or 16, got 2"),
-     ("ways_f", 6, "ways_f must be a power of two, got 6"),
-     ("ways_f", 16, "ways_f must be 2, 4 or 8, got 16")],
+     ("loads_f", 4, "loads_f must be 1 or 16, got 4")],
 )  # fmt: skip
 def test_config_refuses_a_bad_tile_or_count(field, value, match):
     # a width the kernels would take to tl.arange, or a count below its floor: refused

@@ -33,19 +33,19 @@ def test_sampler_kernels_compile_for_sm90():
             for name in ("_partials_kernel", "_cut_kernel", "_resample_kernel", "_greedy_kernel"):
                 assert (v, dtype, name) in defaults, (v, dtype, name, out[-4000:])
     assert {"_partials_kernel", "_resample_kernel", "_greedy_kernel"} <= names, names
-    # The partials' other read (one_pass_v flipped from its default; the one-pass form
-    # with ftz_v) compiles too (bf16, both vocabularies)
-    for v in ("16", "49152"):
-        variant = rf"^ok   V {v} B \d+ K \d+ bfloat16 one_pass_v=[01] ftz_v=1 _partials_kernel: "
+    # The partials' other read and exps (one_pass_v and ftz_v flipped from their
+    # defaults) compile too (bf16, both vocabularies)
+    for v, flip in (("16", "one_pass_v=1 ftz_v=1"), ("49152", "one_pass_v=0 ftz_v=0")):
+        variant = rf"^ok   V {v} B \d+ K \d+ bfloat16 {flip} _partials_kernel: "
         assert re.search(variant, proc.stdout, re.M), (v, out[-4000:])
     # the narrow bracket's options, with the pass's loads and the bracket's cut the other
     # way from the default, where it runs
     variant = (r"^ok   V 49152 B \d+ K \d+ bfloat16 small_f=\d+ sample_k=512 loads_f=1"
                r" bisect_f=0 _cut_kernel: ")  # fmt: skip
     assert re.search(variant, proc.stdout, re.M), out[-4000:]
-    # fuse_kp flipped, with the pass's vector chunks and interpolated bisection steps (the
-    # 4-point steps compile where a case has more than one request: --cases 49152,64,5)
-    variant = r"^ok   V 49152 B 1 K 3 bfloat16 fuse_kp=0 loads_f=16 interp_f=1 _cut_kernel: "
+    # fuse_kp flipped, with binary bisection steps (at one request; with more, the
+    # 2048-value sample and scratch: --cases 49152,64,5)
+    variant = r"^ok   V 49152 B 1 K 3 bfloat16 fuse_kp=0 interp_f=0 _cut_kernel: "
     assert re.search(variant, proc.stdout, re.M), out[-4000:]
     assert all(int(size) > 0 for _, _, size in compiled), compiled
 
