@@ -268,6 +268,13 @@ LOADS_VARIANTS = (dataclasses.replace(FAST_SMALL_TILES, loads_f=16, block_t=8),
                   dataclasses.replace(FAST_TILES, loads_f=16, block_t=8, lanes_f=16,
                                       bisect_f=True),
                   dataclasses.replace(FUSED_TILES, loads_f=16, block_t=8))  # fmt: skip
+# The narrowing launch as grid_n programs looping over the rows' todo flags: one program
+# for every row, two (most rows of the one-slot scratch narrow, several a program), and
+# more programs than one flag load covers
+GRID_VARIANTS = (dataclasses.replace(FUSED_TILES, grid_n=1),
+                 dataclasses.replace(FAST_SMALL_TILES, grid_n=2),
+                 dataclasses.replace(FAST_TILES, grid_n=8, bisect_f=True,
+                                     interp_f=True))  # fmt: skip
 KINDS = [SP(0.0), SP(1.0), SP(0.7, top_k=5), SP(1.3, top_p=0.8), SP(0.5, top_k=9, top_p=0.6),
          SP(2.0, top_k=1), SP(1.0, top_p=0.05), SP(1.0, top_k=40)]  # fmt: skip
 
@@ -573,7 +580,7 @@ def _tile_variants(device: str) -> list:
              FAST_TILES, FAST_SMALL_TILES, FUSED_TILES,
              dataclasses.replace(FAST_SMALL_TILES, fuse_kp=True), SORT32_TILES,
              dataclasses.replace(FAST_TILES, small_f=32), SAMPLE8_TILES, *SPLIT_VARIANTS,
-             *BISECT_VARIANTS, *LOADS_VARIANTS)  # fmt: skip
+             *BISECT_VARIANTS, *LOADS_VARIANTS, *GRID_VARIANTS)  # fmt: skip
     return [dataclasses.replace(c, screen=s) for s in (False, True) for c in tiles]
 
 
@@ -1471,7 +1478,8 @@ def test_bisect_keys_finds_the_sorted_running_sums_crossing(interp, mass, device
      ("split_f", 3000, "split_f must be a power of two or 0, got 3000"),
      ("rows_s", 0, "rows_s must be an int >= 1, got 0"),
      ("loads_f", 3, "loads_f must be a power of two, got 3"),
-     ("loads_f", 4, "loads_f must be 1 or 16, got 4")],
+     ("loads_f", 4, "loads_f must be 1 or 16, got 4"),
+     ("grid_n", 12, "grid_n must be a power of two or 0, got 12")],
 )  # fmt: skip
 def test_config_refuses_a_bad_tile_or_count(field, value, match):
     # a width the kernels would take to tl.arange, or a count below its floor: refused
