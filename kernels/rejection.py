@@ -225,7 +225,8 @@ def _partials_kernel(
     pmax_ptr, parg_ptr, psum_ptr, pmin_ptr, drafts_ptr, stride_db, pabove_ptr, pcnt_ptr,
     num_rows, V, K1, NB,
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr, SCREEN: tl.constexpr,
-    ONE: tl.constexpr = False, FTZ: tl.constexpr = False, GDC: tl.constexpr = False,
+    ONE: tl.constexpr = False, FTZ: tl.constexpr = False, LAZY: tl.constexpr = False,
+    GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Per (row, vocabulary block) of a call with q (all-greedy calls take
     _greedy_kernel): max, first argmax, sum exp(z - max) and the smallest finite value.
@@ -239,7 +240,8 @@ def _partials_kernel(
     sums relative to the block's max. A reduction a value per block, not per SUB slice:
     at SUB = BLOCK_V the block is read once, into registers both reductions use.
     ONE (RejectionConfig.one_pass_v): the block is read once, in slices, by
-    _partials_one_pass (FTZ, RejectionConfig.ftz_v: its exps by _exp_ftz)."""
+    _partials_one_pass (FTZ, RejectionConfig.ftz_v: its exps by _exp_ftz; LAZY,
+    RejectionConfig.lazy_v: its argmax found after the loop)."""
     _gdc_enter(GDC)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     blk = tl.program_id(1)
@@ -256,7 +258,7 @@ def _partials_kernel(
         _partials_one_pass(
             rows, rmask, req, t, t1, rowp, lo, out, pmax_ptr, parg_ptr, psum_ptr, pmin_ptr,
             drafts_ptr, stride_db, pabove_ptr, pcnt_ptr, V, K1, ROWS, BLOCK_V, SUB, SCREEN,
-            FTZ,
+            FTZ, LAZY,
         )  # fmt: skip
         return
     if SUB == BLOCK_V:
@@ -335,7 +337,7 @@ def _partials_one_pass(
     rows, rmask, req, t, t1, rowp, lo, out, pmax_ptr, parg_ptr, psum_ptr, pmin_ptr,
     drafts_ptr, stride_db, pabove_ptr, pcnt_ptr, V, K1,
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr, SCREEN: tl.constexpr,
-    FTZ: tl.constexpr = False,
+    FTZ: tl.constexpr = False, LAZY: tl.constexpr = False,
 ):  # fmt: skip
     """_partials_kernel's block read once. A slice is taken as groups of 8 adjacent
     columns (one thread's vector load); each group position keeps its own running max,
@@ -343,7 +345,13 @@ def _partials_one_pass(
     group) when a slice raises that max. The max, argmax, smallest value and count are
     the two-pass kernel's bits; the sums agree to float32 rounding. FTZ: the exps by
     _exp_ftz (a subnormal term becomes 0: each lane's total holds its max's 1, so only
-    the masses above a draft can tell, by less than 2^-126)."""
+    the masses above a draft can tell, by less than 2^-126). LAZY: a group position keeps
+    only the slice that last raised its max (one select a group, where the first argmax
+    takes ~3 instructions a column); after the loop it reloads its 8 columns of that
+    slice (L1 / L2) and takes the first holding its max: the same slice and the same
+    column, so the same argmax. Its smallest value is taken over -inf too (a min a
+    column instead of a compare, a select and a min); a position whose minimum is -inf
+    reads its columns again for the smallest finite one: the same value."""
     G: tl.constexpr = SUB // 8
     col = tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [G, 8]
     if SCREEN:
@@ -351,7 +359,7 @@ def _partials_one_pass(
     else:
         zd = tl.zeros([ROWS], tl.float32)
     m = tl.full([ROWS, G], float("-inf"), tl.float32)
-    where = tl.zeros([ROWS, G], tl.int32) + lo
+    where = tl.zeros([ROWS, G], tl.int32) + (0 if LAZY else lo)  # LAZY: a slice offset
     total = tl.zeros([ROWS, G], tl.float32)
     low = tl.full([ROWS, G], float("inf"), tl.float32)
     above_sum = tl.zeros([ROWS, G], tl.float32)
@@ -363,9 +371,12 @@ def _partials_one_pass(
         z = _z_of(x, t[:, None, None], t1)
         # Taken where the group's max beats the lane's (strict: a lane keeps its first
         # index of a tie).
-        gmax, gidx = _group_argmax(z, offs)
-        up = gmax > m
-        where = tl.where(up, gidx, where)
+        if LAZY:
+            gmax = tl.max(z, axis=2)
+            where = tl.where(gmax > m, c, where)
+        else:
+            gmax, gidx = _group_argmax(z, offs)
+            where = tl.where(gmax > m, gidx, where)
         mn = tl.maximum(m, gmax)
         ref = tl.where(mn == float("-inf"), 0.0, mn)
         if FTZ:
@@ -375,12 +386,35 @@ def _partials_one_pass(
             scale = tl.exp(m - ref)  # 1 where the max stands; 0 from an all -inf history
             ez = tl.exp(z - ref[:, :, None])
         total = total * scale + tl.sum(ez, axis=2)
-        low = tl.minimum(low, tl.min(tl.where(z > float("-inf"), z, float("inf")), axis=2))
+        if LAZY:
+            low = tl.minimum(low, tl.min(z, axis=2))  # -inf included: redone below
+        else:
+            low = tl.minimum(low, tl.min(tl.where(z > float("-inf"), z, float("inf")), axis=2))
         if SCREEN:
             above = z > zd[:, None, None]
             above_sum = above_sum * scale + tl.sum(tl.where(above, ez, 0.0), axis=2)
             above_cnt += tl.sum(above.to(tl.int32), axis=2)
         m = mn
+    if LAZY:
+        # each position's first column holding its max, in the slice that set it (z
+        # recomputed from the same logits: the same bits); none: the block's first column
+        seen = rmask[:, None] & (m > float("-inf"))
+        offs = lo + where[:, :, None] + col[None, :, :]
+        x = tl.load(rowp[:, None, None] + offs, mask=seen[:, :, None] & (offs < V),
+                    other=float("-inf"))  # fmt: skip
+        _, gidx = _group_argmax(_z_of(x, t[:, None, None], t1), offs)
+        where = tl.where(seen, gidx, lo)
+        # the smallest finite value of a position that met a -inf (a -inf logit, or
+        # columns past V), from its columns read again
+        inf = rmask[:, None] & (low == float("-inf"))
+        if tl.max(inf.to(tl.int32)) != 0:
+            low = tl.where(inf, float("inf"), low)
+            for c in tl.range(0, BLOCK_V, SUB):
+                cc = lo + c + col[None, :, :]
+                x = tl.load(rowp[:, None, None] + cc, mask=inf[:, :, None] & (cc < V),
+                            other=float("-inf"))  # fmt: skip
+                z = _z_of(x, t[:, None, None], t1)
+                low = tl.minimum(low, tl.min(tl.where(z > float("-inf"), z, float("inf")), 2))
     bmax = tl.max(m, axis=1)
     barg = tl.min(tl.where(m == bmax[:, None], where, 2147483647), axis=1)
     tl.store(pmax_ptr + out, bmax, mask=rmask)
@@ -2087,6 +2121,14 @@ class RejectionConfig:
     # H100, B 64, K 5, V 49152, top-p 0.9, that launch takes 4.5-5.6 µs with no row
     # flagged (stops 69-70). The same cuts (CPU tests). Off until timed.
     grid_n: int = 0
+    # The one-pass partials' argmax and smallest finite value found after the loop
+    # (_partials_one_pass, LAZY): a group of 8 columns keeps the slice that last raised
+    # its max, not the column, and the column is found once from the slice reloaded; its
+    # minimum takes -inf in, and a group that met one reads its columns again. Offline
+    # sm_90 (stop 70): ~23 instructions a column run in the loop (with ftz_v), issue-bound;
+    # these two take ~5 of them. The same outputs, bit for bit (CPU tests). Off until
+    # timed.
+    lazy_v: bool = False
 
     def __post_init__(self) -> None:
         # Every size is a tile width (tl.arange needs a power of two); tries_f, the stages
@@ -2526,7 +2568,8 @@ def _plan(
         (triton.cdiv(rows, cfg.rows_p), triton.cdiv(v, cfg.block_v)),
         (target_logits, lm, greedy, temperature, ws.part_max, ws.part_arg, ws.part_sum,
          ws.part_min, draft_tokens, db, ws.part_above, ws.part_cnt, rows, v, k + 1, nb,
-         cfg.rows_p, cfg.block_v, sub_v, screen, one_pass, one_pass and bool(cfg.ftz_v)),
+         cfg.rows_p, cfg.block_v, sub_v, screen, one_pass, one_pass and bool(cfg.ftz_v),
+         one_pass and bool(cfg.lazy_v)),
         # Unless the config says (the sliced GPU tiles do): 8 warps from 4096-element
         # slices, 4 below. Screened or not, a config takes the same warps, so a block's
         # sum is the same bits either way.

@@ -654,6 +654,9 @@ ONE_PASS_TILES = [
     dataclasses.replace(LOOP_TILES, one_pass_v=True),
     dataclasses.replace(ROW_TILES, sub_v=16, one_pass_v=True),
     dataclasses.replace(LOOP_TILES, one_pass_v=True, ftz_v=True),  # subnormal exps to 0
+    # the argmax and smallest finite value found after the loop (lazy_v)
+    dataclasses.replace(LOOP_TILES, one_pass_v=True, lazy_v=True),
+    dataclasses.replace(ROW_TILES, sub_v=16, one_pass_v=True, lazy_v=True, ftz_v=True),
 ]
 
 
