@@ -1319,15 +1319,19 @@ def test_gpu_bf16_large_vocab_matches_reference(v):
 @pytest.mark.parametrize(
     "spec",
     ["loads_f=1", "bisect_f=0", "loads_f=1+bisect_f=0", "interp_f=0", "sample_f=512",
-     "sample_f=2048+cap_f=2048", "ftz_v=0"],
+     "sample_f=2048+cap_f=2048", "ftz_v=0", "lazy_v=1", "grid_n=128",
+     "tries_f=0+grid_n=128"],
 )  # fmt: skip
 def test_gpu_large_vocab_variants_equal_the_default(spec):
     """The wide tiles' defaults at V 49152 turned back one at a time: the bracket pass's
     16 columns a lane in flight (loads_f), the bracket's cut by bisection (bisect_f) and
     its interpolated steps (interp_f), the 1024-value sample with its 4096-value brackets
     (sample_f, cap_f: 2048 and 2048, and a 512-value sample whose wider brackets overflow
-    lanes and send rows to the narrowing launch), and the partials' flushed exps (ftz_v):
-    the default's tokens, counts, thresholds and kept masses, bit for bit."""
+    lanes and send rows to the narrowing launch), and the partials' flushed exps (ftz_v);
+    and, off by default, the partials' argmax and smallest value found after their loop
+    (lazy_v) and the narrowing launch as 128 looping programs (grid_n; with no bracket
+    tries, every cut row narrows there): the default's tokens, counts, thresholds, kept
+    masses and the partials' max, argmax and smallest value, bit for bit."""
     b, k, v = 16, 5, 49152
     logits, drafts, q, st, pos = _gpu_case(b, k, v, seed=29)
     args = (logits.cuda(), drafts.cuda(), None if q is None else q.cuda(), _on(st, "cuda"),
@@ -1337,10 +1341,13 @@ def test_gpu_large_vocab_variants_equal_the_default(spec):
     got = []
     for config in (None, cfg):
         batch = Batch(*args, config)
-        for t in (batch.ws.row_thr, batch.ws.row_sum):
-            t.fill_(float("nan"))  # rows a call does not write stay NaN in both
+        ws = batch.ws
+        for t in (ws.row_thr, ws.row_sum, ws.part_max, ws.part_min):
+            t.fill_(float("nan"))  # what a call does not write stays NaN in both
+        ws.part_arg.fill_(-7)
         batch.run()
-        got.append([t.cpu() for t in (*batch.outs(), batch.ws.row_thr, batch.ws.row_sum)])
+        got.append([t.cpu() for t in (*batch.outs(), ws.row_thr, ws.row_sum, ws.part_max,
+                                      ws.part_arg, ws.part_min)])  # fmt: skip
     assert (got[0][0] >= -1).all()  # every token written
     for x, y in zip(*got):
         torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
