@@ -811,9 +811,11 @@ def _bisect_keys(vals, valid, e, above_c, above_m, target_c, target_m, MASS: tl.
     measure is the same there), so the search runs over values rather than keys. A step
     that does not halve the interval is followed by a midpoint step: at most about twice
     the bisection's steps."""
-    keys = _key(vals).to(tl.int64)
-    klo = tl.min(tl.where(valid, keys, 2147483647), axis=0)
-    khi = tl.max(tl.where(valid, keys, -2147483648), axis=0)
+    # int32 keys (registers: up to 8 values a thread); the ends and steps in int64
+    # scalars (an interval may span 2^32 keys), a point between them in int32 again
+    keys = _key(vals)
+    klo = tl.min(tl.where(valid, keys, 2147483647), axis=0).to(tl.int64)
+    khi = tl.max(tl.where(valid, keys, -2147483648), axis=0).to(tl.int64)
     # the measure at the smallest value (every value counted)
     if MASS:
         at_lo = above_m + tl.sum(e, axis=0)
@@ -839,7 +841,7 @@ def _bisect_keys(vals, valid, e, above_c, above_m, target_c, target_m, MASS: tl.
                 f = tl.minimum(tl.maximum(f, 0.0), 1.0)
                 off = (f * (span + 1).to(tl.float64)).to(tl.int64)
                 mid = klo + tl.minimum(tl.maximum(off, 1), span)
-            ge = valid & (keys >= mid)
+            ge = valid & (keys >= mid.to(tl.int32))  # klo < mid <= khi
             if MASS:
                 w = tl.where(ge, e, 0)
             else:
@@ -853,16 +855,16 @@ def _bisect_keys(vals, valid, e, above_c, above_m, target_c, target_m, MASS: tl.
             else:
                 here = (above_c + got).to(tl.float64)
             if here >= goal:
-                klo = up  # the smallest value at or above mid: the same measure
+                klo = up.to(tl.int64)  # the smallest value at or above mid: the same measure
                 m_lo = here
             else:
-                khi = down  # the largest value below mid: every key past it fails
+                khi = down.to(tl.int64)  # the largest value below mid: every key past it fails
                 m_hi = here
             interp = 2 * (khi - klo) <= span
     elif found:
         while klo < khi:
             mid = klo + (khi - klo + 1) // 2
-            ge = valid & (keys >= mid)
+            ge = valid & (keys >= mid.to(tl.int32))  # klo < mid <= khi
             if MASS:
                 reach = (above_m + tl.sum(tl.where(ge, e, 0), axis=0)).to(tl.float64) >= target_m
             else:

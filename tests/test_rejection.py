@@ -1433,11 +1433,11 @@ def _bisect_probe_kernel(vals_ptr, e_ptr, n_ptr, above_ptr, target_ptr, out_ptr,
 @pytest.mark.parametrize("mass", [True, False])
 @pytest.mark.parametrize("interp", [False, True])
 def test_bisect_keys_finds_the_sorted_running_sums_crossing(interp, mass, device):
-    """_bisect_keys (binary or interpolated steps) against the sort: the
-    largest value whose measure at or above it (above + the masses, or the count, of the
-    values >= it) reaches the target, over cases of 1-64 values with tie groups, negative
-    and zero values, masses spanning 2^0-2^40, and targets at, between and past the running
-    sums (past the total: not found)."""
+    """_bisect_keys (binary or interpolated steps) against the sort: the largest value
+    whose measure at or above it (above + the masses, or the count, of the values >= it)
+    reaches the target, over cases of 1-64 values with tie groups, negative and zero
+    values, runs of adjacent float32s, masses spanning 2^0-2^40, and targets at, between
+    and past the running sums (past the total: not found)."""
     g = torch.Generator().manual_seed(71 + interp + 10 * mass)
     cases, size = 96, 64
     n = torch.randint(1, size + 1, (cases,), generator=g)
@@ -1453,6 +1453,10 @@ def test_bisect_keys_finds_the_sorted_running_sums_crossing(interp, mass, device
                         pool[torch.randint(0, len(pool), (k,), generator=g)],
                         torch.randn(k, generator=g) * 4)  # fmt: skip
         v[torch.rand(k, generator=g) < 0.1] = 0.0
+        if c % 3 == 2:  # a few adjacent float32s: a step's point often lands on a key
+            base = torch.randn(1, generator=g).abs() + 0.5
+            ulps = torch.randint(0, max(2, k // 4), (k,), generator=g, dtype=torch.int32)
+            v = (base.view(torch.int32) + ulps).view(torch.float32)
         w = (2.0 ** (torch.rand(k, generator=g) * 40)).long() if mass else torch.ones(k).long()
         vals[c, :k], e[c, :k] = v, w
         order = torch.argsort(v, descending=True, stable=True)
