@@ -1016,48 +1016,14 @@ def _sorted_bracket(s, ws, lo, hi, a_hi, m_lo, goal, SAMPLE: tl.constexpr):
 
 
 @triton.jit
-def _searched_bracket(s, ws, lo, hi, a_hi, m_lo, goal, SAMPLE: tl.constexpr):
-    """_sorted_bracket's bracket from the unsorted sample (s: values outside the first
-    try's interval are -inf; ws as there) by three interpolated searches over its keys
-    (_bisect_keys) instead of a sort: the largest value whose estimated measure from the
-    top reaches the goal, then the values _margin ranks above and below it. The
-    estimate is _estimate's, from the top or from the bottom: either is a fixed base plus
-    the sampled measure at or above the value. The cut's rank counts from the first of
-    its tied values (the sorted form may land inside a tie), so a bracket may differ
-    from _sorted_bracket's there; every bracket gives the same cut."""
-    inside = (s >= lo) & (s <= hi)
-    w = tl.where(inside, ws, 0.0)
-    n_in = tl.sum(inside.to(tl.int32), axis=0)
-    base = tl.where(goal - a_hi < m_lo - goal, a_hi, m_lo - tl.sum(w, axis=0))
-    none_c = tl.zeros([], tl.int32)
-    none_m = tl.zeros([], tl.float32)
-    found, v_star = _bisect_keys(s, inside, w, none_c, none_m, none_c,
-                                 (goal - base).to(tl.float64), True, True)  # fmt: skip
-    r = tl.where(found, tl.sum((inside & (s > v_star)).to(tl.int32), axis=0), n_in)
-    d = _margin(r, SAMPLE)
-    rh = r - d  # the bracket's ends: 0-based ranks from the top of the inside values
-    rl = r + d
-    b_hi = hi
-    if rh >= 0:  # the value of rank rh: the largest with rh + 1 values at or above it
-        _, b_hi = _bisect_keys(s, inside, w, none_c, none_m, rh + 1, 0.0, False, True)
-    b_lo = lo
-    if rl < n_in:
-        _, b_lo = _bisect_keys(s, inside, w, none_c, none_m, rl + 1, 0.0, False, True)
-    return b_lo, b_hi
-
-
-@triton.jit
-def _row_sample(base, V, t, m, lo, hi, MASS: tl.constexpr, SAMPLE: tl.constexpr,
-                SORT: tl.constexpr = True):  # fmt: skip
+def _row_sample(base, V, t, m, lo, hi, MASS: tl.constexpr, SAMPLE: tl.constexpr):
     """A row's strided sample of SAMPLE values, those in [lo, hi] sorted once (s,
-    descending; SORT False: unsorted, the others -inf), with the measure each stands for
-    (ws: its mass, or count, times the row values it stands for)."""
+    descending), with the measure each stands for (ws: its mass, or count, times the row
+    values it stands for)."""
     si = tl.arange(0, SAMPLE)
     sz = _row_z(base + (si.to(tl.int64) * V) // SAMPLE, si < SAMPLE, t)
     per = V / SAMPLE
-    s = tl.where((sz >= lo) & (sz <= hi), sz, float("-inf"))
-    if SORT:
-        s = tl.sort(s, descending=True)
+    s = tl.sort(tl.where((sz >= lo) & (sz <= hi), sz, float("-inf")), descending=True)
     if MASS:
         ws = tl.where(s > float("-inf"), tl.exp(s - m), 0.0) * per
     else:
@@ -1101,7 +1067,7 @@ def _cut_fast(
     MASS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, SAMPLE: tl.constexpr,
     TRIES: tl.constexpr, LANES: tl.constexpr, STAGES: tl.constexpr, FXS: tl.constexpr,
     FUSE_P: tl.constexpr, SMALL: tl.constexpr, BISECT: tl.constexpr = 0,
-    LOADS: tl.constexpr = 1, RANK: tl.constexpr = False,
+    LOADS: tl.constexpr = 1,
 ):  # fmt: skip
     """_cut_row's answer in one pass over the row when a sample places it well.
 
@@ -1129,8 +1095,7 @@ def _cut_fast(
     (_pass_vec_chunk), both vector loads issued before the first store, and the
     compaction after the pass takes four slots' loads at a time; a lane's slots then
     hold other columns than with one column a lane, so a bracket may overflow a lane
-    where the other layout did not (the next try then takes it: the same cut). RANK: the
-    sample unsorted, each try's bracket by _searched_bracket (the same cut)."""
+    where the other layout did not (the next try then takes it: the same cut)."""
     base = logits_ptr + row * stride_lm
     cbase = cand_ptr + row * (CAP + LANES * BLOCK)  # CAP dense values, then lane slots
     lbase = cbase + CAP
@@ -1140,7 +1105,7 @@ def _cut_fast(
         goal = (target_m * (1.0 / FXS)).to(tl.float32)
     else:
         goal = target_c.to(tl.float32)
-    s, ws = _row_sample(base, V, t, m, lo, hi, MASS, SAMPLE, not RANK)
+    s, ws = _row_sample(base, V, t, m, lo, hi, MASS, SAMPLE)
     # Measure above hi and at or above lo, as far as known (exact after a try).
     a_hi = tl.zeros([], tl.float32)
     if MASS:
@@ -1157,10 +1122,7 @@ def _cut_fast(
     for _ in range(TRIES):
         if ok == 0:
             # 1. The bracket [b_lo, b_hi], from the sample.
-            if RANK:
-                b_lo, b_hi = _searched_bracket(s, ws, lo, hi, a_hi, m_lo, goal, SAMPLE)
-            else:
-                b_lo, b_hi = _sorted_bracket(s, ws, lo, hi, a_hi, m_lo, goal, SAMPLE)
+            b_lo, b_hi = _sorted_bracket(s, ws, lo, hi, a_hi, m_lo, goal, SAMPLE)
             # 2. One pass: the exact measure above b_hi, the bracket compacted.
             above_cv = tl.zeros([BLOCK], tl.int32)
             above_mv = tl.zeros([BLOCK], tl.int64)
@@ -1434,7 +1396,7 @@ def _cut(
     NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
     CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr, LANES: tl.constexpr,
     STAGES: tl.constexpr, FAST_ONLY: tl.constexpr, FUSE_P: tl.constexpr, SMALL_F: tl.constexpr,
-    BISECT: tl.constexpr = 0, LOADS: tl.constexpr = 1, RANK: tl.constexpr = False,
+    BISECT: tl.constexpr = 0, LOADS: tl.constexpr = 1,
 ):  # fmt: skip
     """_cut_tile's contract, plus ok [ROWS] (0: not found). One row takes _cut_row
     (scalar state), first trying _cut_fast's pass when CAP_F > 0; FAST_ONLY leaves a
@@ -1462,7 +1424,6 @@ def _cut(
                 logits_ptr, stride_lm, fast_ptr, row, t1, m1, V, fl1, lo1, hi1, tc1, tm1,
                 tl.sum(total, axis=0), tl.sum(p_top, axis=0), tl.sum(zmin, axis=0), MASS,
                 BLOCK, CAP_F, SAMPLE, TRIES, LANES, STAGES, FXS, FUSE_P, SMALL_F, BISECT, LOADS,
-                RANK,
             )  # fmt: skip
         if FAST_ONLY:
             pass
@@ -1503,8 +1464,7 @@ def _cut_kernel(
     STAGES: tl.constexpr, FAST_ONLY: tl.constexpr, TODO: tl.constexpr,
     SCREEN: tl.constexpr, KP: tl.constexpr, FUSE_KP: tl.constexpr, SMALL_F: tl.constexpr,
     SAMPLE_K: tl.constexpr, SPLIT: tl.constexpr, BISECT_K: tl.constexpr, BISECT_P: tl.constexpr,
-    LOADS: tl.constexpr = 1, GRID_N: tl.constexpr = 0, RANK: tl.constexpr = False,
-    GDC: tl.constexpr = False,
+    LOADS: tl.constexpr = 1, GRID_N: tl.constexpr = 0, GDC: tl.constexpr = False,
 ):  # fmt: skip
     """A tile of ROWS rows per program; a filtered row gets the top-k cut (the k-th
     largest value), then the top-p cut over the top-k survivors, and its threshold and
@@ -1526,7 +1486,7 @@ def _cut_kernel(
             rmax_ptr, rthr_ptr, rsum_ptr, cand_ptr, fast_ptr, todo_ptr, state_ptr, sbr_ptr,
             sgoal_ptr, sn_ptr, slist_ptr, num_rows, V, K1, NB, ROWS, NBP, BLOCK, CAP, NBIN,
             MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, LANES, STAGES, FAST_ONLY, TODO,
-            SCREEN, KP, FUSE_KP, SMALL_F, SAMPLE_K, SPLIT, BISECT_K, BISECT_P, LOADS, RANK,
+            SCREEN, KP, FUSE_KP, SMALL_F, SAMPLE_K, SPLIT, BISECT_K, BISECT_P, LOADS,
         )  # fmt: skip
     else:
         tl.static_assert(TODO & (ROWS == 1), "grid_n: the narrowing launch, one row a tile")
@@ -1545,7 +1505,7 @@ def _cut_kernel(
                             slist_ptr, num_rows, V, K1, NB, ROWS, NBP, BLOCK, CAP, NBIN,
                             MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, LANES, STAGES,
                             FAST_ONLY, TODO, SCREEN, KP, FUSE_KP, SMALL_F, SAMPLE_K, SPLIT,
-                            BISECT_K, BISECT_P, LOADS, RANK,
+                            BISECT_K, BISECT_P, LOADS,
                         )  # fmt: skip
 
 
@@ -1561,7 +1521,7 @@ def _cut_rows(
     STAGES: tl.constexpr, FAST_ONLY: tl.constexpr, TODO: tl.constexpr,
     SCREEN: tl.constexpr, KP: tl.constexpr, FUSE_KP: tl.constexpr, SMALL_F: tl.constexpr,
     SAMPLE_K: tl.constexpr, SPLIT: tl.constexpr, BISECT_K: tl.constexpr, BISECT_P: tl.constexpr,
-    LOADS: tl.constexpr, RANK: tl.constexpr,
+    LOADS: tl.constexpr,
 ):  # fmt: skip
     """_cut_kernel's work on its rows (ROWS of them)."""
     rmask = rows < num_rows
@@ -1625,7 +1585,7 @@ def _cut_rows(
                 logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_k, t, m, V, thr, zmin,
                 m, k, tl.zeros([ROWS], tl.float64), total, p, zmin, False, ROWS, BLOCK, CAP,
                 NBIN, MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE_K, TRIES, LANES, STAGES, FAST_ONLY,
-                FUSE_KP, SMALL_F, BISECT_K, LOADS, RANK,
+                FUSE_KP, SMALL_F, BISECT_K, LOADS,
             )  # fmt: skip
             missed = missed | (ok == 0).to(tl.int32)
             thr = tl.where(use_k, thr_k, thr)
@@ -1642,7 +1602,7 @@ def _cut_rows(
                 logits_ptr, stride_lm, cand_ptr, fast_ptr, rows, use_p & (missed == 0), t, m,
                 V, thr, lo, m, tl.zeros([ROWS], tl.int32), target, kept_f, p, zmin, True, ROWS,
                 BLOCK, CAP, NBIN, MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, LANES, STAGES,
-                FAST_ONLY, False, SMALL_F, BISECT_P, LOADS, RANK,
+                FAST_ONLY, False, SMALL_F, BISECT_P, LOADS,
             )  # fmt: skip
             missed = missed | (ok == 0).to(tl.int32)
             thr = tl.where(use_p, thr_p, thr)
@@ -2172,12 +2132,6 @@ class RejectionConfig:
     # 49152). On at large vocabularies: H100, B 64, K 5, V 49152, top-p 0.9, the
     # partials launch 26.2 -> 21.7 µs, the sampler 88.3 -> 85.6 (stop 71).
     lazy_v: bool = False
-    # The bracket's sample left unsorted: each try places its bracket by three
-    # interpolated searches over the sample's keys (_searched_bracket: the cut's value by
-    # estimated measure, then the values _margin ranks above and below it) instead of a
-    # sort (ncu, H100, stop 65: the 2048-value sample's sort ~25% of the bracket launch's
-    # stall samples) and a running sum. The same cuts (CPU tests). Off until timed.
-    rank_f: bool = False
 
     def __post_init__(self) -> None:
         # Every size is a tile width (tl.arange needs a power of two); tries_f, the stages
@@ -2671,7 +2625,7 @@ def _plan(
                  (cfg.sample_k or cfg.sample_f) if bracket else cfg.sample_f,
                  split if bracket else 0,
                  bisect if bracket and not cfg.fuse_kp else 0, bisect if bracket else 0,
-                 cfg.loads_f if bracket else 1, grid_n, bracket and bool(cfg.rank_f)),
+                 cfg.loads_f if bracket else 1, grid_n),
                 cfg.warps_f if fast_only else 8 if cfg.rows_t * cfg.block_t >= 2048 else 4,
                 pdl,
             )  # fmt: skip

@@ -275,15 +275,6 @@ GRID_VARIANTS = (dataclasses.replace(FUSED_TILES, grid_n=1),
                  dataclasses.replace(FAST_SMALL_TILES, grid_n=2),
                  dataclasses.replace(FAST_TILES, grid_n=8, bisect_f=True,
                                      interp_f=True))  # fmt: skip
-# The sample's bracket by searches over its unsorted keys (rank_f): the 32-value sample
-# with the sorted and the bisected bracket cut, the 16-value one whose brackets mostly
-# overflow a one-slot scratch, the fused top-k / top-p bracket, and the top-k cut's
-# 8-value sample
-RANK_VARIANTS = (dataclasses.replace(FAST_TILES, rank_f=True),
-                 dataclasses.replace(FAST_TILES, rank_f=True, bisect_f=True, interp_f=True),
-                 dataclasses.replace(FAST_SMALL_TILES, rank_f=True),
-                 dataclasses.replace(FUSED_TILES, rank_f=True, loads_f=16, block_t=8),
-                 dataclasses.replace(SAMPLE8_TILES, rank_f=True))  # fmt: skip
 KINDS = [SP(0.0), SP(1.0), SP(0.7, top_k=5), SP(1.3, top_p=0.8), SP(0.5, top_k=9, top_p=0.6),
          SP(2.0, top_k=1), SP(1.0, top_p=0.05), SP(1.0, top_k=40)]  # fmt: skip
 
@@ -589,7 +580,7 @@ def _tile_variants(device: str) -> list:
              FAST_TILES, FAST_SMALL_TILES, FUSED_TILES,
              dataclasses.replace(FAST_SMALL_TILES, fuse_kp=True), SORT32_TILES,
              dataclasses.replace(FAST_TILES, small_f=32), SAMPLE8_TILES, *SPLIT_VARIANTS,
-             *BISECT_VARIANTS, *LOADS_VARIANTS, *GRID_VARIANTS, *RANK_VARIANTS)  # fmt: skip
+             *BISECT_VARIANTS, *LOADS_VARIANTS, *GRID_VARIANTS)  # fmt: skip
     return [dataclasses.replace(c, screen=s) for s in (False, True) for c in tiles]
 
 
@@ -1329,7 +1320,7 @@ def test_gpu_bf16_large_vocab_matches_reference(v):
     "spec",
     ["loads_f=1", "bisect_f=0", "loads_f=1+bisect_f=0", "interp_f=0", "sample_f=512",
      "sample_f=2048+cap_f=2048", "ftz_v=0", "lazy_v=0", "grid_n=128",
-     "tries_f=0+grid_n=128", "rank_f=1"],
+     "tries_f=0+grid_n=128"],
 )  # fmt: skip
 def test_gpu_large_vocab_variants_equal_the_default(spec):
     """The wide tiles' defaults at V 49152 turned back one at a time: the bracket pass's
@@ -1339,9 +1330,8 @@ def test_gpu_large_vocab_variants_equal_the_default(spec):
     lanes and send rows to the narrowing launch), the partials' flushed exps (ftz_v) and
     their argmax and smallest value found after their loop (lazy_v); and, off by
     default, the narrowing launch as 128 looping programs (grid_n; with no bracket
-    tries, every cut row narrows there) and the sample's bracket by searches (rank_f):
-    the default's tokens, counts, thresholds, kept masses and the partials' max, argmax
-    and smallest value, bit for bit."""
+    tries, every cut row narrows there): the default's tokens, counts, thresholds, kept
+    masses and the partials' max, argmax and smallest value, bit for bit."""
     b, k, v = 16, 5, 49152
     logits, drafts, q, st, pos = _gpu_case(b, k, v, seed=29)
     args = (logits.cuda(), drafts.cuda(), None if q is None else q.cuda(), _on(st, "cuda"),
@@ -1488,66 +1478,6 @@ def test_bisect_keys_finds_the_sorted_running_sums_crossing(interp, mass, device
     got_found = found.cpu() == 1
     assert torch.equal(got_found, ~want.isnan()), (got_found, want)
     assert torch.equal(out.cpu()[got_found], want[got_found])
-
-
-@triton.jit
-def _bracket_probe_kernel(vals_ptr, par_ptr, out_ptr, SIZE: tl.constexpr):
-    # one sample a program: _sorted_bracket over it sorted, _searched_bracket over it as
-    # it is; each value stands for floor(3 |v|) + 1 (integers: every sum exact)
-    i = tl.program_id(0)
-    slots = tl.arange(0, SIZE)
-    raw = tl.load(vals_ptr + i * SIZE + slots)
-    lo, hi = tl.load(par_ptr + i * 5), tl.load(par_ptr + i * 5 + 1)
-    a_hi, m_lo = tl.load(par_ptr + i * 5 + 2), tl.load(par_ptr + i * 5 + 3)
-    goal = tl.load(par_ptr + i * 5 + 4)
-    for sort in tl.static_range(2):
-        s = tl.sort(raw, descending=True) if sort == 1 else raw
-        ws = tl.where(s > float("-inf"), tl.floor(tl.abs(s) * 3.0) + 1.0, 0.0)
-        if sort == 1:
-            b_lo, b_hi = kr._sorted_bracket(s, ws, lo, hi, a_hi, m_lo, goal, SIZE)
-        else:
-            b_lo, b_hi = kr._searched_bracket(s, ws, lo, hi, a_hi, m_lo, goal, SIZE)
-        tl.store(out_ptr + i * 4 + 2 * sort, b_lo)
-        tl.store(out_ptr + i * 4 + 2 * sort + 1, b_hi)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_searched_bracket_equals_the_sorted_one(device):
-    """rank_f's bracket (interpolated searches over the unsorted sample) against the
-    sorted sample's, over samples of 64 distinct values (some outside the first try's
-    interval: -inf), intervals narrowed as a later try's (values above hi), goals
-    reached from the top and from the bottom, at and between the estimates and past
-    them (the cut below every sampled value), and margins past either end: the same
-    ends. With tie groups, both brackets are ordered ends inside [lo, hi]."""
-    g = torch.Generator().manual_seed(83)
-    cases, size = 64, 64
-    vals = torch.empty(cases, size)
-    par = torch.empty(cases, 5)
-    for c in range(cases):
-        ties = c % 4 == 3
-        if ties:
-            pool = (torch.randn(12, generator=g) * 3).round(decimals=1)
-            v = pool[torch.randint(0, 12, (size,), generator=g)]
-        else:
-            v = torch.randperm(4 * size, generator=g)[:size].float() / 8 - 12
-        v[torch.rand(size, generator=g) < 0.15] = -math.inf
-        fin = v[v > -math.inf].sort(descending=True).values
-        hi_i = int(torch.randint(0, max(1, len(fin) // 4), (1,), generator=g))
-        lo_i = int(torch.randint(len(fin) // 2, len(fin), (1,), generator=g))
-        hi, lo = float(fin[hi_i]), float(fin[lo_i])
-        inside = fin[(fin >= lo) & (fin <= hi)]
-        w = float((torch.floor(inside.abs() * 3) + 1).sum())
-        a_hi = float(torch.randint(0, 50, (1,), generator=g))
-        m_lo = a_hi + w + float(torch.randint(0, 50, (1,), generator=g))
-        goal = a_hi + float(torch.randint(-3, int(w) + 60, (1,), generator=g))
-        vals[c], par[c] = v, torch.tensor([lo, hi, a_hi, m_lo, goal])
-    out = torch.full((cases, 4), math.nan, device=device)
-    _bracket_probe_kernel[(cases,)](vals.to(device), par.to(device), out, size)
-    out = out.cpu()
-    ties = torch.arange(cases) % 4 == 3
-    assert torch.equal(out[~ties, :2], out[~ties, 2:])
-    lo, hi = par[:, :1], par[:, 1:2]
-    assert ((out[:, 0::2] <= out[:, 1::2]).all(1) & ((out >= lo) & (out <= hi)).all(1)).all()
 
 
 @pytest.mark.parametrize(
