@@ -442,8 +442,6 @@ _SPLIT_OPEN = tl.constexpr(2)
 # per block and rescaled: within ~5e-5 of the exact fixed-point sums, the cut's own exp
 # error bound being 1.5e-5 a term).
 _SCREEN_TOL = tl.constexpr(2.0**-12)
-# Rows whose todo flags a grid_n narrowing program loads at once
-_PER_N = tl.constexpr(4)
 
 
 @triton.jit
@@ -1464,7 +1462,7 @@ def _cut_kernel(
     STAGES: tl.constexpr, FAST_ONLY: tl.constexpr, TODO: tl.constexpr,
     SCREEN: tl.constexpr, KP: tl.constexpr, FUSE_KP: tl.constexpr, SMALL_F: tl.constexpr,
     SAMPLE_K: tl.constexpr, SPLIT: tl.constexpr, BISECT_K: tl.constexpr, BISECT_P: tl.constexpr,
-    LOADS: tl.constexpr = 1, GRID_N: tl.constexpr = 0, GDC: tl.constexpr = False,
+    LOADS: tl.constexpr = 1, GDC: tl.constexpr = False,
 ):  # fmt: skip
     """A tile of ROWS rows per program; a filtered row gets the top-k cut (the k-th
     largest value), then the top-p cut over the top-k survivors, and its threshold and
@@ -1474,56 +1472,9 @@ def _cut_kernel(
     SCREEN: only the rows the screened walk needs (_needs_cut). FUSE_KP: a row with both
     takes its top-p cut from the top-k cut's bracket where that held every survivor
     (_cut_fast), with no cut of its own; the same thresholds and masses. SMALL_F: _cut_fast's
-    narrow bracket sort; SAMPLE_K: the top-k cut's sample (SAMPLE: the top-p cut's).
-    GRID_N > 0 (the TODO launch, one row a tile; RejectionConfig.grid_n): GRID_N programs,
-    program i taking rows i, i + GRID_N, ...; it loads their todo flags PER_N at a time and
-    cuts only the flagged rows, so the launch is one short wave where no row is flagged."""
+    narrow bracket sort; SAMPLE_K: the top-k cut's sample (SAMPLE: the top-p cut's)."""
     _gdc_enter(GDC)
-    if GRID_N == 0:
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        _cut_rows(
-            rows, logits_ptr, stride_lm, greedy_ptr, temp_ptr, topk_ptr, topp_ptr, pmin_ptr,
-            rmax_ptr, rthr_ptr, rsum_ptr, cand_ptr, fast_ptr, todo_ptr, state_ptr, sbr_ptr,
-            sgoal_ptr, sn_ptr, slist_ptr, num_rows, V, K1, NB, ROWS, NBP, BLOCK, CAP, NBIN,
-            MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, LANES, STAGES, FAST_ONLY, TODO,
-            SCREEN, KP, FUSE_KP, SMALL_F, SAMPLE_K, SPLIT, BISECT_K, BISECT_P, LOADS,
-        )  # fmt: skip
-    else:
-        tl.static_assert(TODO & (ROWS == 1), "grid_n: the narrowing launch, one row a tile")
-        j = tl.arange(0, _PER_N)
-        for r0 in range(tl.program_id(0), num_rows, GRID_N * _PER_N):
-            idx = r0 + j * GRID_N
-            flags = tl.load(todo_ptr + idx, mask=idx < num_rows, other=0)
-            if tl.max(flags, axis=0) != 0:
-                for jj in range(_PER_N):
-                    if tl.sum(tl.where(j == jj, flags, 0), axis=0) != 0:
-                        row = r0 + jj * GRID_N + tl.arange(0, 1).to(tl.int64)
-                        _cut_rows(
-                            row, logits_ptr, stride_lm, greedy_ptr, temp_ptr, topk_ptr,
-                            topp_ptr, pmin_ptr, rmax_ptr, rthr_ptr, rsum_ptr, cand_ptr,
-                            fast_ptr, todo_ptr, state_ptr, sbr_ptr, sgoal_ptr, sn_ptr,
-                            slist_ptr, num_rows, V, K1, NB, ROWS, NBP, BLOCK, CAP, NBIN,
-                            MAX_PASSES, CHUNK, FXS, CAP_F, SAMPLE, TRIES, LANES, STAGES,
-                            FAST_ONLY, TODO, SCREEN, KP, FUSE_KP, SMALL_F, SAMPLE_K, SPLIT,
-                            BISECT_K, BISECT_P, LOADS,
-                        )  # fmt: skip
-
-
-@triton.jit
-def _cut_rows(
-    rows, logits_ptr, stride_lm, greedy_ptr, temp_ptr, topk_ptr, topp_ptr,
-    pmin_ptr, rmax_ptr, rthr_ptr, rsum_ptr, cand_ptr, fast_ptr, todo_ptr, state_ptr,
-    sbr_ptr, sgoal_ptr, sn_ptr, slist_ptr,
-    num_rows, V, K1, NB,
-    ROWS: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
-    NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
-    CAP_F: tl.constexpr, SAMPLE: tl.constexpr, TRIES: tl.constexpr, LANES: tl.constexpr,
-    STAGES: tl.constexpr, FAST_ONLY: tl.constexpr, TODO: tl.constexpr,
-    SCREEN: tl.constexpr, KP: tl.constexpr, FUSE_KP: tl.constexpr, SMALL_F: tl.constexpr,
-    SAMPLE_K: tl.constexpr, SPLIT: tl.constexpr, BISECT_K: tl.constexpr, BISECT_P: tl.constexpr,
-    LOADS: tl.constexpr,
-):  # fmt: skip
-    """_cut_kernel's work on its rows (ROWS of them)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rmask = rows < num_rows
     missed = tl.zeros([ROWS], tl.int32)
     split = rows < 0  # rows whose top-p bracket the split launches take (SPLIT)
@@ -2116,13 +2067,6 @@ class RejectionConfig:
     # large vocabularies: H100, B 64, K 5, V 49152, top-p 0.9, the partials launch 27.7
     # -> 26.3 µs (stop 70).
     ftz_v: bool = False
-    # The narrowing launch after the bracket one (cap_f > 0, rows_t 1) as grid_n programs
-    # (0: one a row), program i taking rows i, i + grid_n, ...: it loads their todo flags
-    # four at a time and cuts the flagged rows only. Where no row is flagged, the launch
-    # is one short wave instead of rows programs of 4 warps at ~241 registers (two an SM):
-    # H100, B 64, K 5, V 49152, top-p 0.9, that launch takes 4.5-5.6 µs with no row
-    # flagged (stops 69-70). The same cuts (CPU tests). Off until timed.
-    grid_n: int = 0
     # The one-pass partials' argmax and smallest finite value found after the loop
     # (_partials_one_pass, LAZY): a group of 8 columns keeps the slice that last raised
     # its max, not the column, and the column is found once from the slice reloaded; its
@@ -2136,8 +2080,8 @@ class RejectionConfig:
     def __post_init__(self) -> None:
         # Every size is a tile width (tl.arange needs a power of two); tries_f, the stages
         # and rows_s are counts (tries_f 0: no bracket tries, every cut row narrows; a
-        # loop takes at least one stage; rows_s is a grid); cap_f, small_f, sample_k,
-        # split_f and grid_n may be 0 (off / sample_f).
+        # loop takes at least one stage; rows_s is a grid); cap_f, small_f, sample_k and
+        # split_f may be 0 (off / sample_f).
         counts = {"tries_f": 0, "stages_f": 1, "stages_g": 1, "rows_s": 1}
         for f in fields(self):
             v = getattr(self, f.name)
@@ -2149,7 +2093,7 @@ class RejectionConfig:
                 continue
             if f.type == "bool" or v is None:
                 continue
-            zero = f.name in ("cap_f", "small_f", "sample_k", "split_f", "grid_n")
+            zero = f.name in ("cap_f", "small_f", "sample_k", "split_f")
             if type(v) is not int or v < 0 or (v == 0 and not zero) or v & (v - 1):
                 raise ValueError(
                     f"RejectionConfig.{f.name} must be a power of two"
@@ -2611,10 +2555,9 @@ def _plan(
             (0, False, False),
         ):  # fmt: skip
             bracket = cap_f > 0
-            grid_n = min(cfg.grid_n, rows) if todo else 0  # the narrowing launch's programs
             _CUT.add(
                 launches,
-                (grid_n or triton.cdiv(rows, cfg.rows_t),),
+                (triton.cdiv(rows, cfg.rows_t),),
                 (target_logits, lm, greedy, temperature, top_k, top_p, ws.part_min, ws.row_max,
                  ws.row_thr, ws.row_sum, ws.cand, ws.cand_fast, ws.todo, ws.row_state,
                  ws.split_b, ws.split_goal, ws.split_n, ws.split_list, rows, v,
@@ -2625,7 +2568,7 @@ def _plan(
                  (cfg.sample_k or cfg.sample_f) if bracket else cfg.sample_f,
                  split if bracket else 0,
                  bisect if bracket and not cfg.fuse_kp else 0, bisect if bracket else 0,
-                 cfg.loads_f if bracket else 1, grid_n),
+                 cfg.loads_f if bracket else 1),
                 cfg.warps_f if fast_only else 8 if cfg.rows_t * cfg.block_t >= 2048 else 4,
                 pdl,
             )  # fmt: skip

@@ -266,12 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         # the default tiles; and where the one-pass bracket runs, its cut with fuse_kp
         # the other way (so that flipping it cannot fail on the GPU only) and, at one
         # request, binary bisection steps (interp_f: on at large vocabularies), else the
-        # 2048-value sample and scratch (sample_f, cap_f), and 128 narrowing programs
-        # (grid_n: off by default), in one compile
+        # 2048-value sample and scratch (sample_f, cap_f), in one compile
         variants = [(None, "", None)]
         if cfg.cap_f > 0:
             other = {"interp_f": 0} if b == 1 else {"sample_f": 2048, "cap_f": 2048}
-            other["grid_n"] = 128  # and the narrowing launch's looping programs
             flip = dataclasses.replace(cfg, fuse_kp=not cfg.fuse_kp, **other)
             tag = f" fuse_kp={int(flip.fuse_kp)} " + " ".join(f"{n}={x}" for n, x in other.items())
             variants.append((flip, tag, "_cut_kernel"))

@@ -268,13 +268,6 @@ LOADS_VARIANTS = (dataclasses.replace(FAST_SMALL_TILES, loads_f=16, block_t=8),
                   dataclasses.replace(FAST_TILES, loads_f=16, block_t=8, lanes_f=16,
                                       bisect_f=True),
                   dataclasses.replace(FUSED_TILES, loads_f=16, block_t=8))  # fmt: skip
-# The narrowing launch as grid_n programs looping over the rows' todo flags: one program
-# for every row, two (most rows of the one-slot scratch narrow, several a program), and
-# more programs than one flag load covers
-GRID_VARIANTS = (dataclasses.replace(FUSED_TILES, grid_n=1),
-                 dataclasses.replace(FAST_SMALL_TILES, grid_n=2),
-                 dataclasses.replace(FAST_TILES, grid_n=8, bisect_f=True,
-                                     interp_f=True))  # fmt: skip
 KINDS = [SP(0.0), SP(1.0), SP(0.7, top_k=5), SP(1.3, top_p=0.8), SP(0.5, top_k=9, top_p=0.6),
          SP(2.0, top_k=1), SP(1.0, top_p=0.05), SP(1.0, top_k=40)]  # fmt: skip
 
@@ -580,7 +573,7 @@ def _tile_variants(device: str) -> list:
              FAST_TILES, FAST_SMALL_TILES, FUSED_TILES,
              dataclasses.replace(FAST_SMALL_TILES, fuse_kp=True), SORT32_TILES,
              dataclasses.replace(FAST_TILES, small_f=32), SAMPLE8_TILES, *SPLIT_VARIANTS,
-             *BISECT_VARIANTS, *LOADS_VARIANTS, *GRID_VARIANTS)  # fmt: skip
+             *BISECT_VARIANTS, *LOADS_VARIANTS)  # fmt: skip
     return [dataclasses.replace(c, screen=s) for s in (False, True) for c in tiles]
 
 
@@ -1319,8 +1312,7 @@ def test_gpu_bf16_large_vocab_matches_reference(v):
 @pytest.mark.parametrize(
     "spec",
     ["loads_f=1", "bisect_f=0", "loads_f=1+bisect_f=0", "interp_f=0", "sample_f=512",
-     "sample_f=2048+cap_f=2048", "ftz_v=0", "lazy_v=0", "grid_n=128",
-     "tries_f=0+grid_n=128"],
+     "sample_f=2048+cap_f=2048", "ftz_v=0", "lazy_v=0", "tries_f=0"],
 )  # fmt: skip
 def test_gpu_large_vocab_variants_equal_the_default(spec):
     """The wide tiles' defaults at V 49152 turned back one at a time: the bracket pass's
@@ -1328,10 +1320,10 @@ def test_gpu_large_vocab_variants_equal_the_default(spec):
     its interpolated steps (interp_f), the 1024-value sample with its 4096-value brackets
     (sample_f, cap_f: 2048 and 2048, and a 512-value sample whose wider brackets overflow
     lanes and send rows to the narrowing launch), the partials' flushed exps (ftz_v) and
-    their argmax and smallest value found after their loop (lazy_v); and, off by
-    default, the narrowing launch as 128 looping programs (grid_n; with no bracket
-    tries, every cut row narrows there): the default's tokens, counts, thresholds, kept
-    masses and the partials' max, argmax and smallest value, bit for bit."""
+    their argmax and smallest value found after their loop (lazy_v); and no bracket
+    tries (tries_f 0: every cut row narrows in the narrowing launch): the default's
+    tokens, counts, thresholds, kept masses and the partials' max, argmax and smallest
+    value, bit for bit."""
     b, k, v = 16, 5, 49152
     logits, drafts, q, st, pos = _gpu_case(b, k, v, seed=29)
     args = (logits.cuda(), drafts.cuda(), None if q is None else q.cuda(), _on(st, "cuda"),
@@ -1492,8 +1484,7 @@ def test_bisect_keys_finds_the_sorted_running_sums_crossing(interp, mass, device
      ("split_f", 3000, "split_f must be a power of two or 0, got 3000"),
      ("rows_s", 0, "rows_s must be an int >= 1, got 0"),
      ("loads_f", 3, "loads_f must be a power of two, got 3"),
-     ("loads_f", 4, "loads_f must be 1 or 16, got 4"),
-     ("grid_n", 12, "grid_n must be a power of two or 0, got 12")],
+     ("loads_f", 4, "loads_f must be 1 or 16, got 4")],
 )  # fmt: skip
 def test_config_refuses_a_bad_tile_or_count(field, value, match):
     # a width the kernels would take to tl.arange, or a count below its floor: refused
