@@ -225,10 +225,8 @@ def _partials_kernel(
     pmax_ptr, parg_ptr, psum_ptr, pmin_ptr, drafts_ptr, stride_db, pabove_ptr, pcnt_ptr,
     num_rows, V, K1, NB,
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr, SCREEN: tl.constexpr,
-    ONE: tl.constexpr, FTZ: tl.constexpr, LAZY: tl.constexpr,
-    INIT: tl.constexpr, ticket_ptr, rmax_ptr, rthr_ptr, rsum_ptr, state_ptr, q_ptr, stride_qb,
-    stride_qk, topk_ptr, topp_ptr, seed_ptr, pos_ptr, NBP: tl.constexpr, KP: tl.constexpr,
-    ACCEPT_MUL: tl.constexpr, GDC: tl.constexpr = False,
+    ONE: tl.constexpr = False, FTZ: tl.constexpr = False, LAZY: tl.constexpr = False,
+    GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Per (row, vocabulary block) of a call with q (all-greedy calls take
     _greedy_kernel): max, first argmax, sum exp(z - max) and the smallest finite value.
@@ -243,16 +241,12 @@ def _partials_kernel(
     at SUB = BLOCK_V the block is read once, into registers both reductions use.
     ONE (RejectionConfig.one_pass_v): the block is read once, in slices, by
     _partials_one_pass (FTZ, RejectionConfig.ftz_v: its exps by _exp_ftz; LAZY,
-    RejectionConfig.lazy_v: its argmax found after the loop).
-
-    INIT (RejectionConfig.init_v): the init launch's work done here instead. Each row has
-    a ticket (an acq_rel atomic, which also makes the other programs' partials visible);
-    the last of its NB programs takes the row's max, mass, threshold reset and screening
-    state from all its partials (_row_stats), then resets the ticket for the next call."""
+    RejectionConfig.lazy_v: its argmax found after the loop)."""
     _gdc_enter(GDC)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     blk = tl.program_id(1)
     lo = blk * BLOCK_V
+    lane = tl.arange(0, SUB)
     rmask = rows < num_rows
     req = rows // K1
     g = tl.load(greedy_ptr + req, mask=rmask, other=1) != 0
@@ -266,37 +260,7 @@ def _partials_kernel(
             drafts_ptr, stride_db, pabove_ptr, pcnt_ptr, V, K1, ROWS, BLOCK_V, SUB, SCREEN,
             FTZ, LAZY,
         )  # fmt: skip
-    else:
-        _partials_two_pass(
-            rows, rmask, req, t, t1, rowp, lo, out, pmax_ptr, parg_ptr, psum_ptr, pmin_ptr,
-            drafts_ptr, stride_db, pabove_ptr, pcnt_ptr, V, K1, ROWS, BLOCK_V, SUB, SCREEN,
-        )  # fmt: skip
-    if INIT:
-        # Every thread's partials stores before the tickets' release (a row's ticket may
-        # be taken by another thread than the ones that stored)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(ticket_ptr + rows, tl.full([ROWS], 1, tl.int32), mask=rmask,
-                               sem="acq_rel")  # fmt: skip
-        last = rmask & (ticket == NB - 1)
-        if tl.max(last.to(tl.int32), axis=0) != 0:
-            tl.debug_barrier()  # every thread's reads below after the acquire
-            tl.store(ticket_ptr + rows, tl.zeros([ROWS], tl.int32), mask=last)
-            _row_stats(
-                rows, last, pmax_ptr, psum_ptr, rmax_ptr, rthr_ptr, rsum_ptr, NB, pabove_ptr,
-                pcnt_ptr, state_ptr, logits_ptr, stride_lm, drafts_ptr, stride_db, q_ptr,
-                stride_qb, stride_qk, greedy_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr,
-                pos_ptr, V, K1, ROWS, NBP, SCREEN, KP, ACCEPT_MUL,
-            )  # fmt: skip
-
-
-@triton.jit
-def _partials_two_pass(
-    rows, rmask, req, t, t1, rowp, lo, out, pmax_ptr, parg_ptr, psum_ptr, pmin_ptr,
-    drafts_ptr, stride_db, pabove_ptr, pcnt_ptr, V, K1,
-    ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr, SCREEN: tl.constexpr,
-):  # fmt: skip
-    """_partials_kernel's block read twice: the max and first argmax, then the sums."""
-    lane = tl.arange(0, SUB)
+        return
     if SUB == BLOCK_V:
         # One slice: the block is read once, into registers both reductions use (the
         # same values, hence the same bits, as the loops below run once).
@@ -573,24 +537,7 @@ def _init_kernel(
         if tl.program_id(0) == 0:
             tl.store(slist_ptr, 0)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    _row_stats(
-        rows, rows < num_rows, pmax_ptr, psum_ptr, rmax_ptr, rthr_ptr, rsum_ptr, NB, pabove_ptr,
-        pcnt_ptr, state_ptr, logits_ptr, stride_lm, drafts_ptr, stride_db, q_ptr, stride_qb,
-        stride_qk, greedy_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, V, K1, ROWS,
-        NBP, SCREEN, KP, ACCEPT_MUL,
-    )  # fmt: skip
-
-
-@triton.jit
-def _row_stats(
-    rows, rmask, pmax_ptr, psum_ptr, rmax_ptr, rthr_ptr, rsum_ptr, NB, pabove_ptr, pcnt_ptr,
-    state_ptr, logits_ptr, stride_lm, drafts_ptr, stride_db, q_ptr, stride_qb, stride_qk,
-    greedy_ptr, temp_ptr, topk_ptr, topp_ptr, seed_ptr, pos_ptr, V, K1,
-    ROWS: tl.constexpr, NBP: tl.constexpr, SCREEN: tl.constexpr, KP: tl.constexpr,
-    ACCEPT_MUL: tl.constexpr,
-):  # fmt: skip
-    """The init launch's work on rows (rmask): max and mass from the block partials, the
-    threshold reset, and (SCREEN) the screening state."""
+    rmask = rows < num_rows
     blocks = tl.arange(0, NBP)
     pmask = rmask[:, None] & (blocks < NB)[None, :]
     pm = tl.load(pmax_ptr + rows[:, None] * NB + blocks[None, :], mask=pmask, other=float("-inf"))
@@ -2134,12 +2081,6 @@ class RejectionConfig:
     # 49152). On at large vocabularies: H100, B 64, K 5, V 49152, top-p 0.9, the
     # partials launch 26.2 -> 21.7 µs, the sampler 88.3 -> 85.6 (stop 71).
     lazy_v: bool = False
-    # The init launch's work (each row's max, mass, threshold reset and screening state)
-    # done by the partials' last program of each row, found by a per-row ticket (the
-    # all-greedy launch's pattern): one launch fewer (H100, B 64, K 5, V 49152, top-p
-    # 0.9: the init launch takes 4.1-4.5 µs, stops 70-71). Not with split_f (the init
-    # launch empties its list). The same outputs, bit for bit (CPU tests). Off until timed.
-    init_v: bool = False
 
     def __post_init__(self) -> None:
         # Every size is a tile width (tl.arange needs a power of two); tries_f, the stages
@@ -2304,7 +2245,6 @@ class RejectionWorkspace:
     split_n: torch.Tensor
     split_mass: torch.Tensor
     split_list: torch.Tensor
-    row_ticket: torch.Tensor  # [rows] int32: the partials' row tickets (init_v), zero between calls
 
     @classmethod
     def allocate(
@@ -2332,7 +2272,7 @@ class RejectionWorkspace:
             torch.empty(srows, 3, **f32), torch.empty(srows, device=device, dtype=torch.float64),
             torch.empty(srows, **i32),
             torch.empty(srows, nsplit, device=device, dtype=torch.int64),
-            torch.zeros(srows + 1, **i32), torch.zeros(rows, **i32),
+            torch.zeros(srows + 1, **i32),
         )  # fmt: skip
 
 
@@ -2577,44 +2517,39 @@ def _plan(
     db = draft_tokens.stride(0)
     sub_v = min(cfg.sub_v or cfg.block_v, cfg.block_v)
     one_pass = bool(cfg.one_pass_v) and sub_v >= 8
-    nbp = _p2(nb)
-    # The cut's one-row bracket launch, and its top-p pass split over programs (the
-    # workspace has the split's buffers when the config asks for it)
-    fast = cfg.cap_f > 0 and cfg.rows_t == 1
-    split = cfg.split_f if fast and any_filter else 0
-    # The init launch's work in the partials' last program of each row (not with the
-    # split, whose list the init launch empties)
-    init_v = bool(cfg.init_v) and not split
     _PARTIALS.add(
         launches,
         (triton.cdiv(rows, cfg.rows_p), triton.cdiv(v, cfg.block_v)),
         (target_logits, lm, greedy, temperature, ws.part_max, ws.part_arg, ws.part_sum,
          ws.part_min, draft_tokens, db, ws.part_above, ws.part_cnt, rows, v, k + 1, nb,
          cfg.rows_p, cfg.block_v, sub_v, screen, one_pass, one_pass and bool(cfg.ftz_v),
-         one_pass and bool(cfg.lazy_v), init_v, ws.row_ticket, ws.row_max, ws.row_thr,
-         ws.row_sum, ws.row_state, q, *sq, top_k, top_p, seed, positions, nbp, kp, mul_a),
+         one_pass and bool(cfg.lazy_v)),
         # Unless the config says (the sliced GPU tiles do): 8 warps from 4096-element
         # slices, 4 below. Screened or not, a config takes the same warps, so a block's
         # sum is the same bits either way.
         cfg.warps_v or (8 if cfg.rows_p * sub_v >= 4096 else 4),
         pdl,
     )  # fmt: skip
+    nbp = _p2(nb)
+    # The cut's one-row bracket launch, and its top-p pass split over programs (the
+    # workspace has the split's buffers when the config asks for it)
+    fast = cfg.cap_f > 0 and cfg.rows_t == 1
+    split = cfg.split_f if fast and any_filter else 0
     # the bracket's cut by bisection: 1 interpolated steps, 2 binary ones, 0 sorted
     bisect = (1 if cfg.interp_f else 2) if cfg.bisect_f and fast else 0
     # At most 32 rows a program on the GPU: a row's screen is a few hundred instructions,
     # and few partials a row (wide blocks) must not put the whole batch in one program.
     rows_i = max(1, min((1 << 16) // nbp if INTERPRET else min(2048 // nbp, 32), _p2(rows)))
-    if not init_v:
-        _INIT.add(
-            launches,
-            (triton.cdiv(rows, rows_i),),
-            (ws.part_max, ws.part_sum, ws.row_max, ws.row_thr, ws.row_sum, rows, nb,
-             ws.part_above, ws.part_cnt, ws.row_state, target_logits, lm, draft_tokens, db, q,
-             *sq, greedy, temperature, top_k, top_p, seed, positions, v, k + 1, ws.split_list,
-             rows_i, nbp, screen, kp, mul_a, split > 0),
-            4,
-            pdl,
-        )  # fmt: skip
+    _INIT.add(
+        launches,
+        (triton.cdiv(rows, rows_i),),
+        (ws.part_max, ws.part_sum, ws.row_max, ws.row_thr, ws.row_sum, rows, nb,
+         ws.part_above, ws.part_cnt, ws.row_state, target_logits, lm, draft_tokens, db, q, *sq,
+         greedy, temperature, top_k, top_p, seed, positions, v, k + 1, ws.split_list, rows_i,
+         nbp, screen, kp, mul_a, split > 0),
+        4,
+        pdl,
+    )  # fmt: skip
     if any_filter:
         fxs = float(2 ** (62 - (v - 1).bit_length()))  # v * 2^S <= 2^62: int64 sums fit
         # With the one-pass bracket: its launch, then the narrowing passes for the rows

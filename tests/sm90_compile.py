@@ -292,9 +292,6 @@ def main(argv: list[str] | None = None) -> int:
         # (lazy_v: on at large vocabularies)
         lazy = dataclasses.replace(cfg, one_pass_v=True, lazy_v=not cfg.lazy_v)
         variants.append((lazy, f" one_pass_v=1 lazy_v={int(lazy.lazy_v)}", "_partials_kernel"))
-        # the init launch's work in the partials' last program of each row (init_v: off)
-        init = dataclasses.replace(cfg, init_v=True)
-        variants.append((init, " init_v=1", "_partials_kernel"))
         for name, (config, tag, only), sampled in itertools.product(
             args.dtypes.split(","), variants, (True, False)
         ):
