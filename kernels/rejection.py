@@ -300,7 +300,7 @@ def _partials_kernel(
             z = _load_z(rowp, offs[None, :], mask, t, t1)
         ez = tl.exp(z - ref[:, None])
         total += ez
-        low = tl.minimum(low, tl.where(z > float("-inf"), z, float("inf")))
+        low = tl.minimum(low, _no_neg_inf(z))
         if SCREEN:
             above = z > zd[:, None]
             above_sum += tl.where(above, ez, 0.0)
@@ -310,6 +310,12 @@ def _partials_kernel(
     if SCREEN:
         tl.store(pabove_ptr + out, tl.sum(above_sum, axis=1), mask=rmask)
         tl.store(pcnt_ptr + out, tl.sum(above_cnt, axis=1), mask=rmask)
+
+
+@triton.jit
+def _no_neg_inf(z):
+    """z with -inf as +inf: a minimum over it is the smallest finite value (+inf: none)."""
+    return tl.where(z > float("-inf"), z, float("inf"))
 
 
 @triton.jit
@@ -389,7 +395,7 @@ def _partials_one_pass(
         if LAZY:
             low = tl.minimum(low, tl.min(z, axis=2))  # -inf included: redone below
         else:
-            low = tl.minimum(low, tl.min(tl.where(z > float("-inf"), z, float("inf")), axis=2))
+            low = tl.minimum(low, tl.min(_no_neg_inf(z), axis=2))
         if SCREEN:
             above = z > zd[:, None, None]
             above_sum = above_sum * scale + tl.sum(tl.where(above, ez, 0.0), axis=2)
@@ -414,7 +420,7 @@ def _partials_one_pass(
                 x = tl.load(rowp[:, None, None] + cc, mask=inf[:, :, None] & (cc < V),
                             other=float("-inf"))  # fmt: skip
                 z = _z_of(x, t[:, None, None], t1)
-                low = tl.minimum(low, tl.min(tl.where(z > float("-inf"), z, float("inf")), 2))
+                low = tl.minimum(low, tl.min(_no_neg_inf(z), axis=2))
     bmax = tl.max(m, axis=1)
     barg = tl.min(tl.where(m == bmax[:, None], where, 2147483647), axis=1)
     tl.store(pmax_ptr + out, bmax, mask=rmask)
