@@ -331,6 +331,21 @@ def _draft_z(rows, rmask, req, t, rowp, drafts_ptr, stride_db, V, K1):
 
 
 @triton.jit
+def _lazy_first_argmax(rowp, rmask, m, sl, lo, col, t, t1, V):
+    """After a LAZY loop over a block (groups of 8 columns col [G, 8]; per row and group
+    position its max m and the offset sl of the slice that first held it): each
+    position's first column holding its max, from that slice read again (z recomputed
+    from the same logits: the same bits); a position that saw only -inf: lo, the block's
+    first column."""
+    seen = rmask[:, None] & (m > float("-inf"))
+    offs = lo + sl[:, :, None] + col[None, :, :]
+    x = tl.load(rowp[:, None, None] + offs, mask=seen[:, :, None] & (offs < V),
+                other=float("-inf"))  # fmt: skip
+    _, gidx = _group_argmax(_z_of(x, t[:, None, None], t1), offs)
+    return tl.where(seen, gidx, lo)
+
+
+@triton.jit
 def _group_argmax(z, offs):
     """Each group's max (z [ROWS, G, 8], groups along the last axis) and the first of
     its columns (offs) holding it."""
@@ -402,14 +417,7 @@ def _partials_one_pass(
             above_cnt += tl.sum(above.to(tl.int32), axis=2)
         m = mn
     if LAZY:
-        # each position's first column holding its max, in the slice that set it (z
-        # recomputed from the same logits: the same bits); none: the block's first column
-        seen = rmask[:, None] & (m > float("-inf"))
-        offs = lo + where[:, :, None] + col[None, :, :]
-        x = tl.load(rowp[:, None, None] + offs, mask=seen[:, :, None] & (offs < V),
-                    other=float("-inf"))  # fmt: skip
-        _, gidx = _group_argmax(_z_of(x, t[:, None, None], t1), offs)
-        where = tl.where(seen, gidx, lo)
+        where = _lazy_first_argmax(rowp, rmask, m, where, lo, col, t, t1, V)
         # the smallest finite value of a position that met a -inf (a -inf logit, or
         # columns past V), from its columns read again
         inf = rmask[:, None] & (low == float("-inf"))
@@ -1918,7 +1926,8 @@ def _greedy_kernel(
     tokens_ptr, stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr,
     K, V, NB,
     KP: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr, NBP: tl.constexpr,
-    STAGES: tl.constexpr, PER_ROW: tl.constexpr, GDC: tl.constexpr = False,
+    STAGES: tl.constexpr, PER_ROW: tl.constexpr, LAZY: tl.constexpr = False,
+    GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Every request greedy, in one launch. A program takes the argmax over vocabulary
     block blk of one target row (PER_ROW: program (blk, row)) or of request b's K + 1
@@ -1929,7 +1938,10 @@ def _greedy_kernel(
     pipelined across iterations), reduced once at the end: the largest value, and the
     smallest index holding it. The partials are laid out [rows, NB] in the workspace
     (NB <= its columns). One row per program keeps a row's programs adjacent in launch
-    order and loads no padding rows (KP > K + 1)."""
+    order and loads no padding rows (KP > K + 1). LAZY (RejectionConfig.lazy_g): the
+    slice is taken as groups of 8 adjacent columns, and a group position keeps its max
+    and the slice that last raised it, its first column found after the loop
+    (_lazy_first_argmax), as the partials' LAZY does: the same max and argmax."""
     _gdc_enter(GDC)
     if PER_ROW:
         blk = tl.program_id(0)
@@ -1944,18 +1956,34 @@ def _greedy_kernel(
         rows = req * (K + 1) + j
         rmask = j < K + 1
         programs = NB
-    base = logits_ptr + rows[:, None] * stride_lm
     lo = blk * BLOCK_V
-    lane = tl.arange(0, SUB)
-    best = tl.full([rows.shape[0], SUB], float("-inf"), tl.float32)
-    where = tl.zeros([rows.shape[0], SUB], tl.int32) + (lo + lane)[None, :]
-    for c in tl.range(0, BLOCK_V, SUB, num_stages=STAGES):
-        offs = lo + c + lane
-        mask = rmask[:, None] & (offs < V)[None, :]
-        z = tl.load(base + offs[None, :], mask=mask, other=float("-inf")).to(tl.float32)
-        up = z > best  # strict: a lane keeps its first index of a tie
-        best = tl.where(up, z, best)
-        where = tl.where(up, offs[None, :], where)
+    if LAZY:
+        G: tl.constexpr = SUB // 8
+        col = tl.arange(0, G)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [G, 8]
+        rowp = logits_ptr + rows * stride_lm
+        best = tl.full([rows.shape[0], G], float("-inf"), tl.float32)
+        sl = tl.zeros([rows.shape[0], G], tl.int32)
+        for c in tl.range(0, BLOCK_V, SUB, num_stages=STAGES):
+            offs = (lo + c + col)[None, :, :]
+            mask = rmask[:, None, None] & (offs < V)
+            z = tl.load(rowp[:, None, None] + offs, mask=mask, other=float("-inf"))
+            gmax = tl.max(z.to(tl.float32), axis=2)
+            sl = tl.where(gmax > best, c, sl)  # strict: the first slice holding the max
+            best = tl.maximum(best, gmax)
+        t = tl.full([rows.shape[0]], 1.0, tl.float32)
+        where = _lazy_first_argmax(rowp, rmask, best, sl, lo, col, t, True, V)
+    else:
+        base = logits_ptr + rows[:, None] * stride_lm
+        lane = tl.arange(0, SUB)
+        best = tl.full([rows.shape[0], SUB], float("-inf"), tl.float32)
+        where = tl.zeros([rows.shape[0], SUB], tl.int32) + (lo + lane)[None, :]
+        for c in tl.range(0, BLOCK_V, SUB, num_stages=STAGES):
+            offs = lo + c + lane
+            mask = rmask[:, None] & (offs < V)[None, :]
+            z = tl.load(base + offs[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+            up = z > best  # strict: a lane keeps its first index of a tie
+            best = tl.where(up, z, best)
+            where = tl.where(up, offs[None, :], where)
     bmax = tl.max(best, axis=1)
     barg = tl.min(tl.where(best == bmax[:, None], where, 2147483647), axis=1)
     out = rows * NB + blk
@@ -2087,6 +2115,11 @@ class RejectionConfig:
     # 49152). On at large vocabularies: H100, B 64, K 5, V 49152, top-p 0.9, the
     # partials launch 26.2 -> 21.7 µs, the sampler 88.3 -> 85.6 (stop 71).
     lazy_v: bool = False
+    # The all-greedy launch's argmax found after its loop (_greedy_kernel, LAZY): groups
+    # of 8 columns keep their max and the slice that raised it, not a column each, and
+    # a group's column is found once from its slice read again. The same max and argmax,
+    # bit for bit (CPU tests; GPU at V 49152). Needs sub_g >= 8 (else the per-lane loop).
+    lazy_g: bool = False
 
     def __post_init__(self) -> None:
         # Every size is a tile width (tl.arange needs a power of two); tries_f, the stages
@@ -2513,7 +2546,7 @@ def _plan(
             (target_logits, lm, draft_tokens, draft_tokens.stride(0), positions, ws.part_max,
              ws.part_arg, ws.done, out_tokens, out_tokens.stride(0), out_num_accepted,
              out_num_emitted, proposed_counts, accepted_counts, k, v, nbg, kp, bg, sub,
-             _p2(nbg), cfg.stages_g, per_row),
+             _p2(nbg), cfg.stages_g, per_row, bool(cfg.lazy_g) and sub >= 8),
             warps,
             pdl,
         )  # fmt: skip

@@ -292,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         # (lazy_v: on at large vocabularies)
         lazy = dataclasses.replace(cfg, one_pass_v=True, lazy_v=not cfg.lazy_v)
         variants.append((lazy, f" one_pass_v=1 lazy_v={int(lazy.lazy_v)}", "_partials_kernel"))
+        # the all-greedy launch's argmax found after its loop or in it (lazy_g)
+        lazy = dataclasses.replace(cfg, lazy_g=not cfg.lazy_g)
+        variants.append((lazy, f" lazy_g={int(lazy.lazy_g)}", "_greedy_kernel"))
         for name, (config, tag, only), sampled in itertools.product(
             args.dtypes.split(","), variants, (True, False)
         ):

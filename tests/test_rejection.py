@@ -334,7 +334,7 @@ def _cpu(st):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("b, k, v", [(6, 1, 16), (13, 3, 16), (5, 5, 42), (3, 0, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tiles", ["default", "small", "rows"])
+@pytest.mark.parametrize("tiles", ["default", "small", "rows", "lazy"])
 def test_greedy_matches_reference(b, k, v, dtype, tiles, device):
     g = torch.Generator().manual_seed(b * 100 + k)
     logits, drafts, _, _, pos = random_case(
@@ -344,6 +344,8 @@ def test_greedy_matches_reference(b, k, v, dtype, tiles, device):
     cfg = SMALL_TILES if tiles == "small" else None
     if tiles == "rows":  # one target row per program
         cfg = dataclasses.replace(kr.choose_rejection_config(v, b, k), row_g=True)
+    if tiles == "lazy":  # groups of 8 columns keep the slice that raised their max
+        cfg = dataclasses.replace(kr.choose_rejection_config(v, b, k), lazy_g=True, sub_g=8)
     _check_against_reference(logits, drafts, None, st, pos, cfg)
 
 
@@ -1031,24 +1033,28 @@ def test_counters_accumulate_and_padding_writes_nothing(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "block_g, sub_g, row_g",
-    [(None, None, False), (16, None, False), (32, 8, False), (16, 4, False), (None, None, True),
-     (16, 4, True), (32, 8, True)],
+    "block_g, sub_g, row_g, lazy_g",
+    [(None, None, False, False), (16, None, False, False), (32, 8, False, False),
+     (16, 4, False, False), (None, None, True, False), (16, 4, True, False),
+     (32, 8, True, False), (32, 8, False, True), (32, 8, True, True), (64, 16, True, True),
+     (None, None, True, True)],
 )  # fmt: skip
-def test_greedy_one_launch_resets_its_tickets(device, block_g, sub_g, row_g):
+def test_greedy_one_launch_resets_its_tickets(device, block_g, sub_g, row_g, lazy_g):
     """All-greedy batches take the one-launch kernel, whose last program per request
     finishes it: tickets are back to zero after every call, so fresh logits in a second
     call are decided from scratch (padded requests write -1 / 0 both times). sub_g
     below block_g: the block is read in a loop (ties across its lanes and iterations;
     the last block runs past V). row_g: one target row per program, (K + 1) x blocks
-    tickets per request."""
+    tickets per request. lazy_g: groups of 8 columns keep the slice that raised their
+    max, the column found after the loop (64 columns: one block, past V)."""
     b, k, v = 7, 3, 40
     g = torch.Generator().manual_seed(11)
     st = make_params(b, [SP(0.0)], device)
-    # 5, 3 or 2 blocks per row
+    # 5, 3, 2 or 1 blocks per row
     cfg = kr.RejectionConfig(
-        8, 1, 16, 16, 8, 16, 16, 1, block_g=block_g, sub_g=sub_g, warps_g=2, row_g=row_g
-    )
+        8, 1, 16, 16, 8, 16, 16, 1, block_g=block_g, sub_g=sub_g, warps_g=2, row_g=row_g,
+        lazy_g=lazy_g,
+    )  # fmt: skip
     assert (cfg.block_g, cfg.sub_g) == (block_g, sub_g)
     batch = None
     for call in range(2):
@@ -1343,6 +1349,42 @@ def test_gpu_large_vocab_variants_equal_the_default(spec):
     assert (got[0][0] >= -1).all()  # every token written
     for x, y in zip(*got):
         torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+
+
+@gpu
+@pytest.mark.parametrize(
+    "spec", ["lazy_g=0", "lazy_g=1", "lazy_g=1+sub_g=4096", "lazy_g=1+sub_g=8192",
+             "lazy_g=1+block_g=32768+sub_g=4096", "lazy_g=1+row_g=0"],
+)  # fmt: skip
+def test_gpu_greedy_large_vocab_tiles(spec):
+    """The all-greedy launch at B 64, K 5, V 49152 in bf16 with ties (logits in steps of
+    0.5, rows of -inf blocks), its argmax found in the loop or after it (lazy_g) over
+    tiles of several widths: every block's max and first argmax equal PyTorch's, and the
+    tokens and counts the reference walk's."""
+    b, k, v = 64, 5, 49152
+    g = torch.Generator().manual_seed(37)
+    logits, drafts, _, _, pos = random_case(b, k, v, [SP(0.0)], dtype=torch.bfloat16,
+                                            ties=True, gen=g)  # fmt: skip
+    logits[3, :20000] = float("-inf")  # whole blocks of -inf, and a max past them
+    logits[10] = float("-inf")  # nothing but -inf: the first column
+    logits[11, -1] = 40.0  # the max in the last column
+    st = make_params(b, [SP(0.0)])
+    fields = {n: int(x) for n, x in (f.split("=") for f in spec.split("+"))}
+    cfg = dataclasses.replace(kr.choose_rejection_config(v, b, k), **fields)
+    batch = Batch(logits.cuda(), drafts.cuda(), None, _on(st, "cuda"), pos.cuda(), cfg)
+    batch.ws.part_max.fill_(float("nan"))
+    batch.ws.part_arg.fill_(-7)
+    tokens, nacc, nemit = (t.cpu() for t in batch.run())
+    bg = max(cfg.block_g or cfg.block_v, cfg.block_v)
+    nbg = -(-v // bg)
+    z = torch.full((logits.shape[0], nbg * bg), float("-inf"))
+    z[:, :v] = logits.float()
+    want_max, want_arg = z.view(-1, nbg, bg).max(-1)  # the first index of the max
+    want_arg = torch.where(want_max > float("-inf"), want_arg, 0) + torch.arange(nbg) * bg
+    assert torch.equal(batch.ws.part_max[:, :nbg].cpu(), want_max)
+    assert torch.equal(batch.ws.part_arg[:, :nbg].cpu(), want_arg.int())
+    rt, rn, re = ref_rejection(logits.float(), drafts, None, st, pos)
+    assert torch.equal(tokens, rt) and torch.equal(nacc, rn) and torch.equal(nemit, re)
 
 
 def _graph_sampler(b, k, v, seed):
