@@ -2021,7 +2021,9 @@ class RejectionConfig:
     rows_w: int
     sub_v: int | None = None  # the partials' columns a loop iteration (None: block_v)
     warps_v: int | None = None  # the partials' warps (None: 8 from 4096-element tiles, else 4)
-    block_g: int | None = None  # the all-greedy launch's vocabulary tile (None: block_v)
+    # the all-greedy launch's vocabulary tile (None: block_v); a power of two, or a
+    # multiple of sub_g (a loop bound only: 24576 takes V 49152 in two blocks)
+    block_g: int | None = None
     sub_g: int | None = None  # columns it reads per loop iteration (None: the whole tile)
     warps_g: int | None = None  # its warps (None: by tile size)
     stages_g: int = 1  # its loop's pipelining depth
@@ -2137,11 +2139,13 @@ class RejectionConfig:
                 continue
             if f.type == "bool" or v is None:
                 continue
+            if f.name == "block_g" and self.sub_g and v > 0 and v % self.sub_g == 0:
+                continue  # a loop bound only: any multiple of its (power-of-two) slice
             zero = f.name in ("cap_f", "small_f", "sample_k", "split_f")
             if type(v) is not int or v < 0 or (v == 0 and not zero) or v & (v - 1):
+                also = " or 0" if zero else " or a multiple of sub_g" if f.name == "block_g" else ""
                 raise ValueError(
-                    f"RejectionConfig.{f.name} must be a power of two"
-                    f"{' or 0' if zero else ''}, got {v!r}"
+                    f"RejectionConfig.{f.name} must be a power of two{also}, got {v!r}"
                 )
         if self.loads_f not in (1, 16):  # the pass's loops: one chunk, or 2 x 8 columns
             raise ValueError(f"RejectionConfig.loads_f must be 1 or 16, got {self.loads_f!r}")

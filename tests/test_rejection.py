@@ -1037,7 +1037,7 @@ def test_counters_accumulate_and_padding_writes_nothing(device):
     [(None, None, False, False), (16, None, False, False), (32, 8, False, False),
      (16, 4, False, False), (None, None, True, False), (16, 4, True, False),
      (32, 8, True, False), (32, 8, False, True), (32, 8, True, True), (64, 16, True, True),
-     (None, None, True, True)],
+     (None, None, True, True), (24, 8, True, True), (24, 8, False, False)],
 )  # fmt: skip
 def test_greedy_one_launch_resets_its_tickets(device, block_g, sub_g, row_g, lazy_g):
     """All-greedy batches take the one-launch kernel, whose last program per request
@@ -1046,11 +1046,12 @@ def test_greedy_one_launch_resets_its_tickets(device, block_g, sub_g, row_g, laz
     below block_g: the block is read in a loop (ties across its lanes and iterations;
     the last block runs past V). row_g: one target row per program, (K + 1) x blocks
     tickets per request. lazy_g: groups of 8 columns keep the slice that raised their
-    max, the column found after the loop (64 columns: one block, past V)."""
+    max, the column found after the loop (64 columns: one block, past V). 24 columns:
+    a block that is a multiple of its slice, not a power of two."""
     b, k, v = 7, 3, 40
     g = torch.Generator().manual_seed(11)
     st = make_params(b, [SP(0.0)], device)
-    # 5, 3, 2 or 1 blocks per row
+    # 5, 3, 2 (of 24 or 32 columns) or 1 blocks per row
     cfg = kr.RejectionConfig(
         8, 1, 16, 16, 8, 16, 16, 1, block_g=block_g, sub_g=sub_g, warps_g=2, row_g=row_g,
         lazy_g=lazy_g,
@@ -1354,7 +1355,8 @@ def test_gpu_large_vocab_variants_equal_the_default(spec):
 @gpu
 @pytest.mark.parametrize(
     "spec", ["lazy_g=0", "lazy_g=1", "lazy_g=1+sub_g=4096", "lazy_g=1+sub_g=8192",
-             "lazy_g=1+block_g=32768+sub_g=4096", "lazy_g=1+row_g=0"],
+             "lazy_g=1+block_g=32768+sub_g=4096", "lazy_g=1+block_g=24576+sub_g=4096",
+             "lazy_g=1+row_g=0"],
 )  # fmt: skip
 def test_gpu_greedy_large_vocab_tiles(spec):
     """The all-greedy launch at B 64, K 5, V 49152 in bf16 with ties (logits in steps of
@@ -1519,6 +1521,8 @@ def test_bisect_keys_finds_the_sorted_running_sums_crossing(interp, mass, device
     [("small_f", 300, "small_f must be a power of two or 0, got 300"),
      ("sample_k", -8, "sample_k must be a power of two or 0, got -8"),
      ("block_r", 0, "block_r must be a power of two, got 0"),
+     ("block_g", 24, "block_g must be a power of two or a multiple of sub_g, got 24"),
+     ("block_g", -8, "block_g must be a power of two or a multiple of sub_g, got -8"),
      ("sample_f", 1536, "sample_f must be a power of two, got 1536"),
      ("tries_f", 2.0, "tries_f must be an int >= 0, got 2.0"),
      ("stages_f", 0, "stages_f must be an int >= 1, got 0"),
