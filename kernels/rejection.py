@@ -2251,6 +2251,11 @@ def choose_rejection_config(
         # and their argmax and smallest finite value are found after the loop (stop 71)
         lazy_v=wide,
         one_pass_v=wide,
+        # The all-greedy launch's argmax found after its loop, with the one tile it was
+        # timed at: 16384-column blocks read 2048 at a time (H200, stop 72, B 64, K 5,
+        # V 49152: 14.8 -> 14.1 µs). V 128256's 32768-column blocks took 30.0 -> 31.1:
+        # off there, and at the small batches' 1024-4096-column request tiles (untimed).
+        lazy_g=not INTERPRET and block_g == 16384,
     )
 
 
