@@ -2122,13 +2122,18 @@ class RejectionConfig:
     # a group's column is found once from its slice read again. The same max and argmax,
     # bit for bit (CPU tests; GPU at V 49152). Needs sub_g >= 8 (else the per-lane loop).
     lazy_g: bool = False
+    # The partials launch's registers a thread (maxnreg; 0: the compiler's choice). The
+    # lazy one-pass partials take 44 at B 64, K 5, V 49152 (offline sm_90): 5 programs of
+    # 8 warps an SM, 1152 programs in 1.75 waves; the greedy launch at 32 (8 an SM) read
+    # the same bytes 14.1 µs against the partials' ~21 (H200 / H100). Off until timed.
+    regs_v: int = 0
 
     def __post_init__(self) -> None:
         # Every size is a tile width (tl.arange needs a power of two); tries_f, the stages
         # and rows_s are counts (tries_f 0: no bracket tries, every cut row narrows; a
-        # loop takes at least one stage; rows_s is a grid); cap_f, small_f, sample_k and
-        # split_f may be 0 (off / sample_f).
-        counts = {"tries_f": 0, "stages_f": 1, "stages_g": 1, "rows_s": 1}
+        # loop takes at least one stage; rows_s is a grid; regs_v a register budget, 0 for
+        # none); cap_f, small_f, sample_k and split_f may be 0 (off / sample_f).
+        counts = {"tries_f": 0, "stages_f": 1, "stages_g": 1, "rows_s": 1, "regs_v": 0}
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name in counts:
@@ -2434,12 +2439,17 @@ class _Launcher:
     def __init__(self, fn):
         self._cached = CachedLaunch(fn)
 
-    def add(self, launches: list, grid, args, num_warps, pdl: bool = False) -> None:
+    def add(
+        self, launches: list, grid, args, num_warps, pdl: bool = False, maxnreg: int = 0
+    ) -> None:
         """Append this kernel's launch (cached launcher, key, grid, args, options); pdl:
-        with programmatic dependent launch (the kernel's GDC, its last argument)."""
+        with programmatic dependent launch (the kernel's GDC, its last argument); maxnreg:
+        the registers a thread may use (0: the compiler's choice)."""
         gdc, options = pdl_launch(pdl)
+        if maxnreg and not INTERPRET:
+            options = {**options, "maxnreg": maxnreg}
         args = (*args, gdc)
-        key = specialization_key(args) + (num_warps,)
+        key = specialization_key(args) + (num_warps, maxnreg)
         launches.append((self._cached, key, grid, args, {"num_warps": num_warps, **options}))
 
 
@@ -2577,6 +2587,7 @@ def _plan(
         # sum is the same bits either way.
         cfg.warps_v or (8 if cfg.rows_p * sub_v >= 4096 else 4),
         pdl,
+        cfg.regs_v,
     )  # fmt: skip
     nbp = _p2(nb)
     # The cut's one-row bracket launch, and its top-p pass split over programs (the
