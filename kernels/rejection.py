@@ -2004,7 +2004,8 @@ def _greedy_kernel(
 
 @dataclass(frozen=True)
 class RejectionConfig:
-    """Tile sizes (all powers of two). block_v / rows_p: partials tile, read sub_v
+    """Tile sizes (powers of two; block_v and block_g may be multiples of their slices
+    instead). block_v / rows_p: partials tile, read sub_v
     columns a loop iteration by warps_v warps (None: the whole tile at once, warps by its
     size); block_t: the cut kernel's chunk of a row; cap: candidates resolved pairwise;
     nbin: histogram bins per cut pass; block_r / sub_r: a race program's vocabulary block
@@ -2144,11 +2145,13 @@ class RejectionConfig:
                 continue
             if f.type == "bool" or v is None:
                 continue
-            if f.name == "block_g" and self.sub_g and v > 0 and v % self.sub_g == 0:
+            sub = {"block_g": self.sub_g, "block_v": self.sub_v}.get(f.name)
+            if sub and v > 0 and v % sub == 0:
                 continue  # a loop bound only: any multiple of its (power-of-two) slice
             zero = f.name in ("cap_f", "small_f", "sample_k", "split_f")
             if type(v) is not int or v < 0 or (v == 0 and not zero) or v & (v - 1):
-                also = " or 0" if zero else " or a multiple of sub_g" if f.name == "block_g" else ""
+                sub = {"block_g": " or a multiple of sub_g", "block_v": " or a multiple of sub_v"}
+                also = " or 0" if zero else sub.get(f.name, "")
                 raise ValueError(
                     f"RejectionConfig.{f.name} must be a power of two{also}, got {v!r}"
                 )

@@ -694,6 +694,44 @@ def test_partials_read_in_slices_match_whole_tiles(variant, screen, device):
                                    atol=1e-30)  # fmt: skip
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lazy", [False, True])
+def test_partials_blocks_a_multiple_of_their_slice(lazy, device):
+    """Partials blocks of 24 columns read 8 at a time (block_v a multiple of sub_v, not a
+    power of two; v = 203: the last block short), one pass, screened: every block's max,
+    first argmax and smallest finite value equal PyTorch's over the same 24 columns, its
+    sum of exp(z - max) the float64 one to float32 rounding, and the tokens the
+    reference's."""
+    k, v = 2, 203
+    logits, drafts, q, st, pos = _filter_batch(53, k, v, MIXED, 7)
+    b = drafts.shape[0]
+    logits[-1, 40:] = -math.inf  # whole blocks of -inf: their argmax is their first column
+    cfg = dataclasses.replace(LOOP_TILES, block_v=24, one_pass_v=True, lazy_v=lazy, ftz_v=lazy)
+    batch = Batch(logits.to(device), drafts.to(device), q.to(device), _on(st, device),
+                  pos.to(device), cfg)  # fmt: skip
+    ws = batch.ws
+    for t in (ws.part_max, ws.part_arg, ws.part_min, ws.part_sum):
+        t.fill_(-7)
+    tokens, nacc, nemit = (x.cpu() for x in batch.run())
+    rt, rn, re = ref_rejection(logits, drafts, q, st, pos)
+    assert torch.equal(tokens, rt) and torch.equal(nacc, rn) and torch.equal(nemit, re)
+    n, nb = b * (k + 1), -(-v // 24)
+    stv = st.select(torch.arange(b).repeat_interleave(k + 1))
+    z = torch.full((n, nb * 24), -math.inf)
+    z[:, :v] = logits / torch.where(stv.greedy, 1.0, stv.temperature)[:, None]
+    zb = z.view(n, nb, 24)
+    want_max, want_arg = zb.max(-1)  # the first index of the max
+    want_arg = torch.where(want_max > -math.inf, want_arg, 0) + torch.arange(nb) * 24
+    want_min = torch.where(zb > -math.inf, zb, math.inf).min(-1).values
+    ref = torch.where(want_max > -math.inf, want_max, 0.0).double()
+    want_sum = (zb.double() - ref[:, :, None]).exp().sum(-1)
+    assert ws.part_max.shape[1] == nb
+    assert torch.equal(ws.part_max.cpu()[:n], want_max)
+    assert torch.equal(ws.part_arg.cpu()[:n], want_arg.int())
+    assert torch.equal(ws.part_min.cpu()[:n], want_min)
+    torch.testing.assert_close(ws.part_sum.cpu()[:n].double(), want_sum, rtol=2e-6, atol=0)
+
+
 # ------------------------------------------------------------------------- screening
 
 SCREEN_KINDS = [SP(1.0, top_p=0.9), SP(0.8, top_p=0.5), SP(1.3, top_p=0.99), SP(0.0),
@@ -1524,6 +1562,7 @@ def test_bisect_keys_finds_the_sorted_running_sums_crossing(interp, mass, device
      ("sample_k", -8, "sample_k must be a power of two or 0, got -8"),
      ("block_r", 0, "block_r must be a power of two, got 0"),
      ("block_g", 24, "block_g must be a power of two or a multiple of sub_g, got 24"),
+     ("block_v", 48, "block_v must be a power of two or a multiple of sub_v, got 48"),
      ("block_g", -8, "block_g must be a power of two or a multiple of sub_g, got -8"),
      ("sample_f", 1536, "sample_f must be a power of two, got 1536"),
      ("tries_f", 2.0, "tries_f must be an int >= 0, got 2.0"),
