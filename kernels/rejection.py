@@ -2128,13 +2128,21 @@ class RejectionConfig:
     # 8 warps an SM, 1152 programs in 1.75 waves; the greedy launch at 32 (8 an SM) read
     # the same bytes 14.1 µs against the partials' ~21 (H200 / H100). Off until timed.
     regs_v: int = 0
+    # The resample launch's register budget (maxnreg; 0: the compiler's). Its 768
+    # programs (4096 columns, 4 warps, B 64, V 49152) are one wave, each four dependent
+    # 1024-column slices; 2048-column blocks halve that chain but at 62-80 registers take
+    # 1.45 waves (stop 51: 24.8 µs against 22). A budget of 40 would fit their 1536
+    # programs in one wave. Off until timed.
+    regs_r: int = 0
 
     def __post_init__(self) -> None:
         # Every size is a tile width (tl.arange needs a power of two); tries_f, the stages
         # and rows_s are counts (tries_f 0: no bracket tries, every cut row narrows; a
-        # loop takes at least one stage; rows_s is a grid; regs_v a register budget, 0 for
-        # none); cap_f, small_f, sample_k and split_f may be 0 (off / sample_f).
-        counts = {"tries_f": 0, "stages_f": 1, "stages_g": 1, "rows_s": 1, "regs_v": 0}
+        # loop takes at least one stage; rows_s is a grid; regs_v and regs_r are register
+        # budgets, 0 for none); cap_f, small_f, sample_k and split_f may be 0 (off /
+        # sample_f).
+        counts = {"tries_f": 0, "stages_f": 1, "stages_g": 1, "rows_s": 1, "regs_v": 0,
+                  "regs_r": 0}  # fmt: skip
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name in counts:
@@ -2684,5 +2692,6 @@ def _plan(
          cfg.block_r, sub_r, mul_r, mul_b),
         8 if race_tile >= 2048 else 4 if race_tile >= 512 else 2 if race_tile >= 128 else 1,
         pdl,
+        cfg.regs_r,
     )  # fmt: skip
     return workspace, b, v, launches

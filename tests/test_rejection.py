@@ -1357,7 +1357,8 @@ def test_gpu_bf16_large_vocab_matches_reference(v):
 @pytest.mark.parametrize(
     "spec",
     ["loads_f=1", "bisect_f=0", "loads_f=1+bisect_f=0", "interp_f=0", "sample_f=512",
-     "sample_f=2048+cap_f=2048", "ftz_v=0", "lazy_v=0", "tries_f=0", "regs_v=40"],
+     "sample_f=2048+cap_f=2048", "ftz_v=0", "lazy_v=0", "tries_f=0", "regs_v=40",
+     "block_r=2048+sub_r=512+regs_r=40"],
 )  # fmt: skip
 def test_gpu_large_vocab_variants_equal_the_default(spec):
     """The wide tiles' defaults at V 49152 turned back one at a time: the bracket pass's
@@ -1369,7 +1370,8 @@ def test_gpu_large_vocab_variants_equal_the_default(spec):
     tries (tries_f 0: every cut row narrows in the narrowing launch): the default's
     tokens, counts, thresholds, kept masses and the partials' max, argmax and smallest
     value, bit for bit. regs_v: the partials compiled to at most 40 registers a thread
-    (the same arithmetic, allocated otherwise)."""
+    (the same arithmetic, allocated otherwise); regs_r: the race in 2048-column blocks
+    drawn 512 at a time, in 40 registers (its winner does not depend on the blocks)."""
     b, k, v = 16, 5, 49152
     logits, drafts, q, st, pos = _gpu_case(b, k, v, seed=29)
     args = (logits.cuda(), drafts.cuda(), None if q is None else q.cuda(), _on(st, "cuda"),
@@ -1571,6 +1573,7 @@ def test_bisect_keys_finds_the_sorted_running_sums_crossing(interp, mass, device
      ("split_f", 3000, "split_f must be a power of two or 0, got 3000"),
      ("rows_s", 0, "rows_s must be an int >= 1, got 0"),
      ("regs_v", -40, "regs_v must be an int >= 0, got -40"),
+     ("regs_r", 40.0, "regs_r must be an int >= 0, got 40.0"),
      ("loads_f", 3, "loads_f must be a power of two, got 3"),
      ("loads_f", 4, "loads_f must be 1 or 16, got 4")],
 )  # fmt: skip
