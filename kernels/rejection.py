@@ -2125,14 +2125,15 @@ class RejectionConfig:
     lazy_g: bool = False
     # The partials launch's registers a thread (maxnreg; 0: the compiler's choice). The
     # lazy one-pass partials take 44 at B 64, K 5, V 49152 (offline sm_90): 5 programs of
-    # 8 warps an SM, 1152 programs in 1.75 waves; the greedy launch at 32 (8 an SM) read
-    # the same bytes 14.1 µs against the partials' ~21 (H200 / H100). Off until timed.
+    # 8 warps an SM, 1152 programs in 1.75 waves. On an H100 they read their 37.7 MB in
+    # ~21.5 µs, the greedy launch the same bytes in 17.6 (45 registers; lazy_g's 32 took
+    # it 14.8 -> 14.1 on an H200). Off until timed.
     regs_v: int = 0
     # The resample launch's register budget (maxnreg; 0: the compiler's). Its 768
-    # programs (4096 columns, 4 warps, B 64, V 49152) are one wave, each four dependent
-    # 1024-column slices; 2048-column blocks halve that chain but at 62-80 registers take
-    # 1.45 waves (stop 51: 24.8 µs against 22). A budget of 40 would fit their 1536
-    # programs in one wave. Off until timed.
+    # programs (4096 columns drawn 1024 at a time, 4 warps, B 64, V 49152) are one wave
+    # at 78 registers. 2048-column blocks take 1536 programs: 1.66 waves at their 70
+    # registers (offline sm_90), one at a budget of 40 (drawn 512 at a time: 38
+    # registers, 4 / 3 spills). Off until timed.
     regs_r: int = 0
 
     def __post_init__(self) -> None:
