@@ -2154,13 +2154,14 @@ class RejectionConfig:
                 continue
             if f.type == "bool" or v is None:
                 continue
-            sub = {"block_g": self.sub_g, "block_v": self.sub_v}.get(f.name)
+            # a block that is only a loop bound: any multiple of its (power-of-two) slice
+            slice_of = {"block_g": "sub_g", "block_v": "sub_v"}.get(f.name)
+            sub = getattr(self, slice_of) if slice_of else None
             if sub and v > 0 and v % sub == 0:
-                continue  # a loop bound only: any multiple of its (power-of-two) slice
+                continue
             zero = f.name in ("cap_f", "small_f", "sample_k", "split_f")
             if type(v) is not int or v < 0 or (v == 0 and not zero) or v & (v - 1):
-                sub = {"block_g": " or a multiple of sub_g", "block_v": " or a multiple of sub_v"}
-                also = " or 0" if zero else sub.get(f.name, "")
+                also = " or 0" if zero else f" or a multiple of {slice_of}" if slice_of else ""
                 raise ValueError(
                     f"RejectionConfig.{f.name} must be a power of two{also}, got {v!r}"
                 )
@@ -2567,7 +2568,9 @@ def _plan(
     lm = target_logits.stride(0)
     if not sampled:  # every request greedy: one launch
         bg = max(cfg.block_g or cfg.block_v, cfg.block_v)  # at most nb partials per row
-        sub = min(cfg.sub_g or bg, bg)
+        # without sub_g, the whole block a slice, or (a block_v that is a multiple of its
+        # slice, not a power of two) its largest power-of-two divisor
+        sub = min(cfg.sub_g or (bg & -bg), bg)
         nbg = triton.cdiv(v, bg)
         per_row = bool(cfg.row_g) and rows <= 65535  # the grid's second dimension
         warps = cfg.warps_g or (8 if (1 if per_row else kp) * sub >= 8192 else 4)

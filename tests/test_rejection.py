@@ -694,6 +694,19 @@ def test_partials_read_in_slices_match_whole_tiles(variant, screen, device):
                                    atol=1e-30)  # fmt: skip
 
 
+def _block_max_first_arg(z: torch.Tensor, width: int) -> tuple:
+    """PyTorch's max of each `width`-column block of z's rows (padded with -inf past the
+    last column), the absolute column of its first occurrence (a block of -inf: its
+    first column) and the padded blocks [rows, blocks, width]."""
+    n, v = z.shape
+    nb = -(-v // width)
+    zb = torch.full((n, nb * width), -math.inf)
+    zb[:, :v] = z.float()
+    zb = zb.view(n, nb, width)
+    best, arg = zb.max(-1)  # the first index of the max
+    return best, torch.where(best > -math.inf, arg, 0) + torch.arange(nb) * width, zb
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("lazy", [False, True])
 def test_partials_blocks_a_multiple_of_their_slice(lazy, device):
@@ -717,11 +730,8 @@ def test_partials_blocks_a_multiple_of_their_slice(lazy, device):
     assert torch.equal(tokens, rt) and torch.equal(nacc, rn) and torch.equal(nemit, re)
     n, nb = b * (k + 1), -(-v // 24)
     stv = st.select(torch.arange(b).repeat_interleave(k + 1))
-    z = torch.full((n, nb * 24), -math.inf)
-    z[:, :v] = logits / torch.where(stv.greedy, 1.0, stv.temperature)[:, None]
-    zb = z.view(n, nb, 24)
-    want_max, want_arg = zb.max(-1)  # the first index of the max
-    want_arg = torch.where(want_max > -math.inf, want_arg, 0) + torch.arange(nb) * 24
+    z = logits / torch.where(stv.greedy, 1.0, stv.temperature)[:, None]
+    want_max, want_arg, zb = _block_max_first_arg(z, 24)
     want_min = torch.where(zb > -math.inf, zb, math.inf).min(-1).values
     ref = torch.where(want_max > -math.inf, want_max, 0.0).double()
     want_sum = (zb.double() - ref[:, :, None]).exp().sum(-1)
@@ -730,6 +740,14 @@ def test_partials_blocks_a_multiple_of_their_slice(lazy, device):
     assert torch.equal(ws.part_arg.cpu()[:n], want_arg.int())
     assert torch.equal(ws.part_min.cpu()[:n], want_min)
     torch.testing.assert_close(ws.part_sum.cpu()[:n].double(), want_sum, rtol=2e-6, atol=0)
+    # an all-greedy batch on the same tiles: the greedy launch reads block_v's 24-column
+    # blocks 8 at a time (no sub_g)
+    greedy = make_params(b, [SP(0.0)])
+    batch = Batch(logits.to(device), drafts.to(device), None, _on(greedy, device),
+                  pos.to(device), cfg)  # fmt: skip
+    tokens, nacc, nemit = (x.cpu() for x in batch.run())
+    rt, rn, re = ref_rejection(logits, drafts, None, greedy, pos)
+    assert torch.equal(tokens, rt) and torch.equal(nacc, rn) and torch.equal(nemit, re)
 
 
 # ------------------------------------------------------------------------- screening
@@ -1418,13 +1436,9 @@ def test_gpu_greedy_large_vocab_tiles(spec):
     batch.ws.part_max.fill_(float("nan"))
     batch.ws.part_arg.fill_(-7)
     tokens, nacc, nemit = (t.cpu() for t in batch.run())
-    bg = max(cfg.block_g or cfg.block_v, cfg.block_v)
-    nbg = -(-v // bg)
-    z = torch.full((logits.shape[0], nbg * bg), float("-inf"))
-    z[:, :v] = logits.float()
-    want_max, want_arg = z.view(-1, nbg, bg).max(-1)  # the first index of the max
-    want_arg = torch.where(want_max > float("-inf"), want_arg, 0) + torch.arange(nbg) * bg
-    n = want_max.numel()  # the launch lays its partials out [rows, nbg]
+    want_max, want_arg, _ = _block_max_first_arg(logits, max(cfg.block_g or cfg.block_v,
+                                                              cfg.block_v))  # fmt: skip
+    n, nbg = want_max.numel(), want_max.shape[1]  # the launch lays them out [rows, nbg]
     assert torch.equal(batch.ws.part_max.view(-1)[:n].view(-1, nbg).cpu(), want_max)
     assert torch.equal(batch.ws.part_arg.view(-1)[:n].view(-1, nbg).cpu(), want_arg.int())
     rt, rn, re = ref_rejection(logits.float(), drafts, None, st, pos)
