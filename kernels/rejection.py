@@ -160,6 +160,10 @@ if INTERPRET:
         return tl.where(e < 1.1754943508222875e-38, 0.0, e)
 
     @triton.jit
+    def _scatter_store(ptrs, vals, mask):
+        tl.store(ptrs, vals, mask=mask)
+
+    @triton.jit
     def _exponential(u):
         """-log1p(-u) rounded to float32: float64 series below 2^-12 (where 1 - u is not
         exact), -log(1 - u) above (exact 1 - u). libdevice is not in the interpreter."""
@@ -179,6 +183,18 @@ else:
         return tl.inline_asm_elementwise(
             "ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * 1.4426950408889634],
             dtype=tl.float32, is_pure=True, pack=1,
+        )  # fmt: skip
+
+    @triton.jit
+    def _scatter_store(ptrs, vals, mask):
+        """tl.store(ptrs, vals, mask) of int32 values, each thread storing the elements it
+        holds: a store whose addresses are data (a list's slots) otherwise goes through
+        shared memory first, to the layout the compiler picks for addresses it cannot
+        prove contiguous (offline sm_90: 8 STS / LDS pairs, and the mask's, for 8 values
+        a thread)."""
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.s32 p, $3, 0; @p st.global.b32 [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r,r", [ptrs, vals, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
         )  # fmt: skip
 
     @triton.jit
@@ -1785,15 +1801,67 @@ def _race_whole(rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V,
 
 
 @triton.jit
+def _race_packed(rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V, listp,
+                 ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr,
+                 PACK: tl.constexpr, CH: tl.constexpr):  # fmt: skip
+    """_race_whole's race, drawn only where a weight can be positive: a first read of
+    the block lists each request's kept columns (z >= the threshold, in column order, at
+    most PACK at listp [ROWS]), and the draws (a keyed uniform, its exponential and a
+    division: most of a column's instructions) run over the list, CH entries at a time.
+    A tile with an unfiltered request, or a list past PACK, takes _race_whole. The same
+    winner wherever the block's best weight / E is positive; where it is not, the
+    request's token does not come from this block in either form."""
+    lane = tl.arange(0, SUB)
+    n = tl.zeros([ROWS], tl.int32)
+    unfiltered = tl.max((race & (thr == float("-inf"))).to(tl.int32), axis=0) != 0
+    if not unfiltered:
+        for c in range(0, BLOCK_V, SUB):
+            offs = blk * BLOCK_V + c + lane
+            mask = race[:, None] & (offs < V)[None, :]
+            z = _load_z(rowp, offs[None, :], mask, t, t1)
+            keep = (mask & (z >= thr[:, None])).to(tl.int32)
+            at = n[:, None] + tl.cumsum(keep, axis=1) - keep  # the column's list slot
+            _scatter_store(listp[:, None] + at, offs[None, :] + tl.zeros_like(at),
+                           (keep != 0) & (at < PACK))  # fmt: skip
+            n += tl.sum(keep, axis=1)
+    nmax = tl.max(n, axis=0)
+    if unfiltered or nmax > PACK:
+        bmax, barg = _race_whole(
+            rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V, ROWS, BLOCK_V, SUB
+        )
+    else:
+        tl.debug_barrier()  # the list's stores before any thread reads them
+        best = tl.full([ROWS, CH], -1.0, tl.float32)
+        where = tl.zeros([ROWS, CH], tl.int32)
+        for c in range(0, nmax, CH):
+            j = c + tl.arange(0, CH)
+            jm = race[:, None] & (j[None, :] < n[:, None])
+            col = tl.load(listp[:, None] + j[None, :], mask=jm, other=0)
+            z = _load_z(rowp, col, jm, t, t1)
+            p = _div_nonneg(tl.where(z >= thr[:, None], tl.exp(z - m[:, None]), 0.0), tot[:, None])
+            qv = tl.load(qrowp[:, None] + col, mask=jm & residual[:, None], other=0.0)
+            w = tl.where(residual[:, None], tl.maximum(p - qv, 0.0), p)
+            ratio = _div_nonneg(w, _exponential(_uniform(h, col.to(tl.uint64))))
+            ratio = tl.where(jm & (w > 0.0), ratio, -1.0)
+            up = ratio > best  # strict: a lane's entries rise in column order
+            best = tl.where(up, ratio, best)
+            where = tl.where(up, col, where)
+        bmax = tl.max(best, axis=1)
+        barg = tl.min(tl.where(best == bmax[:, None], where, 2147483647), axis=1)
+    return bmax, barg
+
+
+@triton.jit
 def _resample_kernel(
     logits_ptr, stride_lm, drafts_ptr, stride_db, q_ptr, stride_qb, stride_qk,
     greedy_ptr, temp_ptr, seed_ptr, pos_ptr, rmax_ptr, rthr_ptr, rsum_ptr,
-    pmax_ptr, parg_ptr, walk_ptr, rval_ptr, ridx_ptr, done_ptr,
+    pmax_ptr, parg_ptr, walk_ptr, rval_ptr, ridx_ptr, list_ptr, done_ptr,
     tokens_ptr, stride_tb, nacc_ptr, nemit_ptr, cprop_ptr, cacc_ptr,
     B, K, V, NB, NB2,
     ROWS: tl.constexpr, KP: tl.constexpr, NBP: tl.constexpr, NB2P: tl.constexpr,
     BLOCK_V: tl.constexpr, SUB: tl.constexpr, RESIDUAL_MUL: tl.constexpr,
-    BONUS_MUL: tl.constexpr, GDC: tl.constexpr = False,
+    BONUS_MUL: tl.constexpr, PACK: tl.constexpr = 0, CH: tl.constexpr = 1,
+    GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Program (i, blk): the exponential races of a tile of ROWS requests over
     vocabulary block blk of each one's residual max(p_r - q_r, 0) (or of p_k for the
@@ -1801,7 +1869,9 @@ def _resample_kernel(
     top-k / top-p, or p <= q) draws nothing there, and a slice with no weight in the
     whole tile is skipped. Each request has its own ticket (as in the greedy kernel):
     the last of its NB2 programs writes its tokens, counts and counters, for every
-    request of the tile it was last for. k and r come from the walk launch."""
+    request of the tile it was last for. k and r come from the walk launch. PACK > 0
+    (RejectionConfig.pack_r): the draws run over a list of the block's kept columns
+    (_race_packed), in list_ptr's [B, NB2, PACK] slots."""
     _gdc_enter(GDC)
     req = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     blk = tl.program_id(1)
@@ -1824,9 +1894,15 @@ def _resample_kernel(
         t1 = (tl.min(t, axis=0) == 1.0) & (tl.max(t, axis=0) == 1.0)  # x / 1 == x: no division
         rowp = logits_ptr + row * stride_lm
         qrowp = q_ptr + req * stride_qb + qrow * stride_qk
-        bmax, barg = _race_whole(
-            rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V, ROWS, BLOCK_V, SUB
-        )
+        if PACK > 0:
+            bmax, barg = _race_packed(
+                rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V,
+                list_ptr + (req * NB2 + blk) * PACK, ROWS, BLOCK_V, SUB, PACK, CH,
+            )  # fmt: skip
+        else:
+            bmax, barg = _race_whole(
+                rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V, ROWS, BLOCK_V, SUB
+            )
         tl.store(rval_ptr + req * NB2 + blk, bmax, mask=race)
         tl.store(ridx_ptr + req * NB2 + blk, barg, mask=race)
     # A request's ticket may be taken by another thread than the one that stored its
@@ -2135,15 +2211,23 @@ class RejectionConfig:
     # registers (offline sm_90), one at a budget of 40 (drawn 512 at a time: 38
     # registers, 4 / 3 spills). Off until timed.
     regs_r: int = 0
+    # The race's draws only over the columns a block keeps (_race_packed; 0: off): a
+    # first read lists a request's columns at or above its threshold, up to pack_r of
+    # them, and the keyed uniform, its exponential and the division (~140 SASS
+    # instructions a column, offline sm_90, B 64, K 5, V 49152) run on the list. Top-p 0.9
+    # on the benchmark's gaussian rows keeps ~4% of a row (~180 of a 4096-column block);
+    # an unfiltered request, or a longer list, takes the draws over every column. The
+    # same winners and tokens (CPU tests). Off until timed.
+    pack_r: int = 0
 
     def __post_init__(self) -> None:
         # Every size is a tile width (tl.arange needs a power of two); tries_f, the stages
         # and rows_s are counts (tries_f 0: no bracket tries, every cut row narrows; a
         # loop takes at least one stage; rows_s is a grid; regs_v and regs_r are register
-        # budgets, 0 for none); cap_f, small_f, sample_k and split_f may be 0 (off /
-        # sample_f).
+        # budgets, 0 for none; pack_r a list's length, 0 for none); cap_f, small_f,
+        # sample_k and split_f may be 0 (off / sample_f).
         counts = {"tries_f": 0, "stages_f": 1, "stages_g": 1, "rows_s": 1, "regs_v": 0,
-                  "regs_r": 0}  # fmt: skip
+                  "regs_r": 0, "pack_r": 0}  # fmt: skip
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name in counts:
@@ -2311,6 +2395,7 @@ class RejectionWorkspace:
     split_n: torch.Tensor
     split_mass: torch.Tensor
     split_list: torch.Tensor
+    race_list: torch.Tensor  # [reqs, nb2 * pack_r] int32: the packed race's lists (pack_r)
 
     @classmethod
     def allocate(
@@ -2339,6 +2424,7 @@ class RejectionWorkspace:
             torch.empty(srows, **i32),
             torch.empty(srows, nsplit, device=device, dtype=torch.int64),
             torch.zeros(srows + 1, **i32),
+            torch.empty(num_reqs if cfg.pack_r else 1, max(nb2 * cfg.pack_r, 1), **i32),
         )  # fmt: skip
 
 
@@ -2690,10 +2776,10 @@ def _plan(
         (triton.cdiv(b, cfg.rows_r), nb2),
         (target_logits, lm, draft_tokens, draft_tokens.stride(0), q, *sq, greedy,
          temperature, seed, positions, ws.row_max, ws.row_thr, ws.row_sum, ws.part_max,
-         ws.part_arg, ws.walk, ws.race_val, ws.race_idx, ws.done, out_tokens,
+         ws.part_arg, ws.walk, ws.race_val, ws.race_idx, ws.race_list, ws.done, out_tokens,
          out_tokens.stride(0), out_num_accepted, out_num_emitted, proposed_counts,
          accepted_counts, b, k, v, nb, nb2, cfg.rows_r, kp, nbp, _p2(nb2),
-         cfg.block_r, sub_r, mul_r, mul_b),
+         cfg.block_r, sub_r, mul_r, mul_b, cfg.pack_r, min(sub_r, 256)),
         8 if race_tile >= 2048 else 4 if race_tile >= 512 else 2 if race_tile >= 128 else 1,
         pdl,
         cfg.regs_r,

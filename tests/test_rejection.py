@@ -268,6 +268,13 @@ LOADS_VARIANTS = (dataclasses.replace(FAST_SMALL_TILES, loads_f=16, block_t=8),
                   dataclasses.replace(FAST_TILES, loads_f=16, block_t=8, lanes_f=16,
                                       bisect_f=True),
                   dataclasses.replace(FUSED_TILES, loads_f=16, block_t=8))  # fmt: skip
+# The race drawn over lists of each block's kept columns (pack_r): lists that hold every
+# filtered row's block, lists of 8 that the wider kept sets overflow (those blocks draw
+# over every column), and 4-request race tiles (a tile with an unfiltered request draws
+# over every column).
+PACK_VARIANTS = (dataclasses.replace(ROW_TILES, pack_r=64),
+                 dataclasses.replace(ROW_TILES, pack_r=8),
+                 dataclasses.replace(BAND_TILES, pack_r=16))  # fmt: skip
 KINDS = [SP(0.0), SP(1.0), SP(0.7, top_k=5), SP(1.3, top_p=0.8), SP(0.5, top_k=9, top_p=0.6),
          SP(2.0, top_k=1), SP(1.0, top_p=0.05), SP(1.0, top_k=40)]  # fmt: skip
 
@@ -575,7 +582,7 @@ def _tile_variants(device: str) -> list:
              FAST_TILES, FAST_SMALL_TILES, FUSED_TILES,
              dataclasses.replace(FAST_SMALL_TILES, fuse_kp=True), SORT32_TILES,
              dataclasses.replace(FAST_TILES, small_f=32), SAMPLE8_TILES, *SPLIT_VARIANTS,
-             *BISECT_VARIANTS, *LOADS_VARIANTS)  # fmt: skip
+             *BISECT_VARIANTS, *LOADS_VARIANTS, *PACK_VARIANTS)  # fmt: skip
     return [dataclasses.replace(c, screen=s) for s in (False, True) for c in tiles]
 
 
@@ -596,7 +603,8 @@ def test_tiles_bit_equal_to_one_row_per_program(device, group):
     _filter_rows (boundary cases, tie groups, -inf, a single tie group) under requests
     with top-k, top-p, both, neither or greedy (top-k 1 and >= V among them), and padded
     requests; four race blocks per row, so each request's own ticket picks its last
-    program. Thresholds, kept masses, race winners, tokens and counters are the same bit
+    program; and races drawn over lists of the kept columns (PACK_VARIANTS).
+    Thresholds, kept masses, race winners, tokens and counters are the same bit
     for bit; the kept sets are filtered_probs' and the tokens the reference's. The same
     tiles screened (only the rows a decision needs get a cut): the same race winners,
     tokens and counters. A GPU group takes every TILE_GROUPS-th variant after ROW_TILES."""
@@ -1376,7 +1384,7 @@ def test_gpu_bf16_large_vocab_matches_reference(v):
     "spec",
     ["loads_f=1", "bisect_f=0", "loads_f=1+bisect_f=0", "interp_f=0", "sample_f=512",
      "sample_f=2048+cap_f=2048", "ftz_v=0", "lazy_v=0", "tries_f=0", "regs_v=40",
-     "block_r=2048+sub_r=512+regs_r=40"],
+     "block_r=2048+sub_r=512+regs_r=40", "pack_r=1024", "pack_r=128"],
 )  # fmt: skip
 def test_gpu_large_vocab_variants_equal_the_default(spec):
     """The wide tiles' defaults at V 49152 turned back one at a time: the bracket pass's
@@ -1389,7 +1397,9 @@ def test_gpu_large_vocab_variants_equal_the_default(spec):
     tokens, counts, thresholds, kept masses and the partials' max, argmax and smallest
     value, bit for bit. regs_v: the partials compiled to at most 40 registers a thread
     (the same arithmetic, allocated otherwise); regs_r: the race in 2048-column blocks
-    drawn 512 at a time, in 40 registers (its winner does not depend on the blocks)."""
+    drawn 512 at a time, in 40 registers (its winner does not depend on the blocks);
+    pack_r: the race drawn over lists of the kept columns (of up to 128 too, which wider
+    kept sets overflow)."""
     b, k, v = 16, 5, 49152
     logits, drafts, q, st, pos = _gpu_case(b, k, v, seed=29)
     args = (logits.cuda(), drafts.cuda(), None if q is None else q.cuda(), _on(st, "cuda"),
@@ -1588,6 +1598,7 @@ def test_bisect_keys_finds_the_sorted_running_sums_crossing(interp, mass, device
      ("rows_s", 0, "rows_s must be an int >= 1, got 0"),
      ("regs_v", -40, "regs_v must be an int >= 0, got -40"),
      ("regs_r", 40.0, "regs_r must be an int >= 0, got 40.0"),
+     ("pack_r", -1, "pack_r must be an int >= 0, got -1"),
      ("loads_f", 3, "loads_f must be a power of two, got 3"),
      ("loads_f", 4, "loads_f must be 1 or 16, got 4")],
 )  # fmt: skip

@@ -49,6 +49,10 @@ def test_sampler_kernels_compile_for_sm90():
     # 2048-value sample and scratch: --cases 49152,64,5)
     variant = r"^ok   V 49152 B 1 K 3 bfloat16 fuse_kp=0 interp_f=0 _cut_kernel: "
     assert re.search(variant, proc.stdout, re.M), out[-4000:]
+    # the race over lists of the kept columns (pack_r), at both vocabularies
+    for v in ("16", "49152"):
+        variant = rf"^ok   V {v} B \d+ K \d+ bfloat16 pack_r=\d+ _resample_kernel: "
+        assert re.search(variant, proc.stdout, re.M), (v, out[-4000:])
     assert all(int(size) > 0 for _, _, size in compiled), compiled
 
 
