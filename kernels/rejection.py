@@ -24,7 +24,9 @@ Greedy requests accept while x_j == argmax(row j) and emit the argmax at r.
 4. walk (request tiles): each request's k and r, once: a parallel test of its drafts.
 5. resample (request tiles x vocab blocks): an exponential race over the block of the
    residual (or of p for the bonus); each request's last program to finish (a ticket
-   per request) writes its tokens, counts and the per-position counters.
+   per request) writes its tokens, counts and the per-position counters. With
+   RejectionConfig.pack_r (off by default) a first read lists the block's kept columns
+   and only they are drawn: top-k and top-p keep a few percent of a row.
 Greedy-only launches (no q) take one kernel: per-block argmax, and the request's last
 program walks it and writes its tokens.
 
