@@ -1820,7 +1820,11 @@ def _race_packed(rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V, lis
         for c in range(0, BLOCK_V, SUB):
             offs = blk * BLOCK_V + c + lane
             mask = race[:, None] & (offs < V)[None, :]
-            z = _load_z(rowp, offs[None, :], mask, t, t1)
+            # z without _z_of's -0 fold: -0 and +0 compare alike
+            x = tl.load(rowp[:, None] + offs[None, :], mask=mask, other=float("-inf"))
+            z = x.to(tl.float32)
+            if not t1:
+                z = tl.math.div_rn(z, t[:, None])
             keep = (mask & (z >= thr[:, None])).to(tl.int32)
             at = n[:, None] + tl.cumsum(keep, axis=1) - keep  # the column's list slot
             _scatter_store(listp[:, None] + at, offs[None, :] + tl.zeros_like(at),
