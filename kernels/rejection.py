@@ -25,8 +25,9 @@ Greedy requests accept while x_j == argmax(row j) and emit the argmax at r.
 5. resample (request tiles x vocab blocks): an exponential race over the block of the
    residual (or of p for the bonus); each request's last program to finish (a ticket
    per request) writes its tokens, counts and the per-position counters. With
-   RejectionConfig.pack_r (off by default) a first read lists the block's kept columns
-   and only they are drawn: top-k and top-p keep a few percent of a row.
+   RejectionConfig.pack_r (on at large vocabularies on the GPU) a first read lists the
+   block's kept columns and only they are drawn: top-k and top-p keep a few percent of
+   a row.
 Greedy-only launches (no q) take one kernel: per-block argmax, and the request's last
 program walks it and writes its tokens.
 
@@ -2209,13 +2210,15 @@ class RejectionConfig:
     # lazy one-pass partials take 44 at B 64, K 5, V 49152 (offline sm_90): 5 programs of
     # 8 warps an SM, 1152 programs in 1.75 waves. On an H100 they read their 37.7 MB in
     # ~21.5 µs, the greedy launch the same bytes in 17.6 (45 registers; lazy_g's 32 took
-    # it 14.8 -> 14.1 on an H200). Off until timed.
+    # it 14.8 -> 14.1 on an H200). Off: at 40 (38 registers, 6 programs an SM) the
+    # partials took 21.6 -> 22.4 µs (H100, top-p 0.9, stop 73).
     regs_v: int = 0
     # The resample launch's register budget (maxnreg; 0: the compiler's). Its 768
     # programs (4096 columns drawn 1024 at a time, 4 warps, B 64, V 49152) are one wave
     # at 78 registers. 2048-column blocks take 1536 programs: 1.66 waves at their 70
     # registers (offline sm_90), one at a budget of 40 (drawn 512 at a time: 38
-    # registers, 4 / 3 spills). Off until timed.
+    # registers, 4 / 3 spills): not timed. With pack_r, 80 at large vocabularies
+    # (choose_rejection_config).
     regs_r: int = 0
     # The race's draws only over the columns a block keeps (_race_packed; 0: off): a
     # first read lists a request's columns at or above its threshold, up to pack_r of
@@ -2223,7 +2226,8 @@ class RejectionConfig:
     # instructions a column, offline sm_90, B 64, K 5, V 49152) run on the list. Top-p 0.9
     # on the benchmark's gaussian rows keeps ~4% of a row (~180 of a 4096-column block);
     # an unfiltered request, or a longer list, takes the draws over every column. The
-    # same winners and tokens (CPU tests). Off until timed.
+    # same winners and tokens (CPU tests; GPU at V 49152). On at large vocabularies
+    # (choose_rejection_config).
     pack_r: int = 0
 
     def __post_init__(self) -> None:
@@ -2361,9 +2365,17 @@ def choose_rejection_config(
         one_pass_v=wide,
         # The all-greedy launch's argmax found after its loop, with the one tile it was
         # timed at: 16384-column blocks read 2048 at a time (H200, stop 72, B 64, K 5,
-        # V 49152: 14.8 -> 14.1 µs). V 128256's 32768-column blocks took 30.0 -> 31.1:
-        # off there, and at the small batches' 1024-4096-column request tiles (untimed).
+        # V 49152: 14.8 -> 14.1 µs; an H100, stop 73: 17.4-17.6 either way, alternated).
+        # V 128256's 32768-column blocks took 30.0 -> 31.1: off there, and at the small
+        # batches' 1024-4096-column request tiles (untimed).
         lazy_g=not INTERPRET and block_g == 16384,
+        # The race drawn over lists of the kept columns, a quarter of its block at most,
+        # in 80 registers (78, no spills: 6 programs an SM, the 768 in one wave). H100,
+        # B 64, K 5, V 49152 (stop 73): the resample launch 22.5 -> 13.0 µs at top-p 0.9
+        # (the sampler 84.3 -> 74.8), 20.4 -> 10.7 at top-k 50; no filter 21.4 -> 21.0
+        # (every tile draws over every column). pack_r alone 17.0-17.3 (94 registers).
+        pack_r=block_r // 4 if wide else 0,
+        regs_r=80 if wide else 0,
     )
 
 

@@ -295,9 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         # the all-greedy launch's argmax found after its loop or in it (lazy_g)
         lazy = dataclasses.replace(cfg, lazy_g=not cfg.lazy_g)
         variants.append((lazy, f" lazy_g={int(lazy.lazy_g)}", "_greedy_kernel"))
-        # the race drawn over lists of the kept columns (pack_r: off by default; its list
-        # store is inline PTX, which the interpreter never compiles)
-        pack = dataclasses.replace(cfg, pack_r=cfg.pack_r or cfg.block_r // 4)
+        # the race drawn over lists of the kept columns or not (pack_r: on at large
+        # vocabularies; its list store is inline PTX, which the interpreter never compiles)
+        pack = dataclasses.replace(cfg, pack_r=0 if cfg.pack_r else cfg.block_r // 4)
         variants.append((pack, f" pack_r={pack.pack_r}", "_resample_kernel"))
         for name, (config, tag, only), sampled in itertools.product(
             args.dtypes.split(","), variants, (True, False)

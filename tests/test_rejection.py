@@ -1384,7 +1384,7 @@ def test_gpu_bf16_large_vocab_matches_reference(v):
     "spec",
     ["loads_f=1", "bisect_f=0", "loads_f=1+bisect_f=0", "interp_f=0", "sample_f=512",
      "sample_f=2048+cap_f=2048", "ftz_v=0", "lazy_v=0", "tries_f=0", "regs_v=40",
-     "block_r=2048+sub_r=512+regs_r=40", "pack_r=1024", "pack_r=128"],
+     "block_r=2048+sub_r=512+regs_r=40", "pack_r=0+regs_r=0", "pack_r=128"],
 )  # fmt: skip
 def test_gpu_large_vocab_variants_equal_the_default(spec):
     """The wide tiles' defaults at V 49152 turned back one at a time: the bracket pass's
@@ -1398,8 +1398,8 @@ def test_gpu_large_vocab_variants_equal_the_default(spec):
     value, bit for bit. regs_v: the partials compiled to at most 40 registers a thread
     (the same arithmetic, allocated otherwise); regs_r: the race in 2048-column blocks
     drawn 512 at a time, in 40 registers (its winner does not depend on the blocks);
-    pack_r: the race drawn over lists of the kept columns (of up to 128 too, which wider
-    kept sets overflow)."""
+    pack_r: the race drawn over every column (pack_r 0, in the compiler's registers)
+    and over lists of up to 128 kept columns (which wider kept sets overflow)."""
     b, k, v = 16, 5, 49152
     logits, drafts, q, st, pos = _gpu_case(b, k, v, seed=29)
     args = (logits.cuda(), drafts.cuda(), None if q is None else q.cuda(), _on(st, "cuda"),
