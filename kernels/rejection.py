@@ -1776,22 +1776,29 @@ def _walk_kernel(
 
 
 @triton.jit
+def _race_weight(rowp, qrowp, cols, mask, t, t1, thr, m, tot, residual):
+    """A race's weights at columns cols ([ROWS, N] or [1, N]; mask): max(p - q, 0) for a
+    residual row, p for a bonus row, with p = exp(z - max) / kept mass where z >= the
+    threshold, else 0."""
+    z = _load_z(rowp, cols, mask, t, t1)
+    p = _div_nonneg(tl.where(z >= thr[:, None], tl.exp(z - m[:, None]), 0.0), tot[:, None])
+    qv = tl.load(qrowp[:, None] + cols, mask=mask & residual[:, None], other=0.0)
+    return tl.where(residual[:, None], tl.maximum(p - qv, 0.0), p)
+
+
+@triton.jit
 def _race_whole(rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V,
                 ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr):  # fmt: skip
     """The exponential race of a tile's requests over all of vocabulary block blk, SUB
-    columns at a time: each request's best weight / E and its first column. The weights:
-    max(p - q, 0) for a residual row, p for a bonus row, with p = exp(z - max) / kept
-    mass where z >= the threshold."""
+    columns at a time (_race_weight's weights): each request's best weight / E and its
+    first column."""
     lane = tl.arange(0, SUB)
     best = tl.full([ROWS, SUB], -1.0, tl.float32)
     where = tl.zeros([ROWS, SUB], tl.int32)
     for c in range(0, BLOCK_V, SUB):
         offs = blk * BLOCK_V + c + lane
         mask = race[:, None] & (offs < V)[None, :]
-        z = _load_z(rowp, offs[None, :], mask, t, t1)
-        p = _div_nonneg(tl.where(z >= thr[:, None], tl.exp(z - m[:, None]), 0.0), tot[:, None])
-        qv = tl.load(qrowp[:, None] + offs[None, :], mask=mask & residual[:, None], other=0.0)
-        w = tl.where(residual[:, None], tl.maximum(p - qv, 0.0), p)
+        w = _race_weight(rowp, qrowp, offs[None, :], mask, t, t1, thr, m, tot, residual)
         draw = tl.max(w, axis=1) > 0.0
         if tl.max(draw.to(tl.int32), axis=0) != 0:
             ratio = _div_nonneg(w, _exponential(_uniform(h, offs.to(tl.uint64)[None, :])))
@@ -1844,10 +1851,7 @@ def _race_packed(rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V, lis
             j = c + tl.arange(0, CH)
             jm = race[:, None] & (j[None, :] < n[:, None])
             col = tl.load(listp[:, None] + j[None, :], mask=jm, other=0)
-            z = _load_z(rowp, col, jm, t, t1)
-            p = _div_nonneg(tl.where(z >= thr[:, None], tl.exp(z - m[:, None]), 0.0), tot[:, None])
-            qv = tl.load(qrowp[:, None] + col, mask=jm & residual[:, None], other=0.0)
-            w = tl.where(residual[:, None], tl.maximum(p - qv, 0.0), p)
+            w = _race_weight(rowp, qrowp, col, jm, t, t1, thr, m, tot, residual)
             ratio = _div_nonneg(w, _exponential(_uniform(h, col.to(tl.uint64))))
             ratio = tl.where(jm & (w > 0.0), ratio, -1.0)
             up = ratio > best  # strict: a lane's entries rise in column order
