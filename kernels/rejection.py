@@ -1813,19 +1813,20 @@ def _race_whole(rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V,
 @triton.jit
 def _race_packed(rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V, listp,
                  ROWS: tl.constexpr, BLOCK_V: tl.constexpr, SUB: tl.constexpr,
-                 PACK: tl.constexpr, CH: tl.constexpr):  # fmt: skip
+                 PACK: tl.constexpr, CH: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
     """_race_whole's race, drawn only where a weight can be positive: a first read of
     the block lists each request's kept columns (z >= the threshold, in column order, at
     most PACK at listp [ROWS]), and the draws (a keyed uniform, its exponential and a
     division: most of a column's instructions) run over the list, CH entries at a time.
-    A tile with an unfiltered request, or a list past PACK, takes _race_whole. The same
+    The list pass's loads are pipelined STAGES deep (RejectionConfig.stages_r). A tile
+    with an unfiltered request, or a list past PACK, takes _race_whole. The same
     winner wherever the block's best weight / E is positive; where it is not, the
     request's token does not come from this block in either form."""
     lane = tl.arange(0, SUB)
     n = tl.zeros([ROWS], tl.int32)
     unfiltered = tl.max((race & (thr == float("-inf"))).to(tl.int32), axis=0) != 0
     if not unfiltered:
-        for c in range(0, BLOCK_V, SUB):
+        for c in tl.range(0, BLOCK_V, SUB, num_stages=STAGES):
             offs = blk * BLOCK_V + c + lane
             mask = race[:, None] & (offs < V)[None, :]
             # z without _z_of's -0 fold: -0 and +0 compare alike
@@ -1872,7 +1873,7 @@ def _resample_kernel(
     ROWS: tl.constexpr, KP: tl.constexpr, NBP: tl.constexpr, NB2P: tl.constexpr,
     BLOCK_V: tl.constexpr, SUB: tl.constexpr, RESIDUAL_MUL: tl.constexpr,
     BONUS_MUL: tl.constexpr, PACK: tl.constexpr = 0, CH: tl.constexpr = 1,
-    GDC: tl.constexpr = False,
+    STAGES: tl.constexpr = 1, GDC: tl.constexpr = False,
 ):  # fmt: skip
     """Program (i, blk): the exponential races of a tile of ROWS requests over
     vocabulary block blk of each one's residual max(p_r - q_r, 0) (or of p_k for the
@@ -1908,7 +1909,7 @@ def _resample_kernel(
         if PACK > 0:
             bmax, barg = _race_packed(
                 rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V,
-                list_ptr + (req * NB2 + blk) * PACK, ROWS, BLOCK_V, SUB, PACK, CH,
+                list_ptr + (req * NB2 + blk) * PACK, ROWS, BLOCK_V, SUB, PACK, CH, STAGES,
             )  # fmt: skip
         else:
             bmax, barg = _race_whole(
@@ -2233,6 +2234,10 @@ class RejectionConfig:
     # same winners and tokens (CPU tests; GPU at V 49152). On at large vocabularies
     # (choose_rejection_config).
     pack_r: int = 0
+    # The packed race's list pass: its loads' pipelining depth (offline sm_90, 2: the
+    # next 1024-column slice copied to shared memory (LDGSTS) while a slice is scanned).
+    # The same lists. Not timed.
+    stages_r: int = 1
 
     def __post_init__(self) -> None:
         # Every size is a tile width (tl.arange needs a power of two); tries_f, the stages
@@ -2241,7 +2246,7 @@ class RejectionConfig:
         # budgets, 0 for none; pack_r a list's length, 0 for none); cap_f, small_f,
         # sample_k and split_f may be 0 (off / sample_f).
         counts = {"tries_f": 0, "stages_f": 1, "stages_g": 1, "rows_s": 1, "regs_v": 0,
-                  "regs_r": 0, "pack_r": 0}  # fmt: skip
+                  "regs_r": 0, "pack_r": 0, "stages_r": 1}  # fmt: skip
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name in counts:
@@ -2801,7 +2806,7 @@ def _plan(
          ws.part_arg, ws.walk, ws.race_val, ws.race_idx, ws.race_list, ws.done, out_tokens,
          out_tokens.stride(0), out_num_accepted, out_num_emitted, proposed_counts,
          accepted_counts, b, k, v, nb, nb2, cfg.rows_r, kp, nbp, _p2(nb2),
-         cfg.block_r, sub_r, mul_r, mul_b, cfg.pack_r, min(sub_r, 256)),
+         cfg.block_r, sub_r, mul_r, mul_b, cfg.pack_r, min(sub_r, 256), cfg.stages_r),
         8 if race_tile >= 2048 else 4 if race_tile >= 512 else 2 if race_tile >= 128 else 1,
         pdl,
         cfg.regs_r,

@@ -274,7 +274,7 @@ LOADS_VARIANTS = (dataclasses.replace(FAST_SMALL_TILES, loads_f=16, block_t=8),
 # over every column).
 PACK_VARIANTS = (dataclasses.replace(ROW_TILES, pack_r=64),
                  dataclasses.replace(ROW_TILES, pack_r=8),
-                 dataclasses.replace(BAND_TILES, pack_r=16))  # fmt: skip
+                 dataclasses.replace(BAND_TILES, pack_r=16, stages_r=2))  # fmt: skip
 KINDS = [SP(0.0), SP(1.0), SP(0.7, top_k=5), SP(1.3, top_p=0.8), SP(0.5, top_k=9, top_p=0.6),
          SP(2.0, top_k=1), SP(1.0, top_p=0.05), SP(1.0, top_k=40)]  # fmt: skip
 
@@ -1384,7 +1384,7 @@ def test_gpu_bf16_large_vocab_matches_reference(v):
     "spec",
     ["loads_f=1", "bisect_f=0", "loads_f=1+bisect_f=0", "interp_f=0", "sample_f=512",
      "sample_f=2048+cap_f=2048", "ftz_v=0", "lazy_v=0", "tries_f=0", "regs_v=40",
-     "block_r=2048+sub_r=512+regs_r=40", "pack_r=0+regs_r=0", "pack_r=128"],
+     "block_r=2048+sub_r=512+regs_r=40", "pack_r=0+regs_r=0", "pack_r=128", "stages_r=2"],
 )  # fmt: skip
 def test_gpu_large_vocab_variants_equal_the_default(spec):
     """The wide tiles' defaults at V 49152 turned back one at a time: the bracket pass's
@@ -1399,7 +1399,8 @@ def test_gpu_large_vocab_variants_equal_the_default(spec):
     (the same arithmetic, allocated otherwise); regs_r: the race in 2048-column blocks
     drawn 512 at a time, in 40 registers (its winner does not depend on the blocks);
     pack_r: the race drawn over every column (pack_r 0, in the compiler's registers)
-    and over lists of up to 128 kept columns (which wider kept sets overflow)."""
+    and over lists of up to 128 kept columns (which wider kept sets overflow); stages_r:
+    the list pass's loads pipelined (the same lists)."""
     b, k, v = 16, 5, 49152
     logits, drafts, q, st, pos = _gpu_case(b, k, v, seed=29)
     args = (logits.cuda(), drafts.cuda(), None if q is None else q.cuda(), _on(st, "cuda"),
@@ -1599,6 +1600,7 @@ def test_bisect_keys_finds_the_sorted_running_sums_crossing(interp, mass, device
      ("regs_v", -40, "regs_v must be an int >= 0, got -40"),
      ("regs_r", 40.0, "regs_r must be an int >= 0, got 40.0"),
      ("pack_r", -1, "pack_r must be an int >= 0, got -1"),
+     ("stages_r", 0, "stages_r must be an int >= 1, got 0"),
      ("loads_f", 3, "loads_f must be a power of two, got 3"),
      ("loads_f", 4, "loads_f must be 1 or 16, got 4")],
 )  # fmt: skip
