@@ -154,6 +154,14 @@ def _div_nonneg(a, b):
     return tl.where(nz, tl.math.div_rn(tl.where(nz, a, 1.0), b), 0.0)
 
 
+@triton.jit
+def _first_max(best, where):
+    """Per row of per-lane running maxima best [R, N] and their columns where: the max,
+    and the smallest column holding it (lanes keep their first column of a tie)."""
+    bmax = tl.max(best, axis=1)
+    return bmax, tl.min(tl.where(best == bmax[:, None], where, 2147483647), axis=1)
+
+
 if INTERPRET:
 
     @triton.jit
@@ -297,9 +305,8 @@ def _partials_kernel(
             up = z > best  # strict: a lane keeps its first index of a tie
             best = tl.where(up, z, best)
             where = tl.where(up, offs[None, :], where)
-    bmax = tl.max(best, axis=1)
     # The first index holding the max (a block of -inf: its first column, as before)
-    barg = tl.min(tl.where(best == bmax[:, None], where, 2147483647), axis=1)
+    bmax, barg = _first_max(best, where)
     tl.store(pmax_ptr + out, bmax, mask=rmask)
     tl.store(parg_ptr + out, barg, mask=rmask)
     ref = tl.where(bmax == float("-inf"), 0.0, bmax)
@@ -448,8 +455,7 @@ def _partials_one_pass(
                             other=float("-inf"))  # fmt: skip
                 z = _z_of(x, t[:, None, None], t1)
                 low = tl.minimum(low, tl.min(_no_neg_inf(z), axis=2))
-    bmax = tl.max(m, axis=1)
-    barg = tl.min(tl.where(m == bmax[:, None], where, 2147483647), axis=1)
+    bmax, barg = _first_max(m, where)
     tl.store(pmax_ptr + out, bmax, mask=rmask)
     tl.store(parg_ptr + out, barg, mask=rmask)
     ref = tl.where(bmax == float("-inf"), 0.0, bmax)
@@ -1806,8 +1812,7 @@ def _race_whole(rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V,
             up = ratio > best  # strict: a lane keeps its first index of a tie
             best = tl.where(up, ratio, best)
             where = tl.where(up, offs[None, :], where)
-    bmax = tl.max(best, axis=1)
-    return bmax, tl.min(tl.where(best == bmax[:, None], where, 2147483647), axis=1)
+    return _first_max(best, where)
 
 
 @triton.jit
@@ -1858,8 +1863,7 @@ def _race_packed(rowp, qrowp, h, race, blk, t, t1, thr, m, tot, residual, V, lis
             up = ratio > best  # strict: a lane's entries rise in column order
             best = tl.where(up, ratio, best)
             where = tl.where(up, col, where)
-        bmax = tl.max(best, axis=1)
-        barg = tl.min(tl.where(best == bmax[:, None], where, 2147483647), axis=1)
+        bmax, barg = _first_max(best, where)
     return bmax, barg
 
 
@@ -2072,8 +2076,7 @@ def _greedy_kernel(
             up = z > best  # strict: a lane keeps its first index of a tie
             best = tl.where(up, z, best)
             where = tl.where(up, offs[None, :], where)
-    bmax = tl.max(best, axis=1)
-    barg = tl.min(tl.where(best == bmax[:, None], where, 2147483647), axis=1)
+    bmax, barg = _first_max(best, where)
     out = rows * NB + blk
     tl.store(pmax_ptr + out, bmax, mask=rmask)
     tl.store(parg_ptr + out, barg, mask=rmask)
