@@ -644,7 +644,13 @@ def _top_p_bounds(p, kept_f, kept_c, floor_v, zmin, m, FXS: tl.constexpr):
     which must agree bit for bit."""
     lo = m + tl.log((1.0 - p) * kept_f / kept_c.to(tl.float32)) - 1.0
     lo = tl.minimum(tl.maximum(lo, tl.maximum(floor_v, zmin)), m)
-    return lo, p.to(tl.float64) * kept_f.to(tl.float64) * FXS
+    return lo, _top_p_goal(p, kept_f, FXS)
+
+
+@triton.jit
+def _top_p_goal(p, kept_f, FXS: tl.constexpr):
+    """The top-p cut's goal in _fx units: top_p times the survivors' float32 mass."""
+    return p.to(tl.float64) * kept_f.to(tl.float64) * FXS
 
 
 @triton.jit
@@ -1498,7 +1504,7 @@ def _cut(
 def _cut_kernel(
     logits_ptr, stride_lm, greedy_ptr, temp_ptr, topk_ptr, topp_ptr,
     pmin_ptr, rmax_ptr, rthr_ptr, rsum_ptr, cand_ptr, fast_ptr, todo_ptr, state_ptr,
-    sbr_ptr, sgoal_ptr, sn_ptr, slist_ptr,
+    sbr_ptr, sgoal_ptr, sn_ptr, slist_ptr, hdone_ptr,
     num_rows, V, K1, NB,
     ROWS: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
     NBIN: tl.constexpr, MAX_PASSES: tl.constexpr, CHUNK: tl.constexpr, FXS: tl.constexpr,
@@ -1506,7 +1512,7 @@ def _cut_kernel(
     STAGES: tl.constexpr, FAST_ONLY: tl.constexpr, TODO: tl.constexpr,
     SCREEN: tl.constexpr, KP: tl.constexpr, FUSE_KP: tl.constexpr, SMALL_F: tl.constexpr,
     SAMPLE_K: tl.constexpr, SPLIT: tl.constexpr, BISECT_K: tl.constexpr, BISECT_P: tl.constexpr,
-    LOADS: tl.constexpr = 1, GDC: tl.constexpr = False,
+    HIST: tl.constexpr, LOADS: tl.constexpr = 1, GDC: tl.constexpr = False,
 ):  # fmt: skip
     """A tile of ROWS rows per program; a filtered row gets the top-k cut (the k-th
     largest value), then the top-p cut over the top-k survivors, and its threshold and
@@ -1516,7 +1522,8 @@ def _cut_kernel(
     SCREEN: only the rows the screened walk needs (_needs_cut). FUSE_KP: a row with both
     takes its top-p cut from the top-k cut's bracket where that held every survivor
     (_cut_fast), with no cut of its own; the same thresholds and masses. SMALL_F: _cut_fast's
-    narrow bracket sort; SAMPLE_K: the top-k cut's sample (SAMPLE: the top-p cut's)."""
+    narrow bracket sort; SAMPLE_K: the top-k cut's sample (SAMPLE: the top-p cut's).
+    HIST: not the rows _hist_cut_kernel cut (hdone)."""
     _gdc_enter(GDC)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rmask = rows < num_rows
@@ -1534,6 +1541,8 @@ def _cut_kernel(
         live = live & (tl.load(todo_ptr + rows, mask=rmask, other=0) != 0)
     elif SCREEN:
         live = live & _needs_cut(state_ptr, rows, rmask, K1, KP)
+    if HIST:
+        live = live & (tl.load(hdone_ptr + rows, mask=rmask, other=0) == 0)
     if tl.max(live.to(tl.int32), axis=0) != 0:
         use_k = live & use_k
         use_p = live & use_p
@@ -1677,6 +1686,104 @@ def _split_close_kernel(
             tl.store(rthr_ptr + row, thr)
             tl.store(rsum_ptr + row, _fx_f32(kept_m, FXS))
         tl.store(todo_ptr + row, 1 - ok)
+
+
+@triton.jit
+def _key16(x):
+    """A 16-bit float's order key (int32 in [-32768, 32767]): a larger value has a larger
+    key, -0 the key just below +0's, and adjacent keys are adjacent values."""
+    s = x.to(tl.int16, bitcast=True).to(tl.int32)
+    return tl.where(s >= 0, s, -32769 - s)
+
+
+@triton.jit
+def _of_key16(key, dtype: tl.constexpr):
+    """_key16's inverse (keys in range)."""
+    s = tl.where(key >= 0, key, -32769 - key)
+    return s.to(tl.int16).to(dtype, bitcast=True)
+
+
+@triton.jit
+def _hist_cut_kernel(
+    logits_ptr, stride_lm, greedy_ptr, temp_ptr, topk_ptr, topp_ptr, rmax_ptr, rthr_ptr,
+    rsum_ptr, state_ptr, hist_ptr, ticket_ptr, hdone_ptr, V, K1,
+    KP: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, NBIN: tl.constexpr,
+    FXS: tl.constexpr, SCREEN: tl.constexpr, GDC: tl.constexpr = False,
+):  # fmt: skip
+    """The top-p cut of 16-bit logits without top-k, from counts of equal values
+    (RejectionConfig.hist_p). Program (b, c) reads chunk c (SUB columns at a time) of
+    each row of request b that
+    needs a cut and counts its values by key distance below a key just above the row's
+    max (NBIN bins, one distinct logit each; a last bin counts values above that key,
+    which a wrong estimate would leave). Every value in a bin is the same z, so a bin's
+    mass is its count times that value's _fx units: exactly what the cut's passes sum
+    value by value. The request's last program for a row (a ticket a row) runs the
+    bins' running mass from the top: the first bin reaching the goal is the cut and its
+    running mass the kept mass, bit for bit the bracket's (same definition, same integer
+    sums). It writes them and marks the row done (hdone), and puts the bins and the
+    ticket back to zero. A row whose cut lies past the last bin, or whose next bin holds
+    the same z (a tie across keys: -0 and +0, or two logits one z after the division by
+    T), or that had a value above the top key, is left to the bracket launch (hdone 0)."""
+    _gdc_enter(GDC)
+    req = tl.program_id(0)
+    c = tl.program_id(1)
+    jj = tl.arange(0, KP)
+    rows = req.to(tl.int64) * K1 + jj
+    rmask = jj < K1
+    if c == 0:
+        tl.store(hdone_ptr + rows, tl.zeros([KP], tl.int32), mask=rmask)
+    greedy = tl.load(greedy_ptr + req)
+    k = tl.load(topk_ptr + req)
+    p = tl.load(topp_ptr + req)
+    if (greedy == 0) & (p < 1.0) & ((k <= 0) | (k >= V)):
+        m = tl.load(rmax_ptr + rows, mask=rmask, other=float("-inf"))
+        need = rmask & (m > float("-inf")) & (m < float("inf"))
+        if SCREEN:
+            need = need & _needs_cut(state_ptr, rows, rmask, K1, KP)
+        t = tl.load(temp_ptr + req)
+        t1 = t == 1.0
+        sub = tl.arange(0, SUB)
+        bins = tl.arange(0, NBIN)
+        dtype = logits_ptr.dtype.element_ty
+        for j in range(K1):
+            if tl.sum(tl.where(jj == j, need.to(tl.int32), 0), axis=0) != 0:
+                row = req.to(tl.int64) * K1 + j
+                mj = tl.load(rmax_ptr + row)
+                # m * T rounds to the max's logit (or next to it): two keys of margin
+                top = _key16((mj * t).to(dtype)) + 2
+                hrow = hist_ptr + row * (NBIN + 1)
+                for c0 in tl.range(0, CHUNK, SUB):
+                    cols = c * CHUNK + c0 + sub
+                    cmask = cols < V
+                    x = tl.load(logits_ptr + row * stride_lm + cols, mask=cmask,
+                                other=float("-inf"))  # fmt: skip
+                    d = top - _key16(x)
+                    tl.atomic_add(hrow + tl.where(d < 0, NBIN, d), tl.full([SUB], 1, tl.int32),
+                                  mask=cmask & (d < NBIN), sem="relaxed")  # fmt: skip
+                # every thread's counts before the release of the ticket; the last
+                # program's acquire makes all of them visible
+                tl.debug_barrier()
+                tk = tl.atomic_add(ticket_ptr + row, 1, sem="acq_rel")
+                if tk == tl.num_programs(1) - 1:
+                    tl.store(ticket_ptr + row, 0)
+                    cnt = tl.load(hrow + bins, cache_modifier=".cg")
+                    over = tl.load(hrow + NBIN, cache_modifier=".cg")
+                    tl.store(hrow + bins, tl.zeros([NBIN], tl.int32))
+                    tl.store(hrow + NBIN, 0)
+                    kb = top - bins
+                    valid = (kb >= -32768) & (cnt > 0)
+                    zb = _z_of(_of_key16(tl.where(kb >= -32768, kb, 0), dtype), t, t1)
+                    mass = tl.where(valid, cnt.to(tl.int64) * _fx(zb, mj, FXS), 0)
+                    run = tl.cumsum(mass, axis=0)
+                    goal = _top_p_goal(p, tl.load(rsum_ptr + row), FXS)
+                    at = tl.min(tl.where(run.to(tl.float64) >= goal, bins, NBIN), axis=0)
+                    thr = tl.max(tl.where(bins == at, zb, float("-inf")), axis=0)
+                    after = tl.max(tl.where(bins == at + 1, zb, float("-inf")), axis=0)
+                    kept = tl.sum(tl.where(bins == at, run, 0), axis=0)
+                    if (at < NBIN - 1) & (over == 0) & (after != thr):
+                        tl.store(rthr_ptr + row, thr)
+                        tl.store(rsum_ptr + row, _fx_f32(kept, FXS))
+                        tl.store(hdone_ptr + row, 1)
 
 
 # ----------------------------------------------------------------------------- the walk
@@ -2237,6 +2344,15 @@ class RejectionConfig:
     # same winners and tokens (CPU tests; GPU at V 49152). On at large vocabularies
     # (choose_rejection_config).
     pack_r: int = 0
+    # The top-p cut of 16-bit logits without top-k from counts of equal values (0: off;
+    # bins, a power of two): _hist_cut_kernel's programs of chunk_h columns count each
+    # cut row's values by their key's distance below the row's max, and each row's last
+    # one finds the cut in the bins' running mass. A cut more than hist_p distinct
+    # values below the max, or a tie across keys at it, is left to the bracket launch.
+    # The same thresholds and masses, bit for bit (CPU tests). Not timed.
+    hist_p: int = 0
+    chunk_h: int = 4096  # columns a program of it counts
+    sub_h: int = 1024  # and reads at a time
     # The packed race's list pass: its loads' pipelining depth (offline sm_90, 2: the
     # next 1024-column slice copied to shared memory (LDGSTS) while a slice is scanned).
     # The same lists. Not timed.
@@ -2265,7 +2381,7 @@ class RejectionConfig:
             sub = getattr(self, slice_of) if slice_of else None
             if sub and v > 0 and v % sub == 0:
                 continue
-            zero = f.name in ("cap_f", "small_f", "sample_k", "split_f")
+            zero = f.name in ("cap_f", "small_f", "sample_k", "split_f", "hist_p")
             if type(v) is not int or v < 0 or (v == 0 and not zero) or v & (v - 1):
                 also = " or 0" if zero else f" or a multiple of {slice_of}" if slice_of else ""
                 raise ValueError(
@@ -2426,6 +2542,11 @@ class RejectionWorkspace:
     split_mass: torch.Tensor
     split_list: torch.Tensor
     race_list: torch.Tensor  # [reqs, nb2 * pack_r] int32: the packed race's lists (pack_r)
+    # hist_p's counts ([rows, hist_p + 1] int32), tickets and done marks ([rows] int32);
+    # one element each when off. Counts and tickets are zero between calls.
+    hist: torch.Tensor
+    hist_ticket: torch.Tensor
+    hist_done: torch.Tensor
 
     @classmethod
     def allocate(
@@ -2455,6 +2576,9 @@ class RejectionWorkspace:
             torch.empty(srows, nsplit, device=device, dtype=torch.int64),
             torch.zeros(srows + 1, **i32),
             torch.empty(num_reqs if cfg.pack_r else 1, max(nb2 * cfg.pack_r, 1), **i32),
+            torch.zeros(rows if cfg.hist_p else 1, cfg.hist_p + 1, **i32),
+            torch.zeros(rows if cfg.hist_p else 1, **i32),
+            torch.zeros(rows if cfg.hist_p else 1, **i32),
         )  # fmt: skip
 
 
@@ -2589,6 +2713,7 @@ _RESAMPLE = _Launcher(_resample_kernel)
 _WALK = _Launcher(_walk_kernel)
 _SPLIT_PASS = _Launcher(_split_pass_kernel)
 _SPLIT_CLOSE = _Launcher(_split_close_kernel)
+_HIST = _Launcher(_hist_cut_kernel)
 _GREEDY = _Launcher(_greedy_kernel)
 
 
@@ -2742,6 +2867,19 @@ def _plan(
     )  # fmt: skip
     if any_filter:
         fxs = float(2 ** (62 - (v - 1).bit_length()))  # v * 2^S <= 2^62: int64 sums fit
+        # The top-p cuts of 16-bit rows from their values' counts first (hist_p); the
+        # cut launches skip the rows it cut.
+        hist = cfg.hist_p if target_logits.element_size() == 2 else 0
+        if hist:
+            _HIST.add(
+                launches,
+                (b, triton.cdiv(v, cfg.chunk_h)),
+                (target_logits, lm, greedy, temperature, top_k, top_p, ws.row_max, ws.row_thr,
+                 ws.row_sum, ws.row_state, ws.hist, ws.hist_ticket, ws.hist_done, v, k + 1, kp,
+                 cfg.chunk_h, min(cfg.chunk_h, cfg.sub_h), hist, fxs, screen),
+                8 if cfg.chunk_h >= 8192 else 4,
+                pdl,
+            )  # fmt: skip
         # With the one-pass bracket: its launch, then the narrowing passes for the rows
         # it missed (marked in todo); else the narrowing passes alone. The bracket's
         # options go to the narrowing launch as off (it never takes the bracket), so that
@@ -2755,7 +2893,7 @@ def _plan(
                 (triton.cdiv(rows, cfg.rows_t),),
                 (target_logits, lm, greedy, temperature, top_k, top_p, ws.part_min, ws.row_max,
                  ws.row_thr, ws.row_sum, ws.cand, ws.cand_fast, ws.todo, ws.row_state,
-                 ws.split_b, ws.split_goal, ws.split_n, ws.split_list, rows, v,
+                 ws.split_b, ws.split_goal, ws.split_n, ws.split_list, ws.hist_done, rows, v,
                  k + 1, nb, cfg.rows_t, nbp, cfg.block_t, cfg.cap, cfg.nbin, cfg.max_passes,
                  min(cfg.cap, cfg.chunk_t), fxs, cap_f, cfg.sample_f, cfg.tries_f, cfg.lanes_f,
                  cfg.stages_f, fast_only, todo, screen, kp, bracket and bool(cfg.fuse_kp),
@@ -2763,7 +2901,7 @@ def _plan(
                  (cfg.sample_k or cfg.sample_f) if bracket else cfg.sample_f,
                  split if bracket else 0,
                  bisect if bracket and not cfg.fuse_kp else 0, bisect if bracket else 0,
-                 cfg.loads_f if bracket else 1),
+                 hist > 0 and not todo, cfg.loads_f if bracket else 1),
                 cfg.warps_f if fast_only else 8 if cfg.rows_t * cfg.block_t >= 2048 else 4,
                 pdl,
             )  # fmt: skip

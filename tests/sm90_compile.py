@@ -299,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
         # vocabularies; its list store is inline PTX, which the interpreter never compiles)
         pack = dataclasses.replace(cfg, pack_r=0 if cfg.pack_r else cfg.block_r // 4)
         variants.append((pack, f" pack_r={pack.pack_r}", "_resample_kernel"))
+        # the top-p cut from counts of equal 16-bit values (hist_p; its launch only)
+        hist = dataclasses.replace(cfg, hist_p=cfg.hist_p or 256)
+        variants.append((hist, f" hist_p={hist.hist_p}", "_hist_cut_kernel"))
         for name, (config, tag, only), sampled in itertools.product(
             args.dtypes.split(","), variants, (True, False)
         ):

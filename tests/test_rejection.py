@@ -648,6 +648,57 @@ def test_tiles_bit_equal_to_one_row_per_program(device, group):
         assert not (differ & ~_top_p_boundary(logits[i], sp)).any(), (i, sp)
 
 
+# The top-p cut of 16-bit rows from counts of equal values (hist_p): 2048 bins, which hold
+# most rows' cuts, and 64, which hold few (the rest go to the cut launches); programs of
+# 64 columns (four, the last one short; read 16 at a time) and of 128, so a row's last
+# program is picked by its ticket; before one-row cuts and before the bracket launch.
+HIST_VARIANTS = (dataclasses.replace(ROW_TILES, hist_p=2048, chunk_h=64, sub_h=16),
+                 dataclasses.replace(FAST_TILES, hist_p=2048, chunk_h=64),
+                 dataclasses.replace(BAND_TILES, hist_p=64, chunk_h=128))  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hist_cut_bit_equal_to_the_cut_launches(device):
+    """hist_p against the cut launches alone, fp16 logits (_filter_rows' boundary cases,
+    tie groups and -inf, and N(0, 3^2) rows) under every mode, screened and not: the
+    same thresholds, kept masses, tokens and counters bit for bit; the counts and tickets
+    back at zero. One top-p row's cut falls on a tie of -0 and +0 (two keys, one z),
+    which the counts must leave to the cut launches. The wide bins cut some rows
+    themselves, the narrow ones fewer: both paths run."""
+    k, v = 2, 203
+    kinds = [*MIXED, SP(1.0, top_p=0.5), SP(1.0, top_p=0.9), SP(0.7, top_p=0.8)]
+    logits, drafts, q, st, pos = _filter_batch(41, k, v, kinds, 5)
+    tie = len(MIXED) * (k + 1)  # row 0 of the first SP(1.0, top_p=0.5) request
+    logits[tie] = -math.inf
+    # three values of about equal mass, the two zeros adjacent keys: half the mass is
+    # reached at +0's count, but the kept set holds -0 too
+    logits[tie, :3] = torch.tensor([5 * 2.0**-24, 0.0, -0.0])
+    logits = logits.half().to(device)
+    b = drafts.shape[0]
+    dev = lambda t: t.to(device)  # noqa: E731
+    done = {}
+    for screen in (False, True):
+        outs = []
+        for cfg in (ROW_TILES, *HIST_VARIANTS):
+            cfg = dataclasses.replace(cfg, screen=screen)
+            batch = Batch(logits, dev(drafts), dev(q), _on(st, device), dev(pos), cfg)
+            ws = batch.ws
+            for t in (ws.row_thr, ws.row_sum, ws.race_val):
+                t.fill_(float("nan"))
+            batch.run()
+            outs.append([t.cpu() for t in (*batch.outs(), ws.row_thr, ws.row_sum)])
+            if cfg.hist_p:
+                assert int(ws.hist.abs().sum()) == 0 and int(ws.hist_ticket.abs().sum()) == 0
+                done[screen, cfg.hist_p] = ws.hist_done[: b * (k + 1)].cpu().bool()
+                assert not done[screen, cfg.hist_p][tie]
+        for cfg, out in zip(HIST_VARIANTS, outs[1:]):
+            same = [torch.equal(x, y) for x, y in zip(outs[0], out)]
+            assert all(same), (cfg, screen, same)
+        assert int(done[screen, 64].sum()) < int(done[screen, 2048].sum())
+        assert int(done[screen, 64].sum()) > 0
+    assert int(done[False, 2048].sum()) >= 12
+
+
 # One row a partials program, its block read in 4 slices of 8 columns (the GPU's layout at
 # large vocabularies: per-lane running values, reduced once).
 LOOP_TILES = dataclasses.replace(ROW_TILES, rows_p=1, sub_v=8, warps_v=2)
@@ -1384,7 +1435,8 @@ def test_gpu_bf16_large_vocab_matches_reference(v):
     "spec",
     ["loads_f=1", "bisect_f=0", "loads_f=1+bisect_f=0", "interp_f=0", "sample_f=512",
      "sample_f=2048+cap_f=2048", "ftz_v=0", "lazy_v=0", "tries_f=0", "regs_v=40",
-     "block_r=2048+sub_r=512+regs_r=40", "pack_r=0+regs_r=0", "pack_r=128", "stages_r=2"],
+     "block_r=2048+sub_r=512+regs_r=40", "pack_r=0+regs_r=0", "pack_r=128", "stages_r=2",
+     "hist_p=256", "hist_p=256+chunk_h=8192", "hist_p=64+chunk_h=2048+sub_h=512"],
 )  # fmt: skip
 def test_gpu_large_vocab_variants_equal_the_default(spec):
     """The wide tiles' defaults at V 49152 turned back one at a time: the bracket pass's
@@ -1400,7 +1452,9 @@ def test_gpu_large_vocab_variants_equal_the_default(spec):
     drawn 512 at a time, in 40 registers (its winner does not depend on the blocks);
     pack_r: the race drawn over every column (pack_r 0, in the compiler's registers)
     and over lists of up to 128 kept columns (which wider kept sets overflow); stages_r:
-    the list pass's loads pipelined (the same lists)."""
+    the list pass's loads pipelined (the same lists); hist_p: top-p cuts from counts of
+    equal values, 256 bins (most rows) and 64 (fewer; the rest to the bracket launch),
+    each cutting some rows itself."""
     b, k, v = 16, 5, 49152
     logits, drafts, q, st, pos = _gpu_case(b, k, v, seed=29)
     args = (logits.cuda(), drafts.cuda(), None if q is None else q.cuda(), _on(st, "cuda"),
@@ -1417,6 +1471,8 @@ def test_gpu_large_vocab_variants_equal_the_default(spec):
         batch.run()
         got.append([t.cpu() for t in (*batch.outs(), ws.row_thr, ws.row_sum, ws.part_max,
                                       ws.part_arg, ws.part_min)])  # fmt: skip
+        if config is not None and config.hist_p:
+            assert int(ws.hist_done.sum()) > 0 and int(ws.hist.abs().sum()) == 0
     assert (got[0][0] >= -1).all()  # every token written
     for x, y in zip(*got):
         torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)

@@ -53,6 +53,10 @@ def test_sampler_kernels_compile_for_sm90():
     for v in ("16", "49152"):
         variant = rf"^ok   V {v} B \d+ K \d+ bfloat16 pack_r=\d+ _resample_kernel: "
         assert re.search(variant, proc.stdout, re.M), (v, out[-4000:])
+    # the top-p cut from counts of equal values (hist_p), at both vocabularies
+    for v in ("16", "49152"):
+        variant = rf"^ok   V {v} B \d+ K \d+ bfloat16 hist_p=\d+ _hist_cut_kernel: "
+        assert re.search(variant, proc.stdout, re.M), (v, out[-4000:])
     assert all(int(size) > 0 for _, _, size in compiled), compiled
 
 
