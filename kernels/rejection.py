@@ -2353,6 +2353,10 @@ class RejectionConfig:
     hist_p: int = 0
     chunk_h: int = 4096  # columns a program of it counts
     sub_h: int = 1024  # and reads at a time
+    # The bracket launch finishes the rows its tries miss (the narrowing passes in the
+    # same program) instead of leaving them to a launch of their own: one launch fewer
+    # where, as with hist_p, few rows reach it. Not with split_f. Not timed.
+    fold_n: bool = False
     # The packed race's list pass: its loads' pipelining depth (offline sm_90, 2: the
     # next 1024-column slice copied to shared memory (LDGSTS) while a slice is scanned).
     # The same lists. Not timed.
@@ -2884,8 +2888,12 @@ def _plan(
         # it missed (marked in todo); else the narrowing passes alone. The bracket's
         # options go to the narrowing launch as off (it never takes the bracket), so that
         # configurations that differ in them share its compiled kernel.
-        for cap_f, fast_only, todo in ((cfg.cap_f, True, False), (0, False, True)) if fast else (
-            (0, False, False),
+        # fold_n: the bracket launch finishes the rows it misses itself (no split).
+        fold = bool(cfg.fold_n) and not split
+        for cap_f, fast_only, todo in (
+            ((cfg.cap_f, False, False),) if fast and fold
+            else ((cfg.cap_f, True, False), (0, False, True)) if fast
+            else ((0, False, False),)
         ):  # fmt: skip
             bracket = cap_f > 0
             _CUT.add(
@@ -2902,7 +2910,7 @@ def _plan(
                  split if bracket else 0,
                  bisect if bracket and not cfg.fuse_kp else 0, bisect if bracket else 0,
                  hist > 0 and not todo, cfg.loads_f if bracket else 1),
-                cfg.warps_f if fast_only else 8 if cfg.rows_t * cfg.block_t >= 2048 else 4,
+                cfg.warps_f if bracket else 8 if cfg.rows_t * cfg.block_t >= 2048 else 4,
                 pdl,
             )  # fmt: skip
             if bracket and split:

@@ -651,10 +651,14 @@ def test_tiles_bit_equal_to_one_row_per_program(device, group):
 # The top-p cut of 16-bit rows from counts of equal values (hist_p): 2048 bins, which hold
 # most rows' cuts, and 64, which hold few (the rest go to the cut launches); programs of
 # 64 columns (four, the last one short; read 16 at a time) and of 128, so a row's last
-# program is picked by its ticket; before one-row cuts and before the bracket launch.
+# program is picked by its ticket; before one-row cuts and before the bracket launch; and
+# before a bracket launch whose tiny scratch misses most rows and narrows them itself
+# (fold_n: no narrowing launch).
 HIST_VARIANTS = (dataclasses.replace(ROW_TILES, hist_p=2048, chunk_h=64, sub_h=16),
                  dataclasses.replace(FAST_TILES, hist_p=2048, chunk_h=64),
-                 dataclasses.replace(BAND_TILES, hist_p=64, chunk_h=128))  # fmt: skip
+                 dataclasses.replace(BAND_TILES, hist_p=64, chunk_h=128),
+                 dataclasses.replace(FAST_SMALL_TILES, hist_p=64, chunk_h=64,
+                                     fold_n=True))  # fmt: skip
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -1436,7 +1440,8 @@ def test_gpu_bf16_large_vocab_matches_reference(v):
     ["loads_f=1", "bisect_f=0", "loads_f=1+bisect_f=0", "interp_f=0", "sample_f=512",
      "sample_f=2048+cap_f=2048", "ftz_v=0", "lazy_v=0", "tries_f=0", "regs_v=40",
      "block_r=2048+sub_r=512+regs_r=40", "pack_r=0+regs_r=0", "pack_r=128", "stages_r=2",
-     "hist_p=256", "hist_p=256+chunk_h=8192", "hist_p=64+chunk_h=2048+sub_h=512"],
+     "hist_p=256", "hist_p=256+chunk_h=8192", "hist_p=64+chunk_h=2048+sub_h=512",
+     "hist_p=256+fold_n=1", "fold_n=1+sample_f=512"],
 )  # fmt: skip
 def test_gpu_large_vocab_variants_equal_the_default(spec):
     """The wide tiles' defaults at V 49152 turned back one at a time: the bracket pass's
@@ -1454,7 +1459,8 @@ def test_gpu_large_vocab_variants_equal_the_default(spec):
     and over lists of up to 128 kept columns (which wider kept sets overflow); stages_r:
     the list pass's loads pipelined (the same lists); hist_p: top-p cuts from counts of
     equal values, 256 bins (most rows) and 64 (fewer; the rest to the bracket launch),
-    each cutting some rows itself."""
+    each cutting some rows itself; fold_n: the bracket launch narrows its misses itself
+    (a 512-value sample misses some, stop 70)."""
     b, k, v = 16, 5, 49152
     logits, drafts, q, st, pos = _gpu_case(b, k, v, seed=29)
     args = (logits.cuda(), drafts.cuda(), None if q is None else q.cuda(), _on(st, "cuda"),
