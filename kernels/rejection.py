@@ -175,6 +175,10 @@ if INTERPRET:
         tl.store(ptrs, vals, mask=mask)
 
     @triton.jit
+    def _scatter_count(base, idx, mask):
+        tl.atomic_add(base + idx, tl.full(idx.shape, 1, tl.int32), mask=mask, sem="relaxed")
+
+    @triton.jit
     def _exponential(u):
         """-log1p(-u) rounded to float32: float64 series below 2^-12 (where 1 - u is not
         exact), -log(1 - u) above (exact 1 - u). libdevice is not in the interpreter."""
@@ -206,6 +210,20 @@ else:
         tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.s32 p, $3, 0; @p st.global.b32 [$1], $2; mov.u32 $0, 0; }",
             "=r,l,r,r", [ptrs, vals, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+    @triton.jit
+    def _scatter_count(base, idx, mask):
+        """A relaxed atomic add of 1 at base[idx] (int32; idx >= 0 where mask holds), each
+        thread for the elements it holds (red.global, no result; the address by one
+        mad.wide.u32). Through tl.atomic_add the compiler moved the addresses through
+        shared memory to another layout, and a signed offset takes ~6 instructions of
+        64-bit arithmetic an element (offline sm_90, _hist_cut_kernel)."""
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u64 a; setp.ne.s32 p, $3, 0; mad.wide.u32 a, $2, 4, $1;"
+            " @p red.relaxed.gpu.global.add.u32 [a], 1; mov.u32 $0, 0; }",
+            "=r,l,r,r", [tl.broadcast_to(base, idx.shape), idx, mask.to(tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=1,
         )  # fmt: skip
 
     @triton.jit
@@ -1693,13 +1711,13 @@ def _key16(x):
     """A 16-bit float's order key (int32 in [-32768, 32767]): a larger value has a larger
     key, -0 the key just below +0's, and adjacent keys are adjacent values."""
     s = x.to(tl.int16, bitcast=True).to(tl.int32)
-    return tl.where(s >= 0, s, -32769 - s)
+    return s ^ ((s >> 15) & 0x7FFF)  # a negative value's magnitude bits flipped
 
 
 @triton.jit
 def _of_key16(key, dtype: tl.constexpr):
     """_key16's inverse (keys in range)."""
-    s = tl.where(key >= 0, key, -32769 - key)
+    s = key ^ ((key >> 15) & 0x7FFF)
     return s.to(tl.int16).to(dtype, bitcast=True)
 
 
@@ -1752,14 +1770,18 @@ def _hist_cut_kernel(
                 # m * T rounds to the max's logit (or next to it): two keys of margin
                 top = _key16((mj * t).to(dtype)) + 2
                 hrow = hist_ptr + row * (NBIN + 1)
+                high = tl.full([SUB], -32768, tl.int32)  # each lane's largest key
                 for c0 in tl.range(0, CHUNK, SUB):
                     cols = c * CHUNK + c0 + sub
                     cmask = cols < V
                     x = tl.load(logits_ptr + row * stride_lm + cols, mask=cmask,
                                 other=float("-inf"))  # fmt: skip
-                    d = top - _key16(x)
-                    tl.atomic_add(hrow + tl.where(d < 0, NBIN, d), tl.full([SUB], 1, tl.int32),
-                                  mask=cmask & (d < NBIN), sem="relaxed")  # fmt: skip
+                    key = _key16(x)
+                    high = tl.maximum(high, key)
+                    d = top - key  # in the bins where 0 <= d < NBIN (one unsigned compare)
+                    _scatter_count(hrow, d, cmask & (d.to(tl.uint32) < NBIN))
+                if tl.max(high, axis=0) > top:
+                    tl.atomic_add(hrow + NBIN, 1, sem="relaxed")
                 # every thread's counts before the release of the ticket; the last
                 # program's acquire makes all of them visible
                 tl.debug_barrier()
