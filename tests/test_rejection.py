@@ -1440,8 +1440,8 @@ def test_gpu_bf16_large_vocab_matches_reference(v):
     ["loads_f=1", "bisect_f=0", "loads_f=1+bisect_f=0", "interp_f=0", "sample_f=512",
      "sample_f=2048+cap_f=2048", "ftz_v=0", "lazy_v=0", "tries_f=0", "regs_v=40",
      "block_r=2048+sub_r=512+regs_r=40", "pack_r=0+regs_r=0", "pack_r=128", "stages_r=2",
-     "hist_p=256", "hist_p=256+chunk_h=8192", "hist_p=64+chunk_h=2048+sub_h=512",
-     "hist_p=256+fold_n=1", "fold_n=1+sample_f=512"],
+     "hist_p=0", "chunk_h=8192", "hist_p=64+chunk_h=2048+sub_h=512", "fold_n=1",
+     "hist_p=0+fold_n=1+sample_f=512"],
 )  # fmt: skip
 def test_gpu_large_vocab_variants_equal_the_default(spec):
     """The wide tiles' defaults at V 49152 turned back one at a time: the bracket pass's
@@ -1457,10 +1457,10 @@ def test_gpu_large_vocab_variants_equal_the_default(spec):
     drawn 512 at a time, in 40 registers (its winner does not depend on the blocks);
     pack_r: the race drawn over every column (pack_r 0, in the compiler's registers)
     and over lists of up to 128 kept columns (which wider kept sets overflow); stages_r:
-    the list pass's loads pipelined (the same lists); hist_p: top-p cuts from counts of
-    equal values, 256 bins (most rows) and 64 (fewer; the rest to the bracket launch),
-    each cutting some rows itself; fold_n: the bracket launch narrows its misses itself
-    (a 512-value sample misses some, stop 70)."""
+    the list pass's loads pipelined (the same lists); hist_p: no top-p cuts from counts
+    of equal values (0), and counts in 8192-column programs and in 64 bins (fewer rows;
+    the rest to the bracket launch), each cutting some rows itself; fold_n: the bracket
+    launch narrows its misses itself (a 512-value sample misses some, stop 70)."""
     b, k, v = 16, 5, 49152
     logits, drafts, q, st, pos = _gpu_case(b, k, v, seed=29)
     args = (logits.cuda(), drafts.cuda(), None if q is None else q.cuda(), _on(st, "cuda"),
@@ -1477,7 +1477,7 @@ def test_gpu_large_vocab_variants_equal_the_default(spec):
         batch.run()
         got.append([t.cpu() for t in (*batch.outs(), ws.row_thr, ws.row_sum, ws.part_max,
                                       ws.part_arg, ws.part_min)])  # fmt: skip
-        if config is not None and config.hist_p:
+        if ws.config.hist_p:
             assert int(ws.hist_done.sum()) > 0 and int(ws.hist.abs().sum()) == 0
     assert (got[0][0] >= -1).all()  # every token written
     for x, y in zip(*got):
