@@ -1730,10 +1730,10 @@ def _hist_cut_kernel(
 ):  # fmt: skip
     """The top-p cut of 16-bit logits without top-k, from counts of equal values
     (RejectionConfig.hist_p). Program (b, c) reads chunk c (SUB columns at a time) of
-    each row of request b that
-    needs a cut and counts its values by key distance below a key just above the row's
-    max (NBIN bins, one distinct logit each; a last bin counts values above that key,
-    which a wrong estimate would leave). Every value in a bin is the same z, so a bin's
+    each row of request b that needs a cut and counts its values by key distance below a
+    key just above the row's max (NBIN bins, one distinct logit each; a last bin counts
+    values above that key, which a wrong estimate would leave). Every value in a bin is
+    the same z, so a bin's
     mass is its count times that value's _fx units: exactly what the cut's passes sum
     value by value. The request's last program for a row (a ticket a row) runs the
     bins' running mass from the top: the first bin reaching the goal is the cut and its
