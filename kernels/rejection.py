@@ -1707,18 +1707,22 @@ def _split_close_kernel(
 
 
 @triton.jit
+def _flip16(s):
+    """A negative int32 (sign-extended 16 bits)'s 15 low bits flipped: its own inverse."""
+    return s ^ ((s >> 15) & 0x7FFF)
+
+
+@triton.jit
 def _key16(x):
     """A 16-bit float's order key (int32 in [-32768, 32767]): a larger value has a larger
     key, -0 the key just below +0's, and adjacent keys are adjacent values."""
-    s = x.to(tl.int16, bitcast=True).to(tl.int32)
-    return s ^ ((s >> 15) & 0x7FFF)  # a negative value's magnitude bits flipped
+    return _flip16(x.to(tl.int16, bitcast=True).to(tl.int32))
 
 
 @triton.jit
 def _of_key16(key, dtype: tl.constexpr):
     """_key16's inverse (keys in range)."""
-    s = key ^ ((key >> 15) & 0x7FFF)
-    return s.to(tl.int16).to(dtype, bitcast=True)
+    return _flip16(key).to(tl.int16).to(dtype, bitcast=True)
 
 
 @triton.jit
@@ -1733,15 +1737,15 @@ def _hist_cut_kernel(
     each row of request b that needs a cut and counts its values by key distance below a
     key just above the row's max (NBIN bins, one distinct logit each; a last bin counts
     values above that key, which a wrong estimate would leave). Every value in a bin is
-    the same z, so a bin's
-    mass is its count times that value's _fx units: exactly what the cut's passes sum
-    value by value. The request's last program for a row (a ticket a row) runs the
-    bins' running mass from the top: the first bin reaching the goal is the cut and its
-    running mass the kept mass, bit for bit the bracket's (same definition, same integer
-    sums). It writes them and marks the row done (hdone), and puts the bins and the
-    ticket back to zero. A row whose cut lies past the last bin, or whose next bin holds
-    the same z (a tie across keys: -0 and +0, or two logits one z after the division by
-    T), or that had a value above the top key, is left to the bracket launch (hdone 0)."""
+    the same z, so a bin's mass is its count times that value's _fx units: exactly what
+    the cut's passes sum value by value. The request's last program for a row (a ticket
+    a row) runs the bins' running mass from the top: the first bin reaching the goal is
+    the cut and its running mass the kept mass, bit for bit the bracket's (same
+    definition, same integer sums). It writes them and marks the row done (hdone), and
+    puts the bins and the ticket back to zero. A row whose cut lies past the last bin,
+    or whose next bin holds the same z (a tie across keys: -0 and +0, or two logits one
+    z after the division by T), or that had a value above the top key, is left to the
+    bracket launch (hdone 0)."""
     _gdc_enter(GDC)
     req = tl.program_id(0)
     c = tl.program_id(1)

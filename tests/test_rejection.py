@@ -1663,6 +1663,9 @@ def test_bisect_keys_finds_the_sorted_running_sums_crossing(interp, mass, device
      ("regs_r", 40.0, "regs_r must be an int >= 0, got 40.0"),
      ("pack_r", -1, "pack_r must be an int >= 0, got -1"),
      ("stages_r", 0, "stages_r must be an int >= 1, got 0"),
+     ("hist_p", 300, "hist_p must be a power of two or 0, got 300"),
+     ("chunk_h", 0, "chunk_h must be a power of two, got 0"),
+     ("sub_h", 1000, "sub_h must be a power of two, got 1000"),
      ("loads_f", 3, "loads_f must be a power of two, got 3"),
      ("loads_f", 4, "loads_f must be 1 or 16, got 4")],
 )  # fmt: skip
